@@ -1,0 +1,423 @@
+"""FusedSGD and FusedLARS: drop-in ``torch.optim.SGD`` whose update runs in one compiled call per bucket."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_fusedsgd import kernels, reference
+from lightning_fusedsgd.reference import HPARAM_COLUMNS
+
+LARS_DENOMINATORS = ("grad_plus_decay", "decayed_grad")
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+@dataclass
+class _Bucket:
+    """The tensors of one (device, dtype, master weights) bucket, in the kernel's argument order."""
+
+    params: list[Tensor] = field(default_factory=list)
+    grads: list[Tensor] = field(default_factory=list)
+    momentum_buffers: list[Tensor | None] = field(default_factory=list)
+    master_params: list[Tensor] = field(default_factory=list)
+    tensor_group: list[int] = field(default_factory=list)
+    first_step: list[bool] = field(default_factory=list)
+
+
+def _is_dense(tensor: Tensor) -> bool:
+    """Whether the kernel can walk the tensor's storage as a flat array (contiguous or channels_last)."""
+    return (
+        tensor.is_contiguous()
+        or (tensor.dim() == 4 and tensor.is_contiguous(memory_format=torch.channels_last))
+        or (tensor.dim() == 5 and tensor.is_contiguous(memory_format=torch.channels_last_3d))
+    )
+
+
+def _param_label(group: dict[str, Any], group_index: int, param_index: int, param: Tensor) -> str:
+    names = group.get("param_names")
+    if names:
+        return f"'{names[param_index]}'"
+    return f"parameter {param_index} of group {group_index} (shape {tuple(param.shape)})"
+
+
+def _check_hyperparameters(group: dict[str, Any]) -> None:
+    lr = group["lr"]
+    if isinstance(lr, Tensor) and lr.numel() != 1:
+        raise ValueError(f"lr as a Tensor must have one element, got shape {tuple(lr.shape)}")
+    for name in ("lr", "momentum", "weight_decay"):
+        if group[name] < 0:
+            raise ValueError(f"Invalid {name}: {float(group[name])}. It must be >= 0.")
+    if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
+        raise ValueError(
+            "Nesterov momentum requires momentum > 0 and dampening = 0 "
+            f"(got momentum={group['momentum']}, dampening={group['dampening']}): "
+            "set nesterov=False or choose a positive momentum with zero dampening."
+        )
+    if group["lars_denominator"] not in LARS_DENOMINATORS:
+        raise ValueError(
+            f"Unknown lars_denominator {group['lars_denominator']!r}; choose one of {LARS_DENOMINATORS}."
+        )
+    if group["trust_coefficient"] <= 0 or group["lars_eps"] < 0:
+        raise ValueError(
+            f"LARS needs trust_coefficient > 0 and lars_eps >= 0 "
+            f"(got {group['trust_coefficient']} and {group['lars_eps']})."
+        )
+
+
+class FusedSGD(Optimizer):
+    """SGD with momentum whose update runs in one compiled multi-tensor call per (device, dtype).
+
+    The semantics are those of ``torch.optim.SGD`` (per-parameter first-step seeding of the momentum
+    buffer, no buffer when momentum is 0, per-group hyperparameters, closures, named parameters), plus
+    TransformerEngine's ``wd_after_momentum``, fp32 master weights for bf16/fp16 params, in-kernel
+    GradScaler unscaling, and LARS (You et al. 2017) fused into the same call. State is stored as torch
+    stores it (``state[p]["momentum_buffer"]``), with master weights in ``state[p]["master_param"]``, so
+    checkpoints move both ways between ``torch.optim.SGD`` and this class.
+
+    Args:
+        params: Parameters, named parameters, or parameter-group dicts.
+        lr: Learning rate (float or 0-d tensor).
+        momentum: Momentum factor mu.
+        dampening: Dampening tau for momentum.
+        weight_decay: Coupled L2 penalty lambda.
+        nesterov: Nesterov momentum (needs momentum > 0 and dampening = 0).
+        maximize: Maximize the objective instead of minimizing it.
+        wd_after_momentum: Add ``lambda * w`` after the momentum update instead of to the gradient, so
+            the decay stays out of the buffer (TransformerEngine's option).
+        master_weights: Keep an fp32 copy and fp32 momentum for bf16/fp16 params; the kernel updates the
+            copy and writes the rounded value back to the param.
+        set_grad_none: Default of ``zero_grad(set_to_none=...)``.
+        backend: ``"auto"``, ``"compiled"``, ``"torch"`` or ``"torch_fused"`` (see ``kernels``).
+        lars: Apply the LARS trust ratio (a per-group key too, so excluded groups stay plain SGD).
+        trust_coefficient: LARS eta.
+        lars_eps: LARS epsilon in the denominator.
+        trust_clip: LARC's clip, ``r <- min(r / lr, 1)``.
+        lars_denominator: ``"grad_plus_decay"`` (``||g|| + lambda ||w||``, You et al., MLPerf) or
+            ``"decayed_grad"`` (``||g + lambda w||``).
+    """
+
+    _step_supports_amp_scaling = True
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float | Tensor = 0.1,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+        *,
+        maximize: bool = False,
+        wd_after_momentum: bool = False,
+        master_weights: bool = False,
+        set_grad_none: bool = True,
+        backend: str = "auto",
+        lars: bool = False,
+        trust_coefficient: float = 0.001,
+        lars_eps: float = 0.0,
+        trust_clip: bool = False,
+        lars_denominator: str = "grad_plus_decay",
+    ) -> None:
+        if backend not in kernels.BACKENDS:
+            raise ValueError(f"Unknown backend {backend!r}; choose one of {kernels.BACKENDS}.")
+        params = list(params) if not isinstance(params, Tensor) else [params]
+        if not params:
+            raise ValueError(
+                "FusedSGD got an empty parameter list: pass model.parameters() (or parameter groups) "
+                "containing at least one tensor; check that not every parameter is frozen or filtered out."
+            )
+        defaults = dict(
+            lr=lr,
+            momentum=momentum,
+            dampening=dampening,
+            weight_decay=weight_decay,
+            nesterov=nesterov,
+            maximize=maximize,
+            wd_after_momentum=wd_after_momentum,
+            master_weights=master_weights,
+            lars=lars,
+            trust_coefficient=trust_coefficient,
+            lars_eps=lars_eps,
+            trust_clip=trust_clip,
+            lars_denominator=lars_denominator,
+        )
+        _check_hyperparameters(defaults)
+        self.set_grad_none = set_grad_none
+        self.backend = backend
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Validates the group's hyperparameters and devices before adding it (nothing added on error)."""
+        merged = {**self.defaults, **param_group}
+        _check_hyperparameters(merged)
+        params = param_group["params"]
+        tensors = [params] if isinstance(params, Tensor) else [p[1] if isinstance(p, tuple) else p for p in params]
+        devices = {p.device for p in tensors if isinstance(p, Tensor)}
+        if len(devices) > 1:
+            raise ValueError(
+                f"All parameters of one group must be on one device, got {sorted(map(str, devices))}: "
+                "move the model to one device before building the optimizer, or use one group per device."
+            )
+        super().add_param_group(param_group)
+
+    def zero_grad(self, set_to_none: bool | None = None) -> None:
+        """Clears gradients; ``set_to_none`` defaults to the constructor's ``set_grad_none``."""
+        super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Performs one optimization step.
+
+        Under a GradScaler (``optimizer.grad_scale`` / ``optimizer.found_inf`` set by it), gradients are
+        unscaled inside the kernel and a step with ``found_inf`` changes nothing at all.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grad_scale: Tensor | None = getattr(self, "grad_scale", None)
+        found_inf: Tensor | None = getattr(self, "found_inf", None)
+
+        buckets, new_state, staged = self._plan()
+        if found_inf is not None and (found_inf.device.type == "cpu" or new_state) and bool(found_inf.item()):
+            # Skipped step: nothing is written, and no (uninitialized) buffer is stored. On CUDA this syncs
+            # only on steps that would create state; otherwise the kernels skip on found_inf themselves.
+            return loss
+        table = self._hparam_table()
+        for (device, _, _), bucket in buckets.items():
+            step_fn = self._step_function(device, bucket, table)
+            step_fn(
+                bucket.params, bucket.grads, bucket.momentum_buffers, bucket.master_params, table,
+                bucket.tensor_group, bucket.first_step,
+                None if grad_scale is None else grad_scale.to(device),
+                None if found_inf is None else found_inf.to(device),
+            )
+        for param, dense in staged:
+            param.copy_(dense)
+        for param, key, value in new_state:
+            self.state[param][key] = value
+        return loss
+
+    def _hparam_table(self) -> Tensor:
+        rows = []
+        for group in self.param_groups:
+            values = {
+                **group,
+                "lr": float(group["lr"]),
+                "lars_decayed_grad": group["lars_denominator"] == "decayed_grad",
+            }
+            rows.append([float(values[name]) for name in HPARAM_COLUMNS])
+        return torch.tensor(rows, dtype=torch.float64)
+
+    def _plan(self) -> tuple[dict[tuple, _Bucket], list[tuple[Tensor, str, Tensor]], list[tuple[Tensor, Tensor]]]:
+        """Validates every parameter and gathers the kernel inputs, changing nothing.
+
+        Returns the buckets, the state entries to store once the kernels ran (new buffers and masters,
+        and buffers converted to the param's layout or to fp32), and the (param, dense copy) pairs of
+        params that are not dense and are updated through a copy.
+        """
+        buckets: dict[tuple, _Bucket] = {}
+        new_state: list[tuple[Tensor, str, Tensor]] = []
+        staged: list[tuple[Tensor, Tensor]] = []
+        for group_index, group in enumerate(self.param_groups):
+            has_momentum = group["momentum"] != 0
+            for param_index, param in enumerate(group["params"]):
+                grad = param.grad
+                if grad is None:
+                    continue
+                if grad.is_sparse:
+                    raise RuntimeError(
+                        f"FusedSGD does not support sparse gradients ({_param_label(group, group_index, param_index, param)}): "
+                        "use torch.optim.SparseAdam for it, or dense gradients (e.g. nn.Embedding(sparse=False))."
+                    )
+                state = self.state.get(param, {})
+                use_master = bool(group["master_weights"]) and param.dtype in _LOW_PRECISION
+                self._check_state_shapes(state, group, group_index, param_index, param)
+
+                work = param if _is_dense(param) else param.contiguous()
+                if work is not param:
+                    staged.append((param, work))
+                if grad.dtype != param.dtype or grad.stride() != work.stride():
+                    grad = torch.empty_like(work).copy_(grad)
+
+                bucket = buckets.setdefault((param.device, param.dtype, use_master), _Bucket())
+                bucket.params.append(work)
+                bucket.grads.append(grad)
+                bucket.tensor_group.append(group_index)
+                buffer_dtype = torch.float32 if use_master else param.dtype
+                buffer = state.get("momentum_buffer") if has_momentum else None
+                bucket.first_step.append(has_momentum and buffer is None)
+                if has_momentum:
+                    if buffer is None:
+                        buffer = torch.empty_like(work, dtype=buffer_dtype)
+                        new_state.append((param, "momentum_buffer", buffer))
+                    elif buffer.dtype != buffer_dtype or buffer.stride() != work.stride() or buffer.device != param.device:
+                        buffer = torch.empty_like(work, dtype=buffer_dtype).copy_(buffer)
+                        new_state.append((param, "momentum_buffer", buffer))
+                bucket.momentum_buffers.append(buffer)
+                if use_master:
+                    master = state.get("master_param")
+                    if master is None or master.dtype != torch.float32 or master.stride() != work.stride():
+                        source = work if master is None else master
+                        master = torch.empty_like(work, dtype=torch.float32).copy_(source)
+                        new_state.append((param, "master_param", master))
+                    bucket.master_params.append(master)
+        return buckets, new_state, staged
+
+    @staticmethod
+    def _check_state_shapes(
+        state: dict[str, Any], group: dict[str, Any], group_index: int, param_index: int, param: Tensor
+    ) -> None:
+        for key in ("momentum_buffer", "master_param"):
+            value = state.get(key)
+            if value is not None and value.shape != param.shape:
+                raise ValueError(
+                    f"The {key} of {_param_label(group, group_index, param_index, param)} has shape "
+                    f"{tuple(value.shape)} but the parameter has shape {tuple(param.shape)}: the optimizer "
+                    "state belongs to a different model. Load a matching checkpoint, or drop the optimizer "
+                    "state to restart momentum from zero."
+                )
+
+    def _step_function(self, device: torch.device, bucket: _Bucket, table: Tensor) -> Callable[..., None]:
+        groups = [self.param_groups[i] for i in set(bucket.tensor_group)]
+        backend = self.backend
+        if backend == "auto":
+            if device.type == "cpu":
+                backend = kernels.compiled_or_fallback("auto")
+            else:
+                backend = "torch_fused" if _torch_fused_eligible(groups, bucket) else "torch"
+        if backend == "compiled":
+            if device.type != "cpu":
+                raise RuntimeError(
+                    f"backend='compiled' runs on CPU tensors; these are on {device}. Use backend='auto'."
+                )
+            kernels.compiled_or_fallback("compiled")
+            return kernels.load_extension().sgd_step
+        if backend == "torch_fused":
+            if not _torch_fused_eligible(groups, bucket):
+                raise ValueError(
+                    "backend='torch_fused' cannot run master weights, wd_after_momentum or LARS: "
+                    "use backend='auto'."
+                )
+            return _torch_fused_step
+        return reference.sgd_step
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads optimizer state, validating shapes first (nothing changes on error).
+
+        Keeps fp32 master weights and fp32 momentum of master-weighted params in fp32 (torch's loader
+        would cast them to the param's dtype), and fills hyperparameters that a ``torch.optim.SGD``
+        checkpoint lacks (``lars``, ``master_weights``, ...) from the current groups.
+        """
+        groups = self.param_groups
+        saved_groups = state_dict["param_groups"]
+        if len(groups) == len(saved_groups) and all(
+            len(g["params"]) == len(s["params"]) for g, s in zip(groups, saved_groups)
+        ):
+            id_to_param = {
+                saved_id: (group_index, param_index, param)
+                for group_index, (group, saved) in enumerate(zip(groups, saved_groups))
+                for param_index, (saved_id, param) in enumerate(zip(saved["params"], group["params"]))
+            }
+            keep_fp32 = {}
+            for saved_id, saved_state in state_dict["state"].items():
+                if saved_id not in id_to_param:
+                    continue
+                group_index, param_index, param = id_to_param[saved_id]
+                self._check_state_shapes(saved_state, groups[group_index], group_index, param_index, param)
+                if groups[group_index]["master_weights"] and param.dtype in _LOW_PRECISION:
+                    keep_fp32[param] = {
+                        key: saved_state[key].to(device=param.device, dtype=torch.float32, copy=True)
+                        for key in ("momentum_buffer", "master_param")
+                        if isinstance(saved_state.get(key), Tensor)
+                    }
+        else:
+            keep_fp32 = {}
+        current = [dict(group) for group in groups]
+        super().load_state_dict(state_dict)
+        for group, before in zip(self.param_groups, current):
+            for key, value in before.items():
+                group.setdefault(key, value)
+        for param, values in keep_fp32.items():
+            self.state[param].update(values)
+
+
+class FusedLARS(FusedSGD):
+    """FusedSGD with LARS on by default, for configs that name an optimizer class.
+
+    Groups can still turn it off per group (``lars=False``), as ``param_groups`` does for biases and
+    normalization parameters. Arguments are those of :class:`FusedSGD`.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float | Tensor = 0.1,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+        *,
+        maximize: bool = False,
+        wd_after_momentum: bool = False,
+        master_weights: bool = False,
+        set_grad_none: bool = True,
+        backend: str = "auto",
+        lars: bool = True,
+        trust_coefficient: float = 0.001,
+        lars_eps: float = 0.0,
+        trust_clip: bool = False,
+        lars_denominator: str = "grad_plus_decay",
+    ) -> None:
+        super().__init__(
+            params, lr, momentum, dampening, weight_decay, nesterov,
+            maximize=maximize, wd_after_momentum=wd_after_momentum, master_weights=master_weights,
+            set_grad_none=set_grad_none, backend=backend, lars=lars, trust_coefficient=trust_coefficient,
+            lars_eps=lars_eps, trust_clip=trust_clip, lars_denominator=lars_denominator,
+        )
+
+
+def _torch_fused_eligible(groups: list[dict[str, Any]], bucket: _Bucket) -> bool:
+    """torch's fused SGD has our semantics when no master weights, wd_after_momentum or LARS are used."""
+    return not bucket.master_params and not any(g["wd_after_momentum"] or g["lars"] for g in groups)
+
+
+def _torch_fused_step(
+    params: list[Tensor],
+    grads: list[Tensor],
+    momentum_buffers: list[Tensor | None],
+    master_params: list[Tensor],
+    group_hparams: Tensor,
+    tensor_group: list[int],
+    first_step: list[bool],
+    grad_scale: Tensor | None,
+    found_inf: Tensor | None,
+) -> None:
+    """Runs a bucket through ``torch._fused_sgd_``, one call per (group, first step) subset."""
+    del master_params  # never present: see _torch_fused_eligible
+    rows = group_hparams.tolist()
+    h = {name: i for i, name in enumerate(HPARAM_COLUMNS)}
+    subsets: dict[tuple[int, bool], list[int]] = {}
+    for i, (group, first) in enumerate(zip(tensor_group, first_step)):
+        subsets.setdefault((group, first), []).append(i)
+    for (group, first), indices in subsets.items():
+        row = rows[group]
+        torch._fused_sgd_(
+            [params[i] for i in indices],
+            [grads[i] for i in indices],
+            [momentum_buffers[i] for i in indices] if row[h["momentum"]] != 0 else [],
+            weight_decay=row[h["weight_decay"]],
+            momentum=row[h["momentum"]],
+            lr=row[h["lr"]],
+            dampening=row[h["dampening"]],
+            nesterov=bool(row[h["nesterov"]]),
+            maximize=bool(row[h["maximize"]]),
+            is_first_step=first,
+            grad_scale=grad_scale,
+            found_inf=found_inf,
+        )

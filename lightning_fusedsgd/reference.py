@@ -1,0 +1,146 @@
+"""The kernel's math in plain PyTorch: the oracle in tests and the fallback where nothing compiles.
+
+``sgd_element`` and ``trust_ratio`` mirror ``csrc/sgd_math.h`` line for line, and ``sgd_step`` has
+the compiled kernel's signature, so the two backends are interchangeable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+# Columns of the per-group hyperparameter table (``HParam`` in csrc/sgd_math.h).
+HPARAM_COLUMNS = (
+    "lr",
+    "momentum",
+    "dampening",
+    "weight_decay",
+    "nesterov",
+    "maximize",
+    "wd_after_momentum",
+    "lars",
+    "trust_coefficient",
+    "lars_eps",
+    "trust_clip",
+    "lars_decayed_grad",
+)
+_COL = {name: i for i, name in enumerate(HPARAM_COLUMNS)}
+
+
+@dataclass
+class Coeffs:
+    """Everything the element update needs, resolved once per tensor (``Coeffs`` in sgd_math.h)."""
+
+    grad_mul: float
+    wd_coupled: float
+    trust: float | Tensor
+    momentum: float
+    one_minus_dampening: float
+    wd_after: float
+    lr: float
+    has_momentum: bool
+    first: bool
+    nesterov: bool
+
+
+def sgd_element(w: Tensor, g: Tensor, b: Tensor | None, c: Coeffs) -> tuple[Tensor, Tensor | None]:
+    """One SGD/LARS update in opmath; returns the new weights and momentum buffer."""
+    g = g * c.grad_mul
+    g = g + c.wd_coupled * w
+    g = g * c.trust
+    if c.has_momentum:
+        b = g if c.first else c.momentum * b + c.one_minus_dampening * g
+        g = g + c.momentum * b if c.nesterov else b
+    g = g + c.wd_after * w
+    w = w - c.lr * g
+    return w, b
+
+
+def trust_ratio(
+    w_norm: Tensor,
+    g_norm: Tensor,
+    weight_decay: float,
+    trust_coefficient: float,
+    eps: float,
+    decayed_grad: bool,
+    trust_clip: bool,
+    lr: float,
+) -> Tensor:
+    """LARS trust ratio from 0-d float64 norms, with no host sync."""
+    denominator = g_norm + eps if decayed_grad else g_norm + weight_decay * w_norm + eps
+    r = trust_coefficient * w_norm / denominator
+    if trust_clip:
+        r = torch.clamp(r / lr, max=1.0) if lr != 0 else torch.ones_like(r)
+    return torch.where((w_norm == 0) | (g_norm == 0), torch.ones_like(r), r)
+
+
+def _opmath(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def inverse_scale(grad_scale: Tensor | None) -> float | Tensor:
+    """1 / grad_scale rounded as GradScaler.unscale_ rounds it (reciprocal in float64, then float32)."""
+    if grad_scale is None:
+        return 1.0
+    return grad_scale.double().reciprocal().float()
+
+
+def sgd_step(
+    params: list[Tensor],
+    grads: list[Tensor],
+    momentum_buffers: list[Tensor | None],
+    master_params: list[Tensor],
+    group_hparams: Tensor,
+    tensor_group: list[int],
+    first_step: list[bool],
+    grad_scale: Tensor | None,
+    found_inf: Tensor | None,
+) -> None:
+    """Same contract as the compiled ``sgd_step``: updates params, buffers and masters in place."""
+    if not params or (found_inf is not None and bool(found_inf.item())):
+        return
+    hparams = group_hparams.tolist()
+    inv_scale = inverse_scale(grad_scale)
+    for i, param in enumerate(params):
+        h = dict(zip(HPARAM_COLUMNS, hparams[tensor_group[i]]))
+        opmath = _opmath(param.dtype)
+        master = master_params[i] if master_params else None
+        w = master if master is not None else param.to(opmath)
+        g = grads[i].to(opmath)
+        b = momentum_buffers[i]
+        b_op = None if b is None or first_step[i] else b.to(opmath)
+        wd_after = bool(h["wd_after_momentum"])
+        sign = -1.0 if h["maximize"] else 1.0
+        grad_mul = inv_scale * sign
+        trust: float | Tensor = 1.0
+        if h["lars"]:
+            decayed = bool(h["lars_decayed_grad"])
+            w_norm = torch.linalg.vector_norm(w, dtype=torch.float64)
+            if decayed:
+                g_norm = torch.linalg.vector_norm(g * grad_mul + h["weight_decay"] * w, dtype=torch.float64)
+            else:
+                g_norm = torch.linalg.vector_norm(g, dtype=torch.float64) * abs(inv_scale)
+            trust = trust_ratio(
+                w_norm, g_norm, h["weight_decay"], h["trust_coefficient"], h["lars_eps"],
+                decayed, bool(h["trust_clip"]), h["lr"],
+            ).to(opmath)
+        coeffs = Coeffs(
+            grad_mul=grad_mul,
+            wd_coupled=0.0 if wd_after else h["weight_decay"],
+            trust=trust,
+            momentum=h["momentum"],
+            one_minus_dampening=1.0 - h["dampening"],
+            wd_after=h["weight_decay"] if wd_after else 0.0,
+            lr=h["lr"],
+            has_momentum=h["momentum"] != 0,
+            first=first_step[i],
+            nesterov=bool(h["nesterov"]),
+        )
+        w_new, b_new = sgd_element(w, g, b_op, coeffs)
+        if master is not None:
+            master.copy_(w_new)
+        param.copy_(w_new)
+        if b is not None:
+            b.copy_(b_new)

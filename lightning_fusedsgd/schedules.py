@@ -1,0 +1,314 @@
+"""Learning-rate schedules for large-batch SGD: linear scaling, linear warmup, then a decay.
+
+The lr at global step ``t`` is a pure function ``f(t)`` (:meth:`WarmupSchedule.lr_at`), never a
+chained update of the previous lr, so a resumed run only needs ``t`` to continue exactly.
+:class:`WarmupLR` wraps that function as a ``torch.optim.lr_scheduler.LRScheduler`` that Lightning
+steps once per optimizer step (``interval: "step"``).
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import math
+import numbers
+import operator
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
+
+__all__ = ["DECAYS", "WarmupLR", "WarmupSchedule", "scaled_lr"]
+
+#: Decay shapes applied after warmup.
+DECAYS: tuple[str, ...] = ("cosine", "multistep", "poly", "linear", "constant")
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def scaled_lr(base_lr: float, global_batch_size: int, reference_batch_size: int = 256) -> float:
+    """Linear scaling rule (Goyal et al. 2017): the lr grows with the global batch size.
+
+    Args:
+        base_lr: The lr tuned for ``reference_batch_size`` (0.1 for ResNet-50 at 256).
+        global_batch_size: Images per optimizer step summed over all devices (and accumulation).
+        reference_batch_size: The batch size ``base_lr`` was tuned for.
+
+    Returns:
+        ``base_lr * global_batch_size / reference_batch_size``.
+
+    Raises:
+        ValueError: If ``base_lr`` is negative or not finite, or a batch size is not a positive
+            integer.
+    """
+    if not _is_real(base_lr) or base_lr < 0:
+        raise ValueError(f"base_lr must be a finite number >= 0, got {base_lr!r}")
+    for label, size in (("global_batch_size", global_batch_size), ("reference_batch_size", reference_batch_size)):
+        if not _is_int(size) or size <= 0:
+            raise ValueError(f"{label} must be a positive integer, got {size!r}")
+    return float(base_lr) * global_batch_size / reference_batch_size
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmupSchedule:
+    """Linear warmup followed by a decay, as a pure function of the global step.
+
+    With ``w = warmup_steps``, ``T = total_steps`` and ``p = (t - w) / (T - w)``:
+
+    * ``t < w``: ``peak * (start_factor + (1 - start_factor) * t / w)``, so ``f(0) =
+      start_factor * peak`` and ``f(w) = peak``.
+    * ``w <= t <= T``, by ``decay``:
+
+      - ``cosine``: ``end_lr + (peak - end_lr) * (1 + cos(pi * p)) / 2``
+      - ``poly``: ``end_lr + (peak - end_lr) * (1 - p) ** power``
+      - ``linear``: ``poly`` with ``power = 1``
+      - ``multistep``: ``peak * gamma ** k``, ``k`` = number of milestones ``<= t``
+      - ``constant``: ``peak``
+
+    * ``t > T``: holds ``f(T)``.
+
+    Step ``t`` is the number of optimizer steps already taken, so a run of ``T`` steps uses
+    ``f(0) ... f(T - 1)``, and ``f(T)`` (``end_lr`` for cosine / poly / linear) is the value left
+    after the last ``scheduler.step()``; this is the convention of ``CosineAnnealingLR`` and optax.
+
+    ``end_lr`` is an **absolute** lr shared by every group, as in the MLPerf ResNet-50 LARS recipe
+    (poly power 2 to 1e-4) and torch's ``eta_min``, not a fraction of each group's peak: recipes
+    state it as a number, and a group whose peak is below it is rejected rather than silently
+    warmed *up* by the decay. ``start_factor``, by contrast, is a fraction of the peak, as in
+    ``LinearLR``. ``end_lr`` is ignored by ``multistep`` and ``constant``.
+
+    Args:
+        total_steps: Length of the run in optimizer steps (>= 1).
+        warmup_steps: Steps of linear warmup, ``0 <= warmup_steps < total_steps``.
+        start_factor: lr at step 0 as a fraction of the peak, in [0, 1].
+        decay: One of :data:`DECAYS`.
+        milestones: ``multistep`` only: strictly increasing global step indices with
+            ``warmup_steps < m < total_steps``.
+        gamma: ``multistep`` factor per milestone, in (0, 1].
+        power: ``poly`` exponent, > 0.
+        end_lr: Absolute final lr of ``cosine`` / ``poly`` / ``linear``, >= 0.
+
+    Raises:
+        ValueError: On any argument outside the ranges above, with the fix in the message.
+    """
+
+    total_steps: int
+    warmup_steps: int = 0
+    start_factor: float = 0.0
+    decay: str = "cosine"
+    milestones: tuple[int, ...] = ()
+    gamma: float = 0.1
+    power: float = 2.0
+    end_lr: float = 0.0
+
+    def __post_init__(self) -> None:
+        # Hydra hands over ListConfig, users lists: store a tuple so the dataclass stays hashable.
+        object.__setattr__(self, "milestones", tuple(self.milestones))
+        if not _is_int(self.total_steps) or self.total_steps < 1:
+            raise ValueError(f"total_steps must be an integer >= 1, got {self.total_steps!r}")
+        if not _is_int(self.warmup_steps) or self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be an integer >= 0, got {self.warmup_steps!r}")
+        if self.warmup_steps >= self.total_steps:
+            raise ValueError(
+                f"warmup_steps={self.warmup_steps} is not shorter than the run "
+                f"(total_steps={self.total_steps}): the peak lr would never be used; "
+                "shorten the warmup or lengthen the run"
+            )
+        if not _is_real(self.start_factor) or not 0.0 <= self.start_factor <= 1.0:
+            raise ValueError(f"start_factor must be in [0, 1] (a fraction of the peak lr), got {self.start_factor!r}")
+        if self.decay not in DECAYS:
+            raise ValueError(f"unknown decay {self.decay!r}; valid decays: {', '.join(DECAYS)}")
+        if not _is_real(self.end_lr) or self.end_lr < 0:
+            raise ValueError(f"end_lr must be a finite absolute lr >= 0, got {self.end_lr!r}")
+        if not _is_real(self.power) or self.power <= 0:
+            raise ValueError(f"power must be a finite number > 0, got {self.power!r}")
+        if not _is_real(self.gamma) or not 0.0 < self.gamma <= 1.0:
+            raise ValueError(f"gamma must be in (0, 1] (the lr is multiplied by it at each milestone), got {self.gamma!r}")
+        self._validate_milestones()
+
+    def _validate_milestones(self) -> None:
+        if self.decay != "multistep":
+            if self.milestones:
+                raise ValueError(f"milestones only apply to decay='multistep', got decay={self.decay!r}")
+            return
+        if not self.milestones:
+            raise ValueError("decay='multistep' needs milestones (global step indices where the lr drops)")
+        if not all(_is_int(m) for m in self.milestones):
+            raise ValueError(f"milestones must be integer step indices, got {self.milestones!r}")
+        if any(later <= earlier for earlier, later in zip(self.milestones, self.milestones[1:])):
+            raise ValueError(f"milestones must be strictly increasing, got {self.milestones!r}; sort them")
+        out_of_range = [m for m in self.milestones if not self.warmup_steps < m < self.total_steps]
+        if out_of_range:
+            raise ValueError(
+                f"milestones {out_of_range} are outside warmup_steps < m < total_steps "
+                f"({self.warmup_steps} < m < {self.total_steps}); milestones are global optimizer "
+                "steps, not epochs (multiply epochs by steps per epoch)"
+            )
+
+    def lr_at(self, step: int, peak: float) -> float:
+        """The lr at global step ``step`` for a group whose peak lr is ``peak``.
+
+        Args:
+            step: Optimizer steps already taken (>= 0).
+            peak: The group's lr at the end of warmup (>= 0; >= ``end_lr`` for decays using it).
+
+        Returns:
+            The lr as a float.
+
+        Raises:
+            ValueError: If ``step`` is negative, or ``peak`` is negative or below ``end_lr``.
+        """
+        step = operator.index(step)
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        if not _is_real(peak) or peak < 0:
+            raise ValueError(f"peak lr must be a finite number >= 0, got {peak!r}")
+        if self.decay in ("cosine", "poly", "linear") and peak < self.end_lr:
+            raise ValueError(
+                f"peak lr {peak} is below end_lr={self.end_lr} (an absolute lr), so decay={self.decay!r} "
+                "would raise the lr; lower end_lr or raise this group's lr"
+            )
+        if step < self.warmup_steps:
+            return peak * (self.start_factor + (1.0 - self.start_factor) * step / self.warmup_steps)
+        step = min(step, self.total_steps)
+        if self.decay == "constant":
+            return peak
+        if self.decay == "multistep":
+            return peak * self.gamma ** bisect.bisect_right(self.milestones, step)
+        progress = (step - self.warmup_steps) / (self.total_steps - self.warmup_steps)
+        if self.decay == "cosine":
+            shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+        else:
+            shape = (1.0 - progress) ** (1.0 if self.decay == "linear" else self.power)
+        return self.end_lr + (peak - self.end_lr) * shape
+
+    def curve(self, peak: float, num_steps: int | None = None) -> list[float]:
+        """``[f(0), ..., f(num_steps - 1)]``: the lrs of a run, ``total_steps`` of them by default."""
+        return [self.lr_at(step, peak) for step in range(self.total_steps if num_steps is None else num_steps)]
+
+
+def _as_float(lr: float | torch.Tensor) -> float:
+    return lr.item() if isinstance(lr, torch.Tensor) else float(lr)
+
+
+class WarmupLR(LRScheduler):
+    """``torch.optim.lr_scheduler.LRScheduler`` that sets every group's lr to :class:`WarmupSchedule`'s f(t).
+
+    Each group's peak is its ``initial_lr`` (its ``lr`` when the scheduler is created), so groups
+    with different lrs keep their ratio through warmup; ``end_lr`` is absolute and shared (see
+    :class:`WarmupSchedule`). Step it once after every optimizer step: with Lightning, return it
+    with ``"interval": "step"``. Group lrs may be floats or 0-d tensors; tensors are filled in place.
+
+    ``state_dict`` holds the step counter, the peaks and the schedule as plain Python values.
+    :meth:`load_state_dict` restores the step and immediately sets every group to ``f(step)``, so
+    the next optimizer step uses the lr an uninterrupted run would, whichever order the optimizer
+    and scheduler states are loaded in. The schedule and peaks this scheduler was constructed with
+    are kept; a checkpoint saved with different ones triggers a warning (a deliberate change, such
+    as a longer run, takes effect from the resumed step).
+
+    Args:
+        optimizer: The wrapped optimizer.
+        total_steps: See :class:`WarmupSchedule` for this and the following arguments.
+        warmup_steps: Linear warmup steps.
+        start_factor: lr at step 0 as a fraction of each group's peak.
+        decay: One of :data:`DECAYS`.
+        milestones: ``multistep`` drop points, in global steps.
+        gamma: ``multistep`` factor.
+        power: ``poly`` exponent.
+        end_lr: Absolute final lr of ``cosine`` / ``poly`` / ``linear``.
+        last_epoch: Index of the last step taken; leave at -1 and resume with :meth:`load_state_dict`.
+    """
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        *,
+        total_steps: int,
+        warmup_steps: int = 0,
+        start_factor: float = 0.0,
+        decay: str = "cosine",
+        milestones: Sequence[int] = (),
+        gamma: float = 0.1,
+        power: float = 2.0,
+        end_lr: float = 0.0,
+        last_epoch: int = -1,
+    ) -> None:
+        self.schedule = WarmupSchedule(
+            total_steps=total_steps,
+            warmup_steps=warmup_steps,
+            start_factor=start_factor,
+            decay=decay,
+            milestones=tuple(milestones),
+            gamma=gamma,
+            power=power,
+            end_lr=end_lr,
+        )
+        super().__init__(optimizer, last_epoch)
+
+    def get_lr(self) -> list[float]:
+        """f(``last_epoch``) for every group, from its peak."""
+        return self._lrs_at(self.last_epoch)
+
+    def _lrs_at(self, step: int) -> list[float]:
+        return [self.schedule.lr_at(step, _as_float(peak)) for peak in self.base_lrs]
+
+    def state_dict(self) -> dict[str, Any]:
+        """The scheduler state, with the schedule as a plain dict (loadable with ``weights_only=True``)."""
+        state = {key: value for key, value in self.__dict__.items() if key not in ("optimizer", "schedule")}
+        state["schedule"] = dataclasses.asdict(self.schedule)
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the step counter and set every group's lr to f(step).
+
+        Raises:
+            ValueError: If the checkpoint was saved with a different number of parameter groups.
+        """
+        saved_peaks = state_dict.get("base_lrs", [])
+        if len(saved_peaks) != len(self.base_lrs):
+            raise ValueError(
+                f"scheduler checkpoint has {len(saved_peaks)} parameter groups, this optimizer has "
+                f"{len(self.base_lrs)}; build the parameter groups the same way as the saved run"
+            )
+        saved_schedule = state_dict.get("schedule", {})
+        changed = {
+            field: (saved_schedule[field], value)
+            for field, value in dataclasses.asdict(self.schedule).items()
+            if field in saved_schedule and saved_schedule[field] != value
+        }
+        if changed:
+            warnings.warn(
+                f"WarmupLR: resuming with a schedule that differs from the checkpoint's "
+                f"({', '.join(f'{k}: {old!r} -> {new!r}' for k, (old, new) in changed.items())}); "
+                "the new schedule applies from the resumed step",
+                UserWarning,
+                stacklevel=2,
+            )
+        current_peaks = [_as_float(peak) for peak in self.base_lrs]
+        if [_as_float(peak) for peak in saved_peaks] != current_peaks:
+            warnings.warn(
+                f"WarmupLR: resuming with peak lrs {current_peaks}, the checkpoint has "
+                f"{[_as_float(peak) for peak in saved_peaks]}; the new peaks apply from the resumed step",
+                UserWarning,
+                stacklevel=2,
+            )
+        keep = ("schedule", "base_lrs")
+        self.__dict__.update({key: value for key, value in state_dict.items() if key not in keep})
+        for group, lr in zip(self.optimizer.param_groups, self._lrs_at(self.last_epoch), strict=True):
+            if isinstance(group["lr"], torch.Tensor):
+                group["lr"].fill_(lr)  # in place: a tensor lr may be captured by a compiled step
+            else:
+                group["lr"] = lr
+        self._last_lr = [
+            group["lr"].clone() if isinstance(group["lr"], torch.Tensor) else group["lr"]
+            for group in self.optimizer.param_groups
+        ]

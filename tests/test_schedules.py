@@ -1,0 +1,267 @@
+"""WarmupLR / WarmupSchedule / scaled_lr against hand-computed learning rates."""
+
+from __future__ import annotations
+
+import io
+import math
+
+import pytest
+import torch
+
+from lightning_fusedsgd.schedules import WarmupLR, WarmupSchedule, scaled_lr
+
+# One schedule shape for the table below: peak 0.8, 10 steps, 2 of warmup from 0.25 * peak.
+PEAK = 0.8
+BASE = dict(total_steps=10, warmup_steps=2, start_factor=0.25)
+END = 0.1
+# After warmup, progress p = (t - 2) / 8.
+COS_P25 = 0.5 * (1 + math.sqrt(2) / 2)  # (1 + cos(pi/4)) / 2, p = 0.25 at t = 4
+
+DECAY_CASES = {
+    "cosine": dict(decay="cosine", end_lr=END),
+    "poly": dict(decay="poly", power=2.0, end_lr=END),
+    "linear": dict(decay="linear", end_lr=END),
+    "multistep": dict(decay="multistep", milestones=(5, 8), gamma=0.5),
+    "constant": dict(decay="constant"),
+}
+
+# (decay, step, expected lr); the warmup rows hold for every decay.
+WARMUP_ROWS = [(0, 0.25 * 0.8), (1, 0.8 * (0.25 + 0.75 * 0.5)), (2, 0.8)]
+EXPECTED = [
+    (decay, step, lr) for decay in DECAY_CASES for step, lr in WARMUP_ROWS
+] + [
+    ("cosine", 4, 0.1 + 0.7 * COS_P25),
+    ("cosine", 6, 0.1 + 0.7 * 0.5),
+    ("cosine", 10, 0.1),
+    ("cosine", 15, 0.1),
+    ("poly", 4, 0.1 + 0.7 * 0.75**2),
+    ("poly", 6, 0.1 + 0.7 * 0.25),
+    ("poly", 9, 0.1 + 0.7 * 0.125**2),
+    ("poly", 10, 0.1),
+    ("poly", 15, 0.1),
+    ("linear", 4, 0.1 + 0.7 * 0.75),
+    ("linear", 6, 0.45),
+    ("linear", 10, 0.1),
+    ("multistep", 4, 0.8),
+    ("multistep", 5, 0.4),
+    ("multistep", 7, 0.4),
+    ("multistep", 8, 0.2),
+    ("multistep", 10, 0.2),
+    ("multistep", 15, 0.2),
+    ("constant", 6, 0.8),
+    ("constant", 10, 0.8),
+    ("constant", 15, 0.8),
+]
+
+
+def _optimizer(*lrs: float | torch.Tensor) -> torch.optim.SGD:
+    params = [{"params": [torch.nn.Parameter(torch.zeros(3))], "lr": lr} for lr in lrs]
+    return torch.optim.SGD(params, lr=1.0, momentum=0.9)
+
+
+def _run(optimizer: torch.optim.Optimizer, scheduler: WarmupLR, num_steps: int) -> list[list[float]]:
+    """Take num_steps optimizer steps, recording the lrs each one used."""
+    used = []
+    for _ in range(num_steps):
+        used.append([float(group["lr"]) for group in optimizer.param_groups])
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                p.grad = torch.ones_like(p)
+        optimizer.step()
+        scheduler.step()
+    return used
+
+
+@pytest.mark.parametrize(("decay", "step", "expected"), EXPECTED)
+def test_lr_at_matches_hand_computed(decay: str, step: int, expected: float) -> None:
+    schedule = WarmupSchedule(**BASE, **DECAY_CASES[decay])
+    assert schedule.lr_at(step, PEAK) == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize("decay", list(DECAY_CASES))
+def test_scheduler_sets_the_same_lrs_on_the_optimizer(decay: str) -> None:
+    optimizer = _optimizer(PEAK)
+    scheduler = WarmupLR(optimizer, **BASE, **DECAY_CASES[decay])
+    used = [lrs[0] for lrs in _run(optimizer, scheduler, 16)]
+    for row_decay, step, expected in EXPECTED:
+        if row_decay == decay:
+            assert used[step] == pytest.approx(expected, rel=1e-12), f"step {step}"
+    assert scheduler.get_last_lr() == [pytest.approx(used[-1])]
+
+
+def test_per_group_peaks_scale_together_and_share_end_lr() -> None:
+    optimizer = _optimizer(0.8, 0.2)
+    scheduler = WarmupLR(optimizer, **BASE, decay="cosine", end_lr=END)
+    used = _run(optimizer, scheduler, 11)
+    assert used[0] == pytest.approx([0.2, 0.05])
+    assert used[1] == pytest.approx([0.5, 0.125])
+    assert used[2] == pytest.approx([0.8, 0.2])
+    assert used[6] == pytest.approx([0.45, 0.1 + 0.1 * 0.5])
+    assert used[10] == pytest.approx([0.1, 0.1])
+    assert [group["initial_lr"] for group in optimizer.param_groups] == [0.8, 0.2]
+
+
+def test_no_warmup_starts_at_peak() -> None:
+    schedule = WarmupSchedule(total_steps=4, decay="linear")
+    assert schedule.curve(1.0, 5) == pytest.approx([1.0, 0.75, 0.5, 0.25, 0.0])
+
+
+def test_mlperf_poly_schedule() -> None:
+    # NVIDIA MLPerf v2.0 ResNet-50 LARS: peak 10.5 (batch 3264), warmup 2 of 35 "epochs", poly 2 to 1e-4.
+    schedule = WarmupSchedule(total_steps=35, warmup_steps=2, decay="poly", power=2.0, end_lr=1e-4)
+    assert schedule.lr_at(1, 10.5) == pytest.approx(5.25)
+    assert schedule.lr_at(2, 10.5) == pytest.approx(10.5)
+    assert schedule.lr_at(13, 10.5) == pytest.approx((10.5 - 1e-4) * (22 / 33) ** 2 + 1e-4)
+    assert schedule.lr_at(35, 10.5) == pytest.approx(1e-4)
+
+
+def test_tensor_lr_is_filled_in_place() -> None:
+    lr = torch.tensor(PEAK)
+    optimizer = _optimizer(lr)
+    scheduler = WarmupLR(optimizer, **BASE, decay="poly", end_lr=END)
+    _run(optimizer, scheduler, 6)
+    assert optimizer.param_groups[0]["lr"] is lr
+    assert lr.item() == pytest.approx(0.1 + 0.7 * 0.5**2, rel=1e-6)  # t = 6, p = 0.5
+
+
+def _roundtrip(state: dict) -> dict:
+    """Save and load like a checkpoint, with the restricted unpickler Lightning may use."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+SCHEDULE_FOR_RESUME = dict(total_steps=12, warmup_steps=3, start_factor=0.1)
+
+
+@pytest.mark.filterwarnings("error")
+@pytest.mark.parametrize("decay", ["cosine", "multistep", "poly"])
+@pytest.mark.parametrize("resume_at", [0, 1, 3, 4, 7, 11, 12, 14])
+@pytest.mark.parametrize("optimizer_first", [True, False])
+def test_resume_continues_the_uninterrupted_sequence(decay: str, resume_at: int, optimizer_first: bool) -> None:
+    extra = dict(milestones=(6, 9)) if decay == "multistep" else dict(end_lr=0.01)
+    total_run = 16
+
+    optimizer = _optimizer(0.5, 0.05)
+    uninterrupted = _run(optimizer, WarmupLR(optimizer, decay=decay, **SCHEDULE_FOR_RESUME, **extra), total_run)
+
+    optimizer = _optimizer(0.5, 0.05)
+    scheduler = WarmupLR(optimizer, decay=decay, **SCHEDULE_FOR_RESUME, **extra)
+    before = _run(optimizer, scheduler, resume_at)
+    saved = _roundtrip({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()})
+
+    optimizer = _optimizer(0.5, 0.05)
+    scheduler = WarmupLR(optimizer, decay=decay, **SCHEDULE_FOR_RESUME, **extra)
+    if optimizer_first:  # Lightning's order
+        optimizer.load_state_dict(saved["optimizer"])
+        scheduler.load_state_dict(saved["scheduler"])
+    else:
+        scheduler.load_state_dict(saved["scheduler"])
+        optimizer.load_state_dict(saved["optimizer"])
+    after = _run(optimizer, scheduler, total_run - resume_at)
+
+    assert before + after == uninterrupted
+
+
+def test_scheduler_only_resume_sets_the_group_lr() -> None:
+    # Even without the optimizer state, the next step must use f(t), not the f(0) set at construction.
+    optimizer = _optimizer(PEAK)
+    scheduler = WarmupLR(optimizer, **BASE, decay="constant")
+    _run(optimizer, scheduler, 5)
+    state = scheduler.state_dict()
+
+    optimizer = _optimizer(PEAK)
+    scheduler = WarmupLR(optimizer, **BASE, decay="constant")
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.2)
+    scheduler.load_state_dict(state)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.8)
+    assert scheduler.get_last_lr() == [pytest.approx(0.8)]
+
+
+def test_resume_with_a_longer_run_warns_and_uses_the_new_schedule() -> None:
+    optimizer = _optimizer(1.0)
+    scheduler = WarmupLR(optimizer, total_steps=10, decay="linear")
+    _run(optimizer, scheduler, 5)
+    state = scheduler.state_dict()
+
+    optimizer = _optimizer(1.0)
+    scheduler = WarmupLR(optimizer, total_steps=20, decay="linear")
+    with pytest.warns(UserWarning, match=r"total_steps: 10 -> 20"):
+        scheduler.load_state_dict(state)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.75)  # 1 - 5/20
+
+
+def test_resume_with_a_different_group_count_fails() -> None:
+    optimizer = _optimizer(1.0, 1.0)
+    state = WarmupLR(optimizer, total_steps=10).state_dict()
+    with pytest.raises(ValueError, match="2 parameter groups, this optimizer has 1"):
+        WarmupLR(_optimizer(1.0), total_steps=10).load_state_dict(state)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(total_steps=10, warmup_steps=10), r"warmup_steps=10 is not shorter than the run"),
+        (dict(total_steps=10, warmup_steps=25), r"shorten the warmup"),
+        (dict(total_steps=0), r"total_steps must be an integer >= 1"),
+        (dict(total_steps=-5), r"total_steps must be an integer >= 1"),
+        (dict(total_steps=10.0), r"total_steps must be an integer"),
+        (dict(total_steps=10, warmup_steps=-1), r"warmup_steps must be an integer >= 0"),
+        (dict(total_steps=10, decay="step"), r"valid decays: cosine, multistep, poly, linear, constant"),
+        (dict(total_steps=10, decay="multistep"), r"needs milestones"),
+        (dict(total_steps=10, decay="multistep", milestones=(8, 5)), r"strictly increasing"),
+        (dict(total_steps=10, decay="multistep", milestones=(5, 5)), r"strictly increasing"),
+        (dict(total_steps=10, warmup_steps=2, decay="multistep", milestones=(2,)), r"\[2\] are outside"),
+        (dict(total_steps=10, decay="multistep", milestones=(3, 30)), r"\[30\] are outside.*not epochs"),
+        (dict(total_steps=10, decay="multistep", milestones=(2.5,)), r"integer step indices"),
+        (dict(total_steps=10, decay="cosine", milestones=(5,)), r"only apply to decay='multistep'"),
+        (dict(total_steps=10, start_factor=1.5), r"start_factor must be in \[0, 1\]"),
+        (dict(total_steps=10, decay="multistep", milestones=(5,), gamma=0.0), r"gamma must be in \(0, 1\]"),
+        (dict(total_steps=10, decay="multistep", milestones=(5,), gamma=10), r"gamma must be in \(0, 1\]"),
+        (dict(total_steps=10, decay="poly", power=0), r"power must be"),
+        (dict(total_steps=10, end_lr=-1e-4), r"end_lr must be"),
+        (dict(total_steps=10, end_lr=float("nan")), r"end_lr must be"),
+    ],
+)
+def test_invalid_schedules_are_rejected(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        WarmupSchedule(**kwargs)
+    with pytest.raises(ValueError, match=message):
+        WarmupLR(_optimizer(0.1), **kwargs)
+
+
+def test_invalid_steps_and_peaks_are_rejected() -> None:
+    schedule = WarmupSchedule(total_steps=10, end_lr=0.01)
+    with pytest.raises(ValueError, match="step must be >= 0"):
+        schedule.lr_at(-1, 0.1)
+    with pytest.raises(ValueError, match="peak lr must be"):
+        schedule.lr_at(3, -0.1)
+    with pytest.raises(ValueError, match=r"below end_lr=0.01 \(an absolute lr\)"):
+        WarmupLR(_optimizer(0.1, 0.001), total_steps=10, end_lr=0.01)
+    # end_lr does not constrain decays that ignore it.
+    WarmupLR(_optimizer(0.001), total_steps=10, decay="constant", end_lr=0.01)
+
+
+@pytest.mark.parametrize(
+    ("base_lr", "batch", "reference", "expected"),
+    [(0.1, 256, 256, 0.1), (0.1, 8192, 256, 3.2), (0.1, 32 * 8, 256, 0.1), (2.0, 3264, 1024, 6.375)],
+)
+def test_scaled_lr(base_lr: float, batch: int, reference: int, expected: float) -> None:
+    assert scaled_lr(base_lr, batch, reference) == pytest.approx(expected, rel=1e-15)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ((0.1, 0), "global_batch_size must be a positive integer"),
+        ((0.1, -256), "global_batch_size must be a positive integer"),
+        ((0.1, 256.0), "global_batch_size must be a positive integer"),
+        ((0.1, 256, 0), "reference_batch_size must be a positive integer"),
+        ((-0.1, 256), "base_lr must be"),
+        ((float("inf"), 256), "base_lr must be"),
+    ],
+)
+def test_scaled_lr_rejects_bad_input(args: tuple, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        scaled_lr(*args)
