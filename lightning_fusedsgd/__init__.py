@@ -1,7 +1,9 @@
 """FusedSGD and LARS in one compiled multi-tensor kernel, for PyTorch Lightning."""
 
 from lightning_fusedsgd.optim import FusedLARS, FusedSGD
+from lightning_fusedsgd.param_groups import param_groups
+from lightning_fusedsgd.schedules import WarmupLR, scaled_lr
 
 __version__ = "0.1.0"
 
-__all__ = ["FusedLARS", "FusedSGD", "__version__"]
+__all__ = ["FusedLARS", "FusedSGD", "WarmupLR", "__version__", "param_groups", "scaled_lr"]

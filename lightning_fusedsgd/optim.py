@@ -15,6 +15,7 @@ from lightning_fusedsgd.reference import HPARAM_COLUMNS
 
 LARS_DENOMINATORS = ("grad_plus_decay", "decayed_grad")
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
+_NO_STATE: dict[str, Any] = {}
 
 
 @dataclass
@@ -226,6 +227,7 @@ class FusedSGD(Optimizer):
         staged: list[tuple[Tensor, Tensor]] = []
         for group_index, group in enumerate(self.param_groups):
             has_momentum = group["momentum"] != 0
+            use_master_group = bool(group["master_weights"])
             for param_index, param in enumerate(group["params"]):
                 grad = param.grad
                 if grad is None:
@@ -235,36 +237,44 @@ class FusedSGD(Optimizer):
                         f"FusedSGD does not support sparse gradients ({_param_label(group, group_index, param_index, param)}): "
                         "use torch.optim.SparseAdam for it, or dense gradients (e.g. nn.Embedding(sparse=False))."
                     )
-                state = self.state.get(param, {})
-                use_master = bool(group["master_weights"]) and param.dtype in _LOW_PRECISION
-                self._check_state_shapes(state, group, group_index, param_index, param)
-
+                state = self.state.get(param, _NO_STATE)
+                use_master = use_master_group and param.dtype in _LOW_PRECISION
                 work = param if _is_dense(param) else param.contiguous()
                 if work is not param:
                     staged.append((param, work))
-                if grad.dtype != param.dtype or grad.stride() != work.stride():
+                stride = work.stride()
+                if grad.dtype != param.dtype or grad.stride() != stride:
                     grad = torch.empty_like(work).copy_(grad)
 
-                bucket = buckets.setdefault((param.device, param.dtype, use_master), _Bucket())
+                key = (param.device, param.dtype, use_master)
+                bucket = buckets.get(key)
+                if bucket is None:
+                    bucket = buckets[key] = _Bucket()
                 bucket.params.append(work)
                 bucket.grads.append(grad)
                 bucket.tensor_group.append(group_index)
-                buffer_dtype = torch.float32 if use_master else param.dtype
                 buffer = state.get("momentum_buffer") if has_momentum else None
                 bucket.first_step.append(has_momentum and buffer is None)
                 if has_momentum:
+                    buffer_dtype = torch.float32 if use_master else param.dtype
                     if buffer is None:
                         buffer = torch.empty_like(work, dtype=buffer_dtype)
                         new_state.append((param, "momentum_buffer", buffer))
-                    elif buffer.dtype != buffer_dtype or buffer.stride() != work.stride() or buffer.device != param.device:
+                    elif (
+                        buffer.shape != param.shape
+                        or buffer.dtype != buffer_dtype
+                        or buffer.stride() != stride
+                        or buffer.device != param.device
+                    ):
+                        self._check_state_shapes(state, group, group_index, param_index, param)
                         buffer = torch.empty_like(work, dtype=buffer_dtype).copy_(buffer)
                         new_state.append((param, "momentum_buffer", buffer))
                 bucket.momentum_buffers.append(buffer)
                 if use_master:
                     master = state.get("master_param")
-                    if master is None or master.dtype != torch.float32 or master.stride() != work.stride():
-                        source = work if master is None else master
-                        master = torch.empty_like(work, dtype=torch.float32).copy_(source)
+                    if master is None or master.shape != param.shape or master.dtype != torch.float32 or master.stride() != stride:
+                        self._check_state_shapes(state, group, group_index, param_index, param)
+                        master = torch.empty_like(work, dtype=torch.float32).copy_(work if master is None else master)
                         new_state.append((param, "master_param", master))
                     bucket.master_params.append(master)
         return buckets, new_state, staged

@@ -132,8 +132,9 @@ def param_groups(
         raise ValueError(f"weight_decay must be a finite number >= 0, got {weight_decay!r}")
     patterns = _validate_patterns(extra_no_decay)
 
-    declared_no_decay = getattr(model, "no_weight_decay", None)
-    explicit_patterns = patterns + (tuple(declared_no_decay()) if callable(declared_no_decay) else ())
+    no_weight_decay = getattr(model, "no_weight_decay", None)
+    declared = no_weight_decay() if callable(no_weight_decay) else ()
+    explicit_patterns = patterns + ((declared,) if isinstance(declared, str) else tuple(declared))
 
     # Every name under which each tensor is registered, so tied parameters are judged by all aliases.
     aliases: dict[int, list[str]] = {}
@@ -189,9 +190,7 @@ def param_groups(
         if named_params
     ]
     if not groups:
-        raise ValueError(
-            f"{type(model).__name__} has no trainable parameters (all have requires_grad=False)"
-        )
+        raise ValueError(f"{type(model).__name__} has no trainable parameters (all have requires_grad=False)")
     logger.info(
         "param_groups: %s",
         "; ".join(

@@ -52,7 +52,10 @@ def scaled_lr(base_lr: float, global_batch_size: int, reference_batch_size: int 
     """
     if not _is_real(base_lr) or base_lr < 0:
         raise ValueError(f"base_lr must be a finite number >= 0, got {base_lr!r}")
-    for label, size in (("global_batch_size", global_batch_size), ("reference_batch_size", reference_batch_size)):
+    for label, size in (
+        ("global_batch_size", global_batch_size),
+        ("reference_batch_size", reference_batch_size),
+    ):
         if not _is_int(size) or size <= 0:
             raise ValueError(f"{label} must be a positive integer, got {size!r}")
     return float(base_lr) * global_batch_size / reference_batch_size
@@ -124,7 +127,9 @@ class WarmupSchedule:
                 "shorten the warmup or lengthen the run"
             )
         if not _is_real(self.start_factor) or not 0.0 <= self.start_factor <= 1.0:
-            raise ValueError(f"start_factor must be in [0, 1] (a fraction of the peak lr), got {self.start_factor!r}")
+            raise ValueError(
+                f"start_factor must be in [0, 1] (a fraction of the peak lr), got {self.start_factor!r}"
+            )
         if self.decay not in DECAYS:
             raise ValueError(f"unknown decay {self.decay!r}; valid decays: {', '.join(DECAYS)}")
         if not _is_real(self.end_lr) or self.end_lr < 0:
@@ -132,7 +137,9 @@ class WarmupSchedule:
         if not _is_real(self.power) or self.power <= 0:
             raise ValueError(f"power must be a finite number > 0, got {self.power!r}")
         if not _is_real(self.gamma) or not 0.0 < self.gamma <= 1.0:
-            raise ValueError(f"gamma must be in (0, 1] (the lr is multiplied by it at each milestone), got {self.gamma!r}")
+            raise ValueError(
+                f"gamma must be in (0, 1] (the lr is multiplied by it at each milestone), got {self.gamma!r}"
+            )
         self._validate_milestones()
 
     def _validate_milestones(self) -> None:
@@ -155,7 +162,7 @@ class WarmupSchedule:
             )
 
     def lr_at(self, step: int, peak: float) -> float:
-        """The lr at global step ``step`` for a group whose peak lr is ``peak``.
+        """Return the lr at global step ``step`` for a group whose peak lr is ``peak``.
 
         Args:
             step: Optimizer steps already taken (>= 0).
@@ -193,7 +200,9 @@ class WarmupSchedule:
 
     def curve(self, peak: float, num_steps: int | None = None) -> list[float]:
         """``[f(0), ..., f(num_steps - 1)]``: the lrs of a run, ``total_steps`` of them by default."""
-        return [self.lr_at(step, peak) for step in range(self.total_steps if num_steps is None else num_steps)]
+        return [
+            self.lr_at(step, peak) for step in range(self.total_steps if num_steps is None else num_steps)
+        ]
 
 
 def _as_float(lr: float | torch.Tensor) -> float:
@@ -255,14 +264,14 @@ class WarmupLR(LRScheduler):
         super().__init__(optimizer, last_epoch)
 
     def get_lr(self) -> list[float]:
-        """f(``last_epoch``) for every group, from its peak."""
+        """Return f(``last_epoch``) for every group, from its peak."""
         return self._lrs_at(self.last_epoch)
 
     def _lrs_at(self, step: int) -> list[float]:
         return [self.schedule.lr_at(step, _as_float(peak)) for peak in self.base_lrs]
 
     def state_dict(self) -> dict[str, Any]:
-        """The scheduler state, with the schedule as a plain dict (loadable with ``weights_only=True``)."""
+        """Return the state, with the schedule as a plain dict so ``weights_only=True`` loads it."""
         state = {key: value for key, value in self.__dict__.items() if key not in ("optimizer", "schedule")}
         state["schedule"] = dataclasses.asdict(self.schedule)
         return state

@@ -22,7 +22,6 @@ TOLERANCE = 1e-8
 MAX_STEPS = 5000
 
 
-
 def as_float32(value: float) -> float:
     """Round to the nearest float32. At Polyak's optimum the iteration matrix has a double root,
     so a 1e-8 change in the momentum shifts the loss by 1e-4 within 80 steps; giving the float64
@@ -54,9 +53,10 @@ def oracle_losses(lr: float, momentum: float) -> list[float]:
     losses = [loss(previous)]
     while losses[-1] >= TOLERANCE and len(losses) < MAX_STEPS:
         losses.append(loss(current))
-        previous, current = current, [
-            wi - lr * a * wi + momentum * (wi - wp) for a, wi, wp in zip(EIGENVALUES, current, previous)
-        ]
+        previous, current = (
+            current,
+            [wi - lr * a * wi + momentum * (wi - wp) for a, wi, wp in zip(EIGENVALUES, current, previous)],
+        )
     return losses
 
 

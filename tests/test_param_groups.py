@@ -65,8 +65,12 @@ VIT_DECAYED = [
     "head.weight",
 ]
 VIT_TOKENS = ["cls_token", "pos_embed"]
-VIT_BIASES = ["patch_embed.bias"] + [f"blocks.{i}.{m}.bias" for i in range(2) for m in ("qkv", "mlp")] + ["head.bias"]
-VIT_SCALES = [f"blocks.{i}.{n}" for i in range(2) for n in ("norm1.weight", "norm1.bias", "ls1", "norm2.weight")] + [
+VIT_BIASES = (
+    ["patch_embed.bias"] + [f"blocks.{i}.{m}.bias" for i in range(2) for m in ("qkv", "mlp")] + ["head.bias"]
+)
+VIT_SCALES = [
+    f"blocks.{i}.{n}" for i in range(2) for n in ("norm1.weight", "norm1.bias", "ls1", "norm2.weight")
+] + [
     "norm.weight",
     "norm.bias",
 ]
@@ -145,7 +149,10 @@ def test_every_norm_type_is_excluded(norm_name: str) -> None:
     model = nn.Sequential(nn.Linear(6, 6, bias=False), NORMS[norm_name]())
     norm_params = [f"1.{name}" for name, _ in model[1].named_parameters()]
     assert norm_params  # an affine norm: something to classify
-    assert names_by_group(param_groups(model, 0.1)) == {"decay_lars": ["0.weight"], "no_decay_no_lars": norm_params}
+    assert names_by_group(param_groups(model, 0.1)) == {
+        "decay_lars": ["0.weight"],
+        "no_decay_no_lars": norm_params,
+    }
     # With both norm switches off, the norm's parameters are treated like any weight.
     loose = param_groups(model, 0.1, no_decay_norm=False, no_lars_norm=False)
     assert names_by_group(loose) == {"decay_lars": ["0.weight"] + norm_params}
@@ -218,7 +225,10 @@ def test_groups_are_deterministic() -> None:
     first = names_by_group(param_groups(TinyViT(), 0.05, no_lars_norm=False, extra_no_decay=("head.*",)))
     second = names_by_group(param_groups(TinyViT(), 0.05, no_lars_norm=False, extra_no_decay=("head.*",)))
     model = TinyViT()
-    repeat = [names_by_group(param_groups(model, 0.05, no_lars_norm=False, extra_no_decay=("head.*",))) for _ in range(2)]
+    repeat = [
+        names_by_group(param_groups(model, 0.05, no_lars_norm=False, extra_no_decay=("head.*",)))
+        for _ in range(2)
+    ]
     assert first == second == repeat[0] == repeat[1]
     assert list(first) == ["decay_lars", "no_decay_lars", "no_decay_no_lars"]
 
@@ -250,9 +260,10 @@ def test_groups_drive_torch_sgd() -> None:
     groups = param_groups(model, 0.01)
     optimizer = torch.optim.SGD(groups, lr=0.5)
 
-    assert [group["param_names"] for group in optimizer.param_groups] == [VIT_DECAYED, in_model_order(
-        model, VIT_TOKENS + VIT_BIASES + VIT_SCALES
-    )]
+    assert [group["param_names"] for group in optimizer.param_groups] == [
+        VIT_DECAYED,
+        in_model_order(model, VIT_TOKENS + VIT_BIASES + VIT_SCALES),
+    ]
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     optimizer.step()

@@ -27,9 +27,7 @@ DECAY_CASES = {
 
 # (decay, step, expected lr); the warmup rows hold for every decay.
 WARMUP_ROWS = [(0, 0.25 * 0.8), (1, 0.8 * (0.25 + 0.75 * 0.5)), (2, 0.8)]
-EXPECTED = [
-    (decay, step, lr) for decay in DECAY_CASES for step, lr in WARMUP_ROWS
-] + [
+EXPECTED = [(decay, step, lr) for decay in DECAY_CASES for step, lr in WARMUP_ROWS] + [
     ("cosine", 4, 0.1 + 0.7 * COS_P25),
     ("cosine", 6, 0.1 + 0.7 * 0.5),
     ("cosine", 10, 0.1),
@@ -139,12 +137,16 @@ SCHEDULE_FOR_RESUME = dict(total_steps=12, warmup_steps=3, start_factor=0.1)
 @pytest.mark.parametrize("decay", ["cosine", "multistep", "poly"])
 @pytest.mark.parametrize("resume_at", [0, 1, 3, 4, 7, 11, 12, 14])
 @pytest.mark.parametrize("optimizer_first", [True, False])
-def test_resume_continues_the_uninterrupted_sequence(decay: str, resume_at: int, optimizer_first: bool) -> None:
+def test_resume_continues_the_uninterrupted_sequence(
+    decay: str, resume_at: int, optimizer_first: bool
+) -> None:
     extra = dict(milestones=(6, 9)) if decay == "multistep" else dict(end_lr=0.01)
     total_run = 16
 
     optimizer = _optimizer(0.5, 0.05)
-    uninterrupted = _run(optimizer, WarmupLR(optimizer, decay=decay, **SCHEDULE_FOR_RESUME, **extra), total_run)
+    uninterrupted = _run(
+        optimizer, WarmupLR(optimizer, decay=decay, **SCHEDULE_FOR_RESUME, **extra), total_run
+    )
 
     optimizer = _optimizer(0.5, 0.05)
     scheduler = WarmupLR(optimizer, decay=decay, **SCHEDULE_FOR_RESUME, **extra)
@@ -190,6 +192,19 @@ def test_resume_with_a_longer_run_warns_and_uses_the_new_schedule() -> None:
     with pytest.warns(UserWarning, match=r"total_steps: 10 -> 20"):
         scheduler.load_state_dict(state)
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.75)  # 1 - 5/20
+
+
+def test_resume_with_a_changed_peak_warns_and_uses_the_new_peak() -> None:
+    optimizer = _optimizer(1.0)
+    scheduler = WarmupLR(optimizer, total_steps=10, decay="linear")
+    _run(optimizer, scheduler, 5)
+    state = scheduler.state_dict()
+
+    optimizer = _optimizer(2.0)
+    scheduler = WarmupLR(optimizer, total_steps=10, decay="linear")
+    with pytest.warns(UserWarning, match=r"peak lrs \[2.0\], the checkpoint has \[1.0\]"):
+        scheduler.load_state_dict(state)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(1.0)  # 2.0 * (1 - 5/10)
 
 
 def test_resume_with_a_different_group_count_fails() -> None:

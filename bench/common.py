@@ -1,0 +1,74 @@
+"""Shared helpers for the step benchmarks: parameter sets, optimizers under test, interleaved timing."""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+RESULTS_DIR = Path(__file__).parent / "results"
+
+
+def resnet50_shapes() -> list[torch.Size]:
+    """The 161 parameter shapes of torchvision's ResNet-50."""
+    import torchvision
+
+    return [p.shape for p in torchvision.models.resnet50(weights=None).parameters()]
+
+
+def make_params(shapes: list[torch.Size], dtype: torch.dtype = torch.float32, seed: int = 0) -> list[torch.Tensor]:
+    """Parameters with gradients attached, as after a backward pass."""
+    generator = torch.Generator().manual_seed(seed)
+    params = []
+    for shape in shapes:
+        p = torch.randn(shape, generator=generator).to(dtype).requires_grad_()
+        p.grad = (torch.randn(shape, generator=generator) * 1e-3).to(dtype)
+        params.append(p)
+    return params
+
+
+def time_interleaved(steps: dict[str, Callable[[], None]], repeats: int, warmup: int = 3) -> dict[str, float]:
+    """Median wall time (seconds) of each callable, run round-robin so drift hits all of them alike."""
+    for fn in steps.values():
+        for _ in range(warmup):
+            fn()
+    samples: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(repeats):
+        for name, fn in steps.items():
+            start = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(times) for name, times in samples.items()}
+
+
+def machine_info() -> dict[str, object]:
+    return {
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+    }
+
+
+def write_json(name: str, payload: dict[str, object]) -> Path:
+    RESULTS_DIR.mkdir(exist_ok=True)
+    path = RESULTS_DIR / f"{name}.json"
+    path.write_text(json.dumps({"machine": machine_info(), **payload}, indent=2) + "\n")
+    return path
+
+
+def print_table(title: str, rows: list[tuple[str, dict[str, float]]], baseline: str) -> None:
+    """Prints a markdown table: median ms per contender and its ratio to `baseline`."""
+    names = list(rows[0][1])
+    print(f"\n### {title}\n")
+    print("| case | " + " | ".join(f"{n} ms" for n in names) + " | " + " | ".join(f"{n} / {baseline}" for n in names if n != baseline) + " |")
+    print("|---" * (1 + 2 * len(names) - 1) + "|")
+    for case, times in rows:
+        cells = [f"{times[n] * 1e3:.2f}" for n in names]
+        ratios = [f"{times[n] / times[baseline]:.2f}" for n in names if n != baseline]
+        print(f"| {case} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")

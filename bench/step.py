@@ -1,0 +1,79 @@
+"""Step time of FusedSGD against torch.optim.SGD (foreach, fused) and the data-movement floor.
+
+Usage: ``python bench/step.py [--repeats N] [--quick]``. Prints a markdown table and writes
+``bench/results/step.json``. The floor is a kernel in our extension with the same reads and writes as
+a momentum step and no arithmetic, run over the same tensors through the same work list.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from common import make_params, print_table, resnet50_shapes, time_interleaved, write_json
+from lightning_fusedsgd import FusedSGD
+from lightning_fusedsgd.kernels import load_extension
+
+HPARAMS = dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-4)
+
+
+def clone_params(params: list[torch.Tensor]) -> list[torch.Tensor]:
+    clones = []
+    for p in params:
+        q = p.detach().clone().requires_grad_()
+        q.grad = p.grad.clone()
+        clones.append(q)
+    return clones
+
+
+def contenders(params: list[torch.Tensor], master_weights: bool) -> dict[str, object]:
+    """One step function per contender, each on its own copy of the parameters (state already seeded)."""
+    ext = load_extension()
+    fused_ours = FusedSGD(clone_params(params), master_weights=master_weights, backend="compiled", **HPARAMS)
+    foreach = torch.optim.SGD(clone_params(params), foreach=True, **HPARAMS)
+    fused_torch = torch.optim.SGD(clone_params(params), fused=True, **HPARAMS)
+    fused_ours.step()  # creates buffers and masters, so the floor can use the same layout
+    floor_params = [p for g in fused_ours.param_groups for p in g["params"]]
+    floor_grads = [p.grad for p in floor_params]
+    floor_bufs = [torch.empty_like(fused_ours.state[p]["momentum_buffer"]) for p in floor_params]
+    floor_masters = [fused_ours.state[p]["master_param"].clone() for p in floor_params] if master_weights else []
+    return {
+        "FusedSGD": fused_ours.step,
+        "torch foreach": foreach.step,
+        "torch fused": fused_torch.step,
+        "floor": lambda: ext.floor_step(floor_params, floor_grads, floor_bufs, floor_masters),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--quick", action="store_true", help="smaller flat tensor (10M), fewer repeats")
+    args = parser.parse_args()
+    repeats = 5 if args.quick else args.repeats
+    flat = 10_000_000 if args.quick else 100_000_000
+    rn50 = resnet50_shapes()
+    cases = [
+        ("(a) ResNet-50, 161 tensors, fp32", rn50, torch.float32, False),
+        (f"(b) one flat tensor, {flat / 1e6:.0f}M, fp32", [torch.Size([flat])], torch.float32, False),
+        ("(c) 2,000 tensors x 4,096, fp32", [torch.Size([4096])] * 2000, torch.float32, False),
+        ("(d) ResNet-50, bf16 + fp32 master weights", rn50, torch.bfloat16, True),
+    ]
+    rows = []
+    for name, shapes, dtype, master in cases:
+        params = make_params(shapes, dtype)
+        times = time_interleaved(contenders(params, master), repeats=repeats)
+        rows.append((name, times))
+        print(f"{name}: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in times.items()), flush=True)
+        del params
+    print_table(f"Step time, median of {repeats} (momentum 0.9, Nesterov, wd 1e-4; {torch.get_num_threads()} threads)", rows, "floor")
+    fp32_a = rows[0][1]["FusedSGD"]
+    print(f"\n(d) bf16 + master weights / (a) fp32 FusedSGD step: {rows[3][1]['FusedSGD'] / fp32_a:.2f}")
+    path = write_json("step", {"repeats": repeats, "hparams": HPARAMS, "cases": {n: t for n, t in rows},
+                               "bf16_master_over_fp32": rows[3][1]["FusedSGD"] / fp32_a})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

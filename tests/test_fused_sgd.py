@@ -1,0 +1,329 @@
+"""FusedSGD against torch.optim.SGD (the oracle), across every option, backend and dtype."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_fusedsgd import FusedSGD
+from lightning_fusedsgd.kernels import load_extension
+
+BACKENDS = ["compiled", "torch", "torch_fused"]
+SHAPES = [(8, 3, 3, 3), (8,), (33, 17), (5000,), (3, 5, 4, 4)]  # last two exceed one kernel chunk / go channels_last
+
+
+def valid_combinations():
+    for momentum, dampening, nesterov, weight_decay, maximize in itertools.product(
+        (0.0, 0.9), (0.0, 0.3), (False, True), (0.0, 1e-2), (False, True)
+    ):
+        if nesterov and (momentum == 0 or dampening != 0):
+            continue
+        yield dict(momentum=momentum, dampening=dampening, nesterov=nesterov, weight_decay=weight_decay, maximize=maximize)
+
+
+COMBINATIONS = list(valid_combinations())
+
+
+def make_params(dtype=torch.float32, seed=0, channels_last=True):
+    generator = torch.Generator().manual_seed(seed)
+    params = []
+    for shape in SHAPES:
+        p = torch.randn(shape, generator=generator).to(dtype)
+        if channels_last and p.dim() == 4:
+            p = p.contiguous(memory_format=torch.channels_last)
+        params.append(nn.Parameter(p))
+    return params
+
+
+def clone(params):
+    return [nn.Parameter(p.detach().clone(memory_format=torch.preserve_format)) for p in params]
+
+
+def set_grads(params_sets, step, generator):
+    """Same gradients on every copy; some params get no grad on some steps (skipped, as torch does)."""
+    for i, p in enumerate(params_sets[0]):
+        if (step + i) % 7 == 3:
+            grad = None
+        else:
+            grad = torch.randn(p.shape, generator=generator).to(p.dtype)
+            if p.dim() == 4 and step % 2:
+                grad = grad.contiguous(memory_format=torch.channels_last)
+        for params in params_sets:
+            params[i].grad = None if grad is None else grad.clone(memory_format=torch.preserve_format)
+
+
+def two_groups(params, **hparams):
+    return [
+        {"params": params[:3]},
+        {"params": params[3:], "lr": 0.02, "weight_decay": 0.0 if hparams.get("weight_decay") else 1e-3},
+    ]
+
+
+def assert_close_rel(actual, expected, rel):
+    for a, e in zip(actual, expected):
+        scale = e.detach().abs().max().clamp_min(1e-12)
+        assert ((a.detach().float() - e.detach().float()).abs().max() / scale).item() <= rel
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("hparams", COMBINATIONS, ids=lambda h: "-".join(f"{k}={v}" for k, v in h.items()))
+def test_matches_torch_sgd_over_50_steps(backend, hparams):
+    ours, theirs = make_params(), make_params()
+    opt = FusedSGD(two_groups(ours, **hparams), lr=0.05, backend=backend, **hparams)
+    ref = torch.optim.SGD(two_groups(theirs, **hparams), lr=0.05, foreach=False, **hparams)
+    generator = torch.Generator().manual_seed(1)
+    for step in range(60):
+        if step == 30:  # lr change mid-run, as a scheduler does
+            for group in opt.param_groups + ref.param_groups:
+                group["lr"] *= 0.5
+        set_grads([ours, theirs], step, generator)
+        opt.step()
+        ref.step()
+    assert_close_rel(ours, theirs, 1e-5)
+    for p, q in zip(ours, theirs):
+        assert ("momentum_buffer" in opt.state[p]) == (ref.state[q].get("momentum_buffer") is not None)
+        if "momentum_buffer" in opt.state[p]:
+            assert_close_rel([opt.state[p]["momentum_buffer"]], [ref.state[q]["momentum_buffer"]], 1e-5)
+    assert ours[0].is_contiguous(memory_format=torch.channels_last)
+
+
+@pytest.mark.parametrize("backend", ["compiled", "torch"])
+def test_tensor_lr_and_closure(backend):
+    ours, theirs = make_params(), make_params()
+    opt = FusedSGD(ours, lr=torch.tensor(0.05), momentum=0.9, backend=backend)
+    ref = torch.optim.SGD(theirs, lr=0.05, momentum=0.9, foreach=False)
+    x = torch.randn(5000)
+
+    def closure(params):
+        def fn():
+            for p in params:
+                p.grad = None
+            loss = sum((p.float() ** 2).sum() for p in params[:3]) + (params[3] * x).sum()
+            loss.backward()
+            return loss
+
+        return fn
+
+    for _ in range(5):
+        loss_ours = opt.step(closure(ours))
+        loss_theirs = ref.step(closure(theirs))
+        torch.testing.assert_close(loss_ours, loss_theirs, rtol=1e-5, atol=0)
+    assert_close_rel(ours, theirs, 1e-5)
+
+
+def test_backends_agree_on_every_dtype():
+    for dtype, master in [(torch.float32, False), (torch.float64, False), (torch.bfloat16, False),
+                          (torch.float16, False), (torch.bfloat16, True), (torch.float16, True)]:
+        a, b = make_params(dtype), make_params(dtype)
+        kwargs = dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-2, master_weights=master)
+        opt_a = FusedSGD(a, backend="compiled", **kwargs)
+        opt_b = FusedSGD(b, backend="torch", **kwargs)
+        generator = torch.Generator().manual_seed(2)
+        for step in range(20):
+            set_grads([a, b], step, generator)
+            opt_a.step()
+            opt_b.step()
+        if dtype in (torch.float32, torch.float64):
+            assert_close_rel(a, b, 1e-6)
+        else:
+            # Same fp32 math; a 1-ulp difference in an intermediate can flip one low-precision rounding.
+            for p, q in zip(a, b):
+                assert (p.float() - q.float()).abs().max() <= 2 * torch.finfo(dtype).eps * q.float().abs().max()
+        for p, q in zip(a, b):
+            for key in opt_b.state[q]:
+                assert opt_a.state[p][key].dtype == opt_b.state[q][key].dtype
+                assert opt_a.state[p][key].stride() == p.stride()
+
+
+def test_wd_after_momentum_keeps_decay_out_of_the_buffer():
+    """Hand-written TransformerEngine rule: b = mu b + g; w -= lr (b + wd w); the buffer never sees wd."""
+    p = nn.Parameter(torch.randn(1000))
+    w = p.detach().clone()
+    b = None
+    opt = FusedSGD([p], lr=0.1, momentum=0.9, weight_decay=0.05, wd_after_momentum=True)
+    for step in range(10):
+        g = torch.randn(1000)
+        p.grad = g.clone()
+        opt.step()
+        b = g.clone() if b is None else 0.9 * b + g
+        w = w - 0.1 * (b + 0.05 * w)
+    torch.testing.assert_close(p.detach(), w, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(opt.state[p]["momentum_buffer"], b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["compiled", "torch"])
+def test_bf16_master_weights_track_fp32(backend):
+    fp32, bf16 = make_params(torch.float32), make_params(torch.float32)
+    bf16 = [nn.Parameter(p.detach().to(torch.bfloat16)) for p in bf16]
+    kwargs = dict(lr=0.01, momentum=0.9, weight_decay=1e-4, backend=backend)
+    opt32 = FusedSGD(fp32, **kwargs)
+    opt16 = FusedSGD(bf16, master_weights=True, **kwargs)
+    generator = torch.Generator().manual_seed(3)
+    for step in range(100):
+        grads = [torch.randn(p.shape, generator=generator) for p in fp32]
+        for p, q, g in zip(fp32, bf16, grads):
+            p.grad, q.grad = g, g.to(torch.bfloat16)
+        opt32.step()
+        opt16.step()
+    for p, q in zip(fp32, bf16):
+        master = opt16.state[q]["master_param"]
+        assert master.dtype == torch.float32 and opt16.state[q]["momentum_buffer"].dtype == torch.float32
+        torch.testing.assert_close(q, master.to(torch.bfloat16), rtol=0, atol=0)  # param is the rounded master
+        # Only the bf16 rounding of each gradient separates the runs.
+        assert (master - p.detach()).abs().max() <= 0.01 * p.detach().abs().max()
+
+
+def test_bf16_without_master_matches_torch_within_bf16_rounding():
+    ours, theirs = make_params(torch.bfloat16), make_params(torch.bfloat16)
+    kwargs = dict(lr=0.01, momentum=0.9, weight_decay=1e-4)
+    opt = FusedSGD(ours, **kwargs)
+    ref = torch.optim.SGD(theirs, foreach=False, **kwargs)
+    generator = torch.Generator().manual_seed(4)
+    for step in range(20):
+        set_grads([ours, theirs], step, generator)
+        opt.step()
+        ref.step()
+    for p, q in zip(ours, theirs):
+        # torch rounds to bf16 after every op, we round once: allow a few bf16 ulps of the weights.
+        assert (p.float() - q.float()).abs().max() <= 4 * 2**-8 * q.float().abs().max()
+
+
+def test_grad_scaler_unscales_in_kernel_and_skips_overflow():
+    scaler_ours = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler_ref = torch.amp.GradScaler("cpu", init_scale=512.0)  # ours halves to 512 on the overflow
+    ours, theirs = make_params(), make_params()
+    opt = FusedSGD(ours, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3)
+    ref = torch.optim.SGD(theirs, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3, foreach=False)
+    x = torch.randn(5000)
+
+    def backward(params, scaler, overflow):
+        loss = sum((p ** 2).sum() for p in params[:3]) + (params[3] * x).sum()
+        if overflow:
+            loss = loss * float("inf")
+        scaler.scale(loss).backward()
+
+    # First step overflows: nothing may change and no buffer may be created.
+    backward(ours, scaler_ours, overflow=True)
+    before = [p.detach().clone() for p in ours]
+    scaler_ours.step(opt)
+    scaler_ours.update()
+    assert all(torch.equal(p, b) for p, b in zip(ours, before))
+    assert not any(opt.state[p] for p in ours)
+    assert scaler_ours.get_scale() == 512.0
+    for step in range(5):
+        opt.zero_grad()
+        ref.zero_grad()
+        backward(ours, scaler_ours, overflow=False)
+        backward(theirs, scaler_ref, overflow=False)
+        scaler_ours.step(opt)
+        scaler_ref.step(ref)
+        scaler_ours.update()
+        scaler_ref.update()
+    assert_close_rel(ours, theirs, 1e-5)
+    # A later overflow leaves weights and buffers bit-identical.
+    opt.zero_grad()
+    backward(ours, scaler_ours, overflow=True)
+    snapshot = copy.deepcopy((list(ours), opt.state_dict()))
+    scaler_ours.step(opt)
+    assert all(torch.equal(p, q) for p, q in zip(ours, snapshot[0]))
+    after = opt.state_dict()["state"]
+    assert after.keys() == snapshot[1]["state"].keys()
+    for key, value in snapshot[1]["state"].items():
+        assert value.keys() == after[key].keys()
+        for name, tensor in value.items():
+            assert torch.equal(after[key][name], tensor)
+
+
+def test_grad_scaler_with_master_weights_overflow_creates_nothing():
+    params = [nn.Parameter(torch.randn(100).to(torch.bfloat16))]
+    opt = FusedSGD(params, lr=0.1, momentum=0.9, master_weights=True)
+    params[0].grad = torch.full((100,), float("inf"), dtype=torch.bfloat16)
+    opt.grad_scale, opt.found_inf = torch.tensor(2.0), torch.tensor(1.0)
+    before = params[0].detach().clone()
+    opt.step()
+    assert torch.equal(params[0], before) and not opt.state[params[0]]
+
+
+def test_state_dict_round_trip_and_interop_both_ways():
+    def run(opt, params, steps, seed):
+        generator = torch.Generator().manual_seed(seed)
+        for step in range(steps):
+            set_grads([params], step, generator)
+            opt.step()
+
+    kwargs = dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3)
+    # N + M steps of torch.optim.SGD: the oracle.
+    oracle = make_params()
+    oracle_opt = torch.optim.SGD(oracle, foreach=False, **kwargs)
+    run(oracle_opt, oracle, 10, seed=5)
+    run(oracle_opt, oracle, 10, seed=6)
+    for first, second in [(torch.optim.SGD, FusedSGD), (FusedSGD, torch.optim.SGD), (FusedSGD, FusedSGD)]:
+        params = make_params()
+        opt_a = first(params, **kwargs) if first is FusedSGD else first(params, foreach=False, **kwargs)
+        run(opt_a, params, 10, seed=5)
+        saved = copy.deepcopy(opt_a.state_dict())
+        params_b = clone(params)
+        opt_b = second(params_b, **kwargs) if second is FusedSGD else second(params_b, foreach=False, **kwargs)
+        opt_b.load_state_dict(saved)
+        run(opt_b, params_b, 10, seed=6)
+        assert_close_rel(params_b, oracle, 1e-5)
+
+
+def test_master_weights_survive_state_dict_round_trip_in_fp32():
+    params = [nn.Parameter(torch.randn(64).to(torch.bfloat16))]
+    opt = FusedSGD(params, lr=1e-3, momentum=0.9, master_weights=True)
+    for _ in range(3):
+        params[0].grad = torch.randn(64).to(torch.bfloat16)
+        opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    restored = [nn.Parameter(params[0].detach().clone())]
+    opt2 = FusedSGD(restored, lr=1e-3, momentum=0.9, master_weights=True)
+    opt2.load_state_dict(saved)
+    for key in ("master_param", "momentum_buffer"):
+        assert opt2.state[restored[0]][key].dtype == torch.float32
+        assert torch.equal(opt2.state[restored[0]][key], opt.state[params[0]][key])
+
+
+def test_named_parameters_are_accepted():
+    model = nn.Linear(4, 3)
+    opt = FusedSGD(model.named_parameters(), lr=0.1, momentum=0.9)
+    assert opt.param_groups[0]["param_names"] == ["weight", "bias"]
+    assert opt.state_dict()["param_groups"][0]["param_names"] == ["weight", "bias"]
+
+
+def test_non_dense_params_are_updated_through_a_copy():
+    base = torch.randn(6, 5)
+    p = nn.Parameter(base.t())  # non-contiguous, not channels_last
+    q = nn.Parameter(base.t().contiguous())
+    opt = FusedSGD([p], lr=0.1, momentum=0.9)
+    ref = torch.optim.SGD([q], lr=0.1, momentum=0.9, foreach=False)
+    for _ in range(3):
+        g = torch.randn(5, 6)
+        p.grad, q.grad = g.clone(), g.clone()
+        opt.step()
+        ref.step()
+    torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-7)
+    assert p.stride() == (1, 5)
+
+
+def test_zero_grad_follows_set_grad_none():
+    p = nn.Parameter(torch.randn(3))
+    for set_grad_none in (True, False):
+        p.grad = torch.ones(3)
+        FusedSGD([p], set_grad_none=set_grad_none).zero_grad()
+        assert (p.grad is None) == set_grad_none
+
+
+def test_compiled_kernel_is_what_runs_on_cpu():
+    """CI sets LIGHTNING_FUSEDSGD_REQUIRE_COMPILED=1, so a build failure fails here instead of falling back."""
+    assert hasattr(load_extension(), "sgd_step")
+    p = nn.Parameter(torch.randn(10))
+    opt = FusedSGD([p])
+    p.grad = torch.ones(10)
+    buckets, _, _ = opt._plan()
+    (device, _, _), bucket = next(iter(buckets.items()))
+    assert opt._step_function(device, bucket, opt._hparam_table()) is load_extension().sgd_step
