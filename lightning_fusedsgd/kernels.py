@@ -3,8 +3,8 @@
 The C++ extension in ``csrc/`` is compiled on first use with ninja through
 ``torch.utils.cpp_extension`` and cached under ``$LIGHTNING_FUSEDSGD_CACHE`` (default
 ``~/.cache/lightning_fusedsgd``), keyed by a hash of the sources, the flags, the torch version and the
-CPU's instruction set (the build uses ``-march=native``). ``lightning-fusedsgd-build`` (or
-``python -m lightning_fusedsgd.kernels``) prebuilds it.
+CPU's instruction set (the build uses ``-march=native``). The ``lightning-fusedsgd-build`` command
+prebuilds it.
 
 Backends:
     ``compiled``: our kernel (CPU tensors).
@@ -150,6 +150,3 @@ def main(argv: list[str] | None = None) -> int:
     print(f"lightning_fusedsgd kernel ready: {module.__file__}")
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

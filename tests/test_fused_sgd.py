@@ -327,3 +327,28 @@ def test_compiled_kernel_is_what_runs_on_cpu():
     buckets, _, _ = opt._plan()
     (device, _, _), bucket = next(iter(buckets.items()))
     assert opt._step_function(device, bucket, opt._hparam_table()) is load_extension().sgd_step
+
+
+def test_state_replaced_between_steps_is_used():
+    """The step reuses a validated plan; replacing state tensors by hand must still take effect."""
+    ours, theirs = make_params(), make_params()
+    opt = FusedSGD(ours, lr=0.05, momentum=0.9)
+    ref = torch.optim.SGD(theirs, lr=0.05, momentum=0.9, foreach=False)
+    generator = torch.Generator().manual_seed(7)
+    for step in range(6):
+        if step == 3:
+            for p, q in zip(ours, theirs):
+                opt.state[p]["momentum_buffer"] = torch.full_like(p, 0.5)
+                ref.state[q]["momentum_buffer"] = torch.full_like(q, 0.5)
+        for p, q in zip(ours, theirs):
+            g = torch.randn(p.shape, generator=generator)
+            p.grad, q.grad = g.clone(), g.clone()
+        opt.step()
+        ref.step()
+    assert_close_rel(ours, theirs, 1e-5)
+
+
+def test_kernel_and_reference_share_the_hyperparameter_table():
+    from lightning_fusedsgd.reference import HPARAM_COLUMNS
+
+    assert load_extension().hparam_columns == len(HPARAM_COLUMNS)
