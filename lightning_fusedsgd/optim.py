@@ -338,10 +338,19 @@ class FusedSGD(Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads optimizer state, validating shapes first (nothing changes on error).
 
+        A state dict grouped differently from this optimizer (for example ``torch.optim.SGD``'s single
+        group where ``param_groups`` makes two) is remapped by parameter name; this optimizer's group
+        hyperparameters are kept in that case.
+
         Keeps fp32 master weights and fp32 momentum of master-weighted params in fp32 (torch's loader
         would cast them to the param's dtype), and fills hyperparameters that a ``torch.optim.SGD``
         checkpoint lacks (``lars``, ``master_weights``, ...) from the current groups.
         """
+        from lightning_fusedsgd.checkpoint import remap_optimizer_state_dict, same_param_layout
+
+        if not same_param_layout(state_dict, self.param_groups):
+            # A different grouping (e.g. torch.optim.SGD's one group for our two): move state by name.
+            state_dict = remap_optimizer_state_dict(state_dict, self.param_groups, source="optimizer state")
         groups = self.param_groups
         saved_groups = state_dict["param_groups"]
         if len(groups) == len(saved_groups) and all(

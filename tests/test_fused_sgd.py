@@ -352,3 +352,22 @@ def test_kernel_and_reference_share_the_hyperparameter_table():
     from lightning_fusedsgd.reference import HPARAM_COLUMNS
 
     assert load_extension().hparam_columns == len(HPARAM_COLUMNS)
+
+
+def test_torch_sgd_state_with_one_group_loads_into_two_groups_by_name():
+    from lightning_fusedsgd import param_groups
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(4 * 6 * 6, 2))
+    ref = torch.optim.SGD(model.named_parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+    model(torch.randn(2, 3, 8, 8)).sum().backward()
+    ref.step()
+    saved = copy.deepcopy(ref.state_dict())
+    opt = FusedSGD(param_groups(model, 1e-4), lr=0.1, momentum=0.9)
+    assert len(opt.param_groups) == 2
+    opt.load_state_dict(saved)
+    by_name = dict(zip(saved["param_groups"][0]["param_names"], saved["state"].values()))
+    for group in opt.param_groups:
+        for name, p in zip(group["param_names"], group["params"]):
+            assert torch.equal(opt.state[p]["momentum_buffer"], by_name[name]["momentum_buffer"])
+    assert [g["weight_decay"] for g in opt.param_groups] == [1e-4, 0.0]  # our grouping's hyperparameters kept

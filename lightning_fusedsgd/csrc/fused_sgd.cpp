@@ -63,8 +63,6 @@ struct Chunk {
 struct Wave {
   int64_t chunk_begin;
   int64_t chunk_end;
-  int32_t tensor_begin;
-  int32_t tensor_end;
   bool needs_norms;
 };
 
@@ -81,7 +79,7 @@ WorkList make_work_list(const std::vector<at::Tensor>& params, const std::vector
   const int32_t n = static_cast<int32_t>(params.size());
   const bool any_lars = std::find(lars.begin(), lars.end(), true) != lars.end();
   work.tensor_first_chunk.reserve(n + 1);
-  Wave wave{0, 0, 0, 0, false};
+  Wave wave{0, 0, false};
   int64_t wave_elems = 0;
   for (int32_t t = 0; t < n; ++t) {
     const int64_t numel = params[t].numel();
@@ -94,18 +92,14 @@ WorkList make_work_list(const std::vector<at::Tensor>& params, const std::vector
     wave_elems += numel;
     if (any_lars && wave_elems >= kWaveElems) {
       wave.chunk_end = static_cast<int64_t>(work.chunks.size());
-      wave.tensor_end = t + 1;
       work.waves.push_back(wave);
-      wave = Wave{wave.chunk_end, wave.chunk_end, t + 1, t + 1, false};
+      wave = Wave{wave.chunk_end, wave.chunk_end, false};
       wave_elems = 0;
     }
   }
   work.tensor_first_chunk.push_back(static_cast<int64_t>(work.chunks.size()));
-  if (wave.tensor_begin < n) {
-    wave.chunk_end = static_cast<int64_t>(work.chunks.size());
-    wave.tensor_end = n;
-    work.waves.push_back(wave);
-  }
+  wave.chunk_end = static_cast<int64_t>(work.chunks.size());
+  if (wave.chunk_end > wave.chunk_begin) work.waves.push_back(wave);
   return work;
 }
 
@@ -201,8 +195,9 @@ void sgd_bucket(const std::vector<at::Tensor>& params, const std::vector<at::Ten
     g_sq[c] = sum_g;
   };
 
-  // Sums the chunk partials in a fixed order, so the ratio does not depend on the thread count.
-  auto finish_trust = [&](int32_t t) {
+  // Sums the chunk partials in a fixed order, so the ratio does not depend on the thread count. Every chunk
+  // of a tensor recomputes it (a few hundred adds at most), which saves a barrier per wave.
+  auto lars_trust = [&](int32_t t) -> O {
     const int64_t g = tensor_group[t];
     double sum_w = 0, sum_g = 0;
     for (int64_t c = work.tensor_first_chunk[t]; c < work.tensor_first_chunk[t + 1]; ++c) {
@@ -211,14 +206,14 @@ void sgd_bucket(const std::vector<at::Tensor>& params, const std::vector<at::Ten
     }
     const bool decayed = hp[g][kLarsDecayedGrad] != 0.0;
     const double g_norm = decayed ? std::sqrt(sum_g) : std::sqrt(sum_g) * std::abs(inv_scale);
-    coeffs[t].trust = static_cast<O>(trust_ratio(std::sqrt(sum_w), g_norm, hp[g][kWeightDecay],
-                                                 hp[g][kTrustCoefficient], hp[g][kLarsEps],
-                                                 decayed, hp[g][kTrustClip] != 0.0, hp[g][kLr]));
+    return static_cast<O>(trust_ratio(std::sqrt(sum_w), g_norm, hp[g][kWeightDecay], hp[g][kTrustCoefficient],
+                                      hp[g][kLarsEps], decayed, hp[g][kTrustClip] != 0.0, hp[g][kLr]));
   };
 
   auto update_chunk = [&](const Chunk& chunk) {
     const int32_t t = chunk.tensor;
-    const Coeffs<O> c = coeffs[t];
+    Coeffs<O> c = coeffs[t];
+    if (lars[t]) c.trust = lars_trust(t);
     P* w = w_ptr[t];
     const P* gr = g_ptr[t];
     B* b = b_ptr[t];
@@ -252,10 +247,6 @@ void sgd_bucket(const std::vector<at::Tensor>& params, const std::vector<at::Ten
 #pragma omp for schedule(static)
         for (int64_t c = wave.chunk_begin; c < wave.chunk_end; ++c) {
           if (lars[work.chunks[c].tensor]) norm_chunk(work.chunks[c], c);
-        }
-#pragma omp for schedule(static)
-        for (int32_t t = wave.tensor_begin; t < wave.tensor_end; ++t) {
-          if (lars[t]) finish_trust(t);
         }
       }
 #pragma omp for schedule(static)

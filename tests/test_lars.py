@@ -1,0 +1,173 @@
+"""LARS fused into the kernel, against an independent float64 plain-PyTorch reference of the formula."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_fusedsgd import FusedLARS, FusedSGD
+
+# One tensor larger than a LARS wave (1M elements), several spanning kernel chunks, and small ones.
+SHAPES = [(300, 1000), (64, 32, 3, 3), (70_000,), (1_050_000,), (10,), (5, 5)]
+LR, MOMENTUM, WD = 0.2, 0.9, 5e-4
+
+
+def make_params(seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    params = [nn.Parameter(torch.randn(s, generator=generator)) for s in SHAPES]
+    with torch.no_grad():
+        params[4].zero_()  # ||w|| = 0: trust ratio 1
+    return params
+
+
+def grads_for(step, generator):
+    grads = [torch.randn(s, generator=generator) * 0.01 for s in SHAPES]
+    grads[5].zero_()  # ||g|| = 0: trust ratio 1
+    return grads
+
+
+def oracle_step(weights, buffers, grads, *, lars_mask, lr, nesterov, trust_clip, decayed_grad, maximize, eta=1e-3, eps=0.0):
+    """The LARS formula of You et al. (DESIGN.md) in float64, written independently of the package."""
+    for i, (w, g) in enumerate(zip(weights, grads)):
+        g = -g if maximize else g
+        if lars_mask[i]:
+            w_norm = w.norm().item()
+            raw_norm = g.norm().item()
+            if decayed_grad:
+                denominator_norm = (g + WD * w).norm().item()
+                ratio = eta * w_norm / (denominator_norm + eps) if w_norm > 0 and denominator_norm > 0 else 1.0
+            else:
+                ratio = eta * w_norm / (raw_norm + WD * w_norm + eps) if w_norm > 0 and raw_norm > 0 else 1.0
+            if trust_clip:
+                ratio = min(ratio / lr, 1.0)
+            d = ratio * (g + WD * w)
+        else:
+            d = g + WD * w
+        buffers[i] = d.clone() if buffers[i] is None else MOMENTUM * buffers[i] + d
+        step = d + MOMENTUM * buffers[i] if nesterov else buffers[i]
+        weights[i] = w - lr * step
+
+
+@pytest.mark.parametrize("backend", ["compiled", "torch"])
+@pytest.mark.parametrize(
+    "nesterov, trust_clip, decayed_grad, maximize",
+    [c for c in itertools.product((False, True), (False, True), (False, True), (False, True)) if not (c[3] and c[1])],
+)
+def test_lars_matches_formula_over_30_steps(backend, nesterov, trust_clip, decayed_grad, maximize):
+    params = make_params()
+    # Group 0 uses LARS; group 1 (like biases and norms) stays plain SGD.
+    lars_mask = [True, True, False, True, True, True]
+    groups = [
+        {"params": [p for p, m in zip(params, lars_mask) if m]},
+        {"params": [p for p, m in zip(params, lars_mask) if not m], "lars": False},
+    ]
+    opt = FusedLARS(
+        groups, lr=LR, momentum=MOMENTUM, weight_decay=WD, nesterov=nesterov, trust_clip=trust_clip,
+        lars_denominator="decayed_grad" if decayed_grad else "grad_plus_decay", maximize=maximize, backend=backend,
+    )
+    weights = [p.detach().double() for p in params]
+    buffers = [None] * len(params)
+    generator = torch.Generator().manual_seed(1)
+    for step in range(30):
+        grads = grads_for(step, generator)
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt.step()
+        oracle_step(weights, buffers, [g.double() for g in grads], lars_mask=lars_mask, lr=LR, nesterov=nesterov,
+                    trust_clip=trust_clip, decayed_grad=decayed_grad, maximize=maximize)
+    for p, w in zip(params, weights):
+        assert ((p.double() - w).abs().max() / w.abs().max().clamp_min(1e-12)).item() < 1e-5
+    for p, b in zip(params, buffers):
+        assert ((opt.state[p]["momentum_buffer"].double() - b).abs().max() / b.abs().max().clamp_min(1e-12)).item() < 1e-4
+
+
+def test_lars_actually_rescales():
+    """Guards the oracle test above: with LARS off the result must differ."""
+    a, b = make_params(), make_params()
+    opt_a = FusedSGD(a, lr=LR, momentum=MOMENTUM, weight_decay=WD, lars=True)
+    opt_b = FusedSGD(b, lr=LR, momentum=MOMENTUM, weight_decay=WD, lars=False)
+    generator = torch.Generator().manual_seed(1)
+    grads = grads_for(0, generator)
+    for p, q, g in zip(a, b, grads):
+        p.grad, q.grad = g.clone(), g.clone()
+    opt_a.step()
+    opt_b.step()
+    assert not torch.allclose(a[0], b[0])
+
+
+def test_lars_uses_unscaled_gradient_under_grad_scaler():
+    a, b = make_params(), make_params()
+    opt_a = FusedLARS(a, lr=LR, momentum=MOMENTUM, weight_decay=WD, lars_eps=1e-3)
+    opt_b = FusedLARS(b, lr=LR, momentum=MOMENTUM, weight_decay=WD, lars_eps=1e-3)
+    generator = torch.Generator().manual_seed(2)
+    for step in range(5):
+        grads = grads_for(step, generator)
+        for p, q, g in zip(a, b, grads):
+            p.grad, q.grad = g.clone(), g * 1024.0
+        opt_b.grad_scale, opt_b.found_inf = torch.tensor(1024.0), torch.tensor(0.0)
+        opt_a.step()
+        opt_b.step()
+    for p, q in zip(a, b):
+        torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-7)
+    # An overflowing step changes nothing.
+    before = copy.deepcopy(([q.detach() for q in b], opt_b.state_dict()))
+    opt_b.found_inf = torch.tensor(1.0)
+    opt_b.step()
+    assert all(torch.equal(q, w) for q, w in zip(b, before[0]))
+    for key, value in before[1]["state"].items():
+        assert torch.equal(opt_b.state_dict()["state"][key]["momentum_buffer"], value["momentum_buffer"])
+
+
+def test_lars_is_deterministic_across_thread_counts():
+    results = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, max(2, threads)):
+            torch.set_num_threads(n)
+            params = make_params()
+            opt = FusedLARS(params, lr=LR, momentum=MOMENTUM, weight_decay=WD)
+            generator = torch.Generator().manual_seed(3)
+            for step in range(3):
+                for p, g in zip(params, grads_for(step, generator)):
+                    p.grad = g
+                opt.step()
+            results.append([p.detach().clone() for p in params])
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(x, y) for x, y in zip(*results))
+
+
+def test_lars_state_interoperates_with_torch_sgd():
+    """FusedLARS -> torch.optim.SGD -> FusedLARS keeps buffers bit-identical, and the run continues exactly."""
+    generator = torch.Generator().manual_seed(4)
+    grads = [grads_for(step, generator) for step in range(8)]
+    kwargs = dict(lr=LR, momentum=MOMENTUM, weight_decay=WD)
+
+    straight = make_params()
+    opt = FusedLARS(straight, **kwargs)
+    for step in range(8):
+        for p, g in zip(straight, grads[step]):
+            p.grad = g.clone()
+        opt.step()
+
+    resumed = make_params()
+    first = FusedLARS(resumed, **kwargs)
+    for step in range(4):
+        for p, g in zip(resumed, grads[step]):
+            p.grad = g.clone()
+        first.step()
+    via_torch = torch.optim.SGD(resumed, **kwargs)
+    via_torch.load_state_dict(copy.deepcopy(first.state_dict()))
+    for p in resumed:
+        assert torch.equal(via_torch.state[p]["momentum_buffer"], first.state[p]["momentum_buffer"])
+    second = FusedLARS(resumed, **kwargs)
+    second.load_state_dict(copy.deepcopy(via_torch.state_dict()))
+    for step in range(4, 8):
+        for p, g in zip(resumed, grads[step]):
+            p.grad = g.clone()
+        second.step()
+    assert all(torch.equal(p, q) for p, q in zip(resumed, straight))
