@@ -3,7 +3,7 @@
 The C++ extension in ``csrc/`` is compiled on first use with ninja through
 ``torch.utils.cpp_extension`` and cached under ``$LIGHTNING_FUSEDSGD_CACHE`` (default
 ``~/.cache/lightning_fusedsgd``), keyed by a hash of the sources, the flags, the torch version and the
-CPU's instruction set (the build uses ``-march=native``). The ``lightning-fusedsgd-build`` command
+CPU's instruction set (the build uses ``-march=native``). ``python -m lightning_fusedsgd``
 prebuilds it.
 
 Backends:
@@ -73,13 +73,27 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-@functools.cache
-def load_extension(verbose: bool = False) -> ModuleType:
-    """Builds (first time) and imports the compiled kernel.
+def load_extension() -> ModuleType:
+    """The compiled kernel, built on first use; the outcome (module or failure) is cached per process.
 
     Raises:
         KernelBuildError: no working C++ toolchain, or the build failed.
     """
+    outcome = _load_once()
+    if isinstance(outcome, KernelBuildError):
+        raise outcome
+    return outcome
+
+
+@functools.cache
+def _load_once() -> ModuleType | KernelBuildError:
+    try:
+        return _build_and_import(verbose=False)
+    except KernelBuildError as error:
+        return error
+
+
+def _build_and_import(verbose: bool) -> ModuleType:
     key = _build_key()
     name = f"lightning_fusedsgd_C_{key}"
     build_dir = cache_dir() / key
@@ -94,10 +108,11 @@ def load_extension(verbose: bool = False) -> ModuleType:
     from torch.utils import cpp_extension
 
     build_dir.mkdir(parents=True, exist_ok=True)
+    print(f"lightning_fusedsgd: compiling the kernel into {build_dir} (first use only, about 30 s)", file=sys.stderr)
     try:
         return cpp_extension.load(
             name=name,
-            sources=[str(_CSRC / name) for name in _SOURCES],
+            sources=[str(_CSRC / source) for source in _SOURCES],
             extra_cflags=list(_CFLAGS),
             extra_ldflags=list(_LDFLAGS),
             extra_include_paths=[str(_CSRC)],
@@ -115,7 +130,7 @@ def load_extension(verbose: bool = False) -> ModuleType:
 def _warn_fallback(reason: str) -> None:
     warnings.warn(
         f"lightning_fusedsgd: the compiled kernel is unavailable ({reason}); running the plain-PyTorch "
-        "reference backend, which is correct but slower. Run `lightning-fusedsgd-build --verbose` to see why.",
+        "reference backend, which is correct but slower. Run `python -m lightning_fusedsgd --verbose` to see why.",
         RuntimeWarning,
         stacklevel=4,
     )
@@ -138,12 +153,12 @@ def compiled_or_fallback(requested: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Prebuilds the kernel: ``lightning-fusedsgd-build [--verbose]``."""
+    """Prebuilds the kernel: ``python -m lightning_fusedsgd [--verbose]``."""
     parser = argparse.ArgumentParser(description="Build and cache the lightning_fusedsgd kernel.")
     parser.add_argument("--verbose", action="store_true", help="show the compiler's output")
     args = parser.parse_args(argv)
     try:
-        module = load_extension(verbose=args.verbose)
+        module = _build_and_import(verbose=args.verbose)
     except KernelBuildError as error:
         print(error, file=sys.stderr)
         return 1

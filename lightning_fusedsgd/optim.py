@@ -227,7 +227,13 @@ class FusedSGD(Optimizer):
                 return buckets, [], []
         buckets, new_state, staged = self._plan_from_scratch()
         all_cpu = all(device.type == "cpu" for device, _, _ in buckets)
-        reusable = not new_state and not staged and all_cpu and self.backend in ("auto", "compiled")
+        reusable = (
+            not new_state
+            and not staged
+            and all_cpu
+            and self.backend in ("auto", "compiled")
+            and kernels.compiled_or_fallback(self.backend) == "compiled"
+        )
         self._cached_plan = _CachedPlan.capture(self, buckets) if reusable else None
         return buckets, new_state, staged
 
