@@ -21,7 +21,9 @@ def resnet50_shapes() -> list[torch.Size]:
     return [p.shape for p in torchvision.models.resnet50(weights=None).parameters()]
 
 
-def make_params(shapes: list[torch.Size], dtype: torch.dtype = torch.float32, seed: int = 0) -> list[torch.Tensor]:
+def make_params(
+    shapes: list[torch.Size], dtype: torch.dtype = torch.float32, seed: int = 0
+) -> list[torch.Tensor]:
     """Parameters with gradients attached, as after a backward pass."""
     generator = torch.Generator().manual_seed(seed)
     params = []
@@ -66,7 +68,13 @@ def print_table(title: str, rows: list[tuple[str, dict[str, float]]], baseline: 
     """Prints a markdown table: median ms per contender and its ratio to `baseline`."""
     names = list(rows[0][1])
     print(f"\n### {title}\n")
-    print("| case | " + " | ".join(f"{n} ms" for n in names) + " | " + " | ".join(f"{n} / {baseline}" for n in names if n != baseline) + " |")
+    print(
+        "| case | "
+        + " | ".join(f"{n} ms" for n in names)
+        + " | "
+        + " | ".join(f"{n} / {baseline}" for n in names if n != baseline)
+        + " |"
+    )
     print("|---" * (1 + 2 * len(names) - 1) + "|")
     for case, times in rows:
         cells = [f"{times[n] * 1e3:.2f}" for n in names]

@@ -11,8 +11,8 @@ import argparse
 
 import torch
 import torchvision
-
 from common import print_table, time_interleaved, write_json
+
 from lightning_fusedsgd import FusedSGD, param_groups
 
 HPARAMS = dict(lr=10.5, momentum=0.9, weight_decay=5e-5)
@@ -39,7 +39,9 @@ def main() -> None:
     args = parser.parse_args()
     steps = {
         "FusedSGD+LARS": FusedSGD(groups(model_with_grads(), lars=True), backend="compiled", **HPARAMS).step,
-        "FusedSGD plain": FusedSGD(groups(model_with_grads(), lars=False), backend="compiled", **HPARAMS).step,
+        "FusedSGD plain": FusedSGD(
+            groups(model_with_grads(), lars=False), backend="compiled", **HPARAMS
+        ).step,
         "torch fused": torch.optim.SGD(groups(model_with_grads(), lars=False), fused=True, **HPARAMS).step,
     }
     try:
@@ -49,8 +51,11 @@ def main() -> None:
     except ImportError:
         print("timm is not installed (pip install -e .[bench]): skipping timm's Lars")
     times = time_interleaved(steps, repeats=args.repeats)
-    print_table(f"ResNet-50 LARS step, median of {args.repeats} ({torch.get_num_threads()} threads)",
-                [("(a) ResNet-50, fp32", times)], "FusedSGD plain")
+    print_table(
+        f"ResNet-50 LARS step, median of {args.repeats} ({torch.get_num_threads()} threads)",
+        [("(a) ResNet-50, fp32", times)],
+        "FusedSGD plain",
+    )
     print(f"\nLARS / plain: {times['FusedSGD+LARS'] / times['FusedSGD plain']:.2f}")
     if "timm Lars" in times:
         print(f"timm Lars / FusedSGD+LARS: {times['timm Lars'] / times['FusedSGD+LARS']:.2f}x")

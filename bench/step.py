@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 
 import torch
-
 from common import make_params, print_table, resnet50_shapes, time_interleaved, write_json
+
 from lightning_fusedsgd import FusedSGD
 from lightning_fusedsgd.kernels import load_extension
 
@@ -37,7 +37,9 @@ def contenders(params: list[torch.Tensor], master_weights: bool) -> dict[str, ob
     floor_params = [p for g in fused_ours.param_groups for p in g["params"]]
     floor_grads = [p.grad for p in floor_params]
     floor_bufs = [torch.empty_like(fused_ours.state[p]["momentum_buffer"]) for p in floor_params]
-    floor_masters = [fused_ours.state[p]["master_param"].clone() for p in floor_params] if master_weights else []
+    floor_masters = (
+        [fused_ours.state[p]["master_param"].clone() for p in floor_params] if master_weights else []
+    )
     return {
         "FusedSGD": fused_ours.step,
         "torch foreach": foreach.step,
@@ -67,11 +69,23 @@ def main() -> None:
         rows.append((name, times))
         print(f"{name}: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in times.items()), flush=True)
         del params
-    print_table(f"Step time, median of {repeats} (momentum 0.9, Nesterov, wd 1e-4; {torch.get_num_threads()} threads)", rows, "floor")
+    print_table(
+        f"Step time, median of {repeats} (momentum 0.9, Nesterov, wd 1e-4; "
+        f"{torch.get_num_threads()} threads)",
+        rows,
+        "floor",
+    )
     fp32_a = rows[0][1]["FusedSGD"]
     print(f"\n(d) bf16 + master weights / (a) fp32 FusedSGD step: {rows[3][1]['FusedSGD'] / fp32_a:.2f}")
-    path = write_json("step", {"repeats": repeats, "hparams": HPARAMS, "cases": {n: t for n, t in rows},
-                               "bf16_master_over_fp32": rows[3][1]["FusedSGD"] / fp32_a})
+    path = write_json(
+        "step",
+        {
+            "repeats": repeats,
+            "hparams": HPARAMS,
+            "cases": {n: t for n, t in rows},
+            "bf16_master_over_fp32": rows[3][1]["FusedSGD"] / fp32_a,
+        },
+    )
     print(f"wrote {path}")
 
 

@@ -108,7 +108,10 @@ def _build_and_import(verbose: bool) -> ModuleType:
     from torch.utils import cpp_extension
 
     build_dir.mkdir(parents=True, exist_ok=True)
-    print(f"lightning_fusedsgd: compiling the kernel into {build_dir} (first use only, about 30 s)", file=sys.stderr)
+    print(
+        f"lightning_fusedsgd: compiling the kernel into {build_dir} (first use only, about 30 s)",
+        file=sys.stderr,
+    )
     try:
         return cpp_extension.load(
             name=name,
@@ -119,7 +122,9 @@ def _build_and_import(verbose: bool) -> ModuleType:
             build_directory=str(build_dir),
             verbose=verbose,
         )
-    except Exception as error:  # the toolchain raises many types: compiler missing, ninja missing, link errors
+    except (
+        Exception
+    ) as error:  # the toolchain raises many types: compiler missing, ninja missing, link errors
         raise KernelBuildError(
             f"could not build the lightning_fusedsgd kernel in {build_dir}: {error}. "
             "Install a C++ compiler (g++) and ninja, or use FusedSGD(..., backend='torch')."
@@ -130,7 +135,8 @@ def _build_and_import(verbose: bool) -> ModuleType:
 def _warn_fallback(reason: str) -> None:
     warnings.warn(
         f"lightning_fusedsgd: the compiled kernel is unavailable ({reason}); running the plain-PyTorch "
-        "reference backend, which is correct but slower. Run `python -m lightning_fusedsgd --verbose` to see why.",
+        "reference backend, which is correct but slower. "
+        "Run `python -m lightning_fusedsgd --verbose` to see why.",
         RuntimeWarning,
         stacklevel=4,
     )
@@ -164,4 +170,3 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(f"lightning_fusedsgd kernel ready: {module.__file__}")
     return 0
-

@@ -159,7 +159,9 @@ class FusedSGD(Optimizer):
         merged = {**self.defaults, **param_group}
         _check_hyperparameters(merged)
         params = param_group["params"]
-        tensors = [params] if isinstance(params, Tensor) else [p[1] if isinstance(p, tuple) else p for p in params]
+        tensors = (
+            [params] if isinstance(params, Tensor) else [p[1] if isinstance(p, tuple) else p for p in params]
+        )
         devices = {p.device for p in tensors if isinstance(p, Tensor)}
         if len(devices) > 1:
             raise ValueError(
@@ -193,11 +195,20 @@ class FusedSGD(Optimizer):
             # only on steps that would create state; otherwise the kernels skip on found_inf themselves.
             return loss
         table = self._hparam_table()
-        for (device, _, _), bucket in buckets.items():
-            step_fn = self._step_function(device, bucket, table)
+        # Resolve every backend before running any, so a refusal leaves all buckets untouched.
+        step_functions = [
+            (device, bucket, self._step_function(device, bucket, table))
+            for (device, _, _), bucket in buckets.items()
+        ]
+        for device, bucket, step_fn in step_functions:
             step_fn(
-                bucket.params, bucket.grads, bucket.momentum_buffers, bucket.master_params, table,
-                bucket.tensor_group, bucket.first_step,
+                bucket.params,
+                bucket.grads,
+                bucket.momentum_buffers,
+                bucket.master_params,
+                table,
+                bucket.tensor_group,
+                bucket.first_step,
                 None if grad_scale is None else grad_scale.to(device),
                 None if found_inf is None else found_inf.to(device),
             )
@@ -218,7 +229,9 @@ class FusedSGD(Optimizer):
             rows.append([float(values[name]) for name in HPARAM_COLUMNS])
         return torch.tensor(rows, dtype=torch.float64)
 
-    def _plan(self) -> tuple[dict[tuple, _Bucket], list[tuple[Tensor, str, Tensor]], list[tuple[Tensor, Tensor]]]:
+    def _plan(
+        self,
+    ) -> tuple[dict[tuple, _Bucket], list[tuple[Tensor, str, Tensor]], list[tuple[Tensor, Tensor]]]:
         """The kernel inputs for this step: last step's plan with new gradients when it still holds."""
         cached = self._cached_plan
         if cached is not None:
@@ -257,9 +270,10 @@ class FusedSGD(Optimizer):
                 if grad is None:
                     continue
                 if grad.is_sparse:
+                    label = _param_label(group, group_index, param_index, param)
                     raise RuntimeError(
-                        f"FusedSGD does not support sparse gradients ({_param_label(group, group_index, param_index, param)}): "
-                        "use torch.optim.SparseAdam for it, or dense gradients (e.g. nn.Embedding(sparse=False))."
+                        f"FusedSGD does not support sparse gradients ({label}): use torch.optim.SparseAdam "
+                        "for it, or dense gradients (e.g. nn.Embedding(sparse=False))."
                     )
                 state = self.state.get(param, _NO_STATE)
                 use_master = use_master_group and param.dtype in _LOW_PRECISION
@@ -296,9 +310,16 @@ class FusedSGD(Optimizer):
                 bucket.momentum_buffers.append(buffer)
                 if use_master:
                     master = state.get("master_param")
-                    if master is None or master.shape != param.shape or master.dtype != torch.float32 or master.stride() != stride:
+                    if (
+                        master is None
+                        or master.shape != param.shape
+                        or master.dtype != torch.float32
+                        or master.stride() != stride
+                    ):
                         self._check_state_shapes(state, group, group_index, param_index, param)
-                        master = torch.empty_like(work, dtype=torch.float32).copy_(work if master is None else master)
+                        master = torch.empty_like(work, dtype=torch.float32).copy_(
+                            work if master is None else master
+                        )
                         new_state.append((param, "master_param", master))
                     bucket.master_params.append(master)
         return buckets, new_state, staged
@@ -413,7 +434,9 @@ class _CachedPlan:
 
     @staticmethod
     def _group_key(optimizer: FusedSGD) -> list[tuple[int, bool, bool]]:
-        return [(len(g["params"]), g["momentum"] != 0, bool(g["master_weights"])) for g in optimizer.param_groups]
+        return [
+            (len(g["params"]), g["momentum"] != 0, bool(g["master_weights"])) for g in optimizer.param_groups
+        ]
 
     @staticmethod
     def _state_tensors(state_dicts: list[dict[str, Any]]) -> list[Tensor | None]:
@@ -497,10 +520,22 @@ class FusedLARS(FusedSGD):
         lars_denominator: str = "grad_plus_decay",
     ) -> None:
         super().__init__(
-            params, lr, momentum, dampening, weight_decay, nesterov,
-            maximize=maximize, wd_after_momentum=wd_after_momentum, master_weights=master_weights,
-            set_grad_none=set_grad_none, backend=backend, lars=lars, trust_coefficient=trust_coefficient,
-            lars_eps=lars_eps, trust_clip=trust_clip, lars_denominator=lars_denominator,
+            params,
+            lr,
+            momentum,
+            dampening,
+            weight_decay,
+            nesterov,
+            maximize=maximize,
+            wd_after_momentum=wd_after_momentum,
+            master_weights=master_weights,
+            set_grad_none=set_grad_none,
+            backend=backend,
+            lars=lars,
+            trust_coefficient=trust_coefficient,
+            lars_eps=lars_eps,
+            trust_clip=trust_clip,
+            lars_denominator=lars_denominator,
         )
 
 

@@ -123,8 +123,14 @@ def sgd_step(
             else:
                 g_norm = torch.linalg.vector_norm(g, dtype=torch.float64) * abs(inv_scale)
             trust = trust_ratio(
-                w_norm, g_norm, h["weight_decay"], h["trust_coefficient"], h["lars_eps"],
-                decayed, bool(h["trust_clip"]), h["lr"],
+                w_norm,
+                g_norm,
+                h["weight_decay"],
+                h["trust_coefficient"],
+                h["lars_eps"],
+                decayed,
+                bool(h["trust_clip"]),
+                h["lr"],
             ).to(opmath)
         coeffs = Coeffs(
             grad_mul=grad_mul,

@@ -13,7 +13,13 @@ from lightning_fusedsgd import FusedSGD
 from lightning_fusedsgd.kernels import load_extension
 
 BACKENDS = ["compiled", "torch", "torch_fused"]
-SHAPES = [(8, 3, 3, 3), (8,), (33, 17), (5000,), (3, 5, 4, 4)]  # last two exceed one kernel chunk / go channels_last
+SHAPES = [
+    (8, 3, 3, 3),
+    (8,),
+    (33, 17),
+    (5000,),
+    (3, 5, 4, 4),
+]  # last two exceed one kernel chunk / go channels_last
 
 
 def valid_combinations():
@@ -22,7 +28,13 @@ def valid_combinations():
     ):
         if nesterov and (momentum == 0 or dampening != 0):
             continue
-        yield dict(momentum=momentum, dampening=dampening, nesterov=nesterov, weight_decay=weight_decay, maximize=maximize)
+        yield dict(
+            momentum=momentum,
+            dampening=dampening,
+            nesterov=nesterov,
+            weight_decay=weight_decay,
+            maximize=maximize,
+        )
 
 
 COMBINATIONS = list(valid_combinations())
@@ -116,8 +128,14 @@ def test_tensor_lr_and_closure(backend):
 
 
 def test_backends_agree_on_every_dtype():
-    for dtype, master in [(torch.float32, False), (torch.float64, False), (torch.bfloat16, False),
-                          (torch.float16, False), (torch.bfloat16, True), (torch.float16, True)]:
+    for dtype, master in [
+        (torch.float32, False),
+        (torch.float64, False),
+        (torch.bfloat16, False),
+        (torch.float16, False),
+        (torch.bfloat16, True),
+        (torch.float16, True),
+    ]:
         a, b = make_params(dtype), make_params(dtype)
         kwargs = dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-2, master_weights=master)
         opt_a = FusedSGD(a, backend="compiled", **kwargs)
@@ -132,7 +150,9 @@ def test_backends_agree_on_every_dtype():
         else:
             # Same fp32 math; a 1-ulp difference in an intermediate can flip one low-precision rounding.
             for p, q in zip(a, b):
-                assert (p.float() - q.float()).abs().max() <= 2 * torch.finfo(dtype).eps * q.float().abs().max()
+                assert (p.float() - q.float()).abs().max() <= 2 * torch.finfo(
+                    dtype
+                ).eps * q.float().abs().max()
         for p, q in zip(a, b):
             for key in opt_b.state[q]:
                 assert opt_a.state[p][key].dtype == opt_b.state[q][key].dtype
@@ -145,7 +165,7 @@ def test_wd_after_momentum_keeps_decay_out_of_the_buffer():
     w = p.detach().clone()
     b = None
     opt = FusedSGD([p], lr=0.1, momentum=0.9, weight_decay=0.05, wd_after_momentum=True)
-    for step in range(10):
+    for _step in range(10):
         g = torch.randn(1000)
         p.grad = g.clone()
         opt.step()
@@ -163,7 +183,7 @@ def test_bf16_master_weights_track_fp32(backend):
     opt32 = FusedSGD(fp32, **kwargs)
     opt16 = FusedSGD(bf16, master_weights=True, **kwargs)
     generator = torch.Generator().manual_seed(3)
-    for step in range(100):
+    for _step in range(100):
         grads = [torch.randn(p.shape, generator=generator) for p in fp32]
         for p, q, g in zip(fp32, bf16, grads):
             p.grad, q.grad = g, g.to(torch.bfloat16)
@@ -172,7 +192,9 @@ def test_bf16_master_weights_track_fp32(backend):
     for p, q in zip(fp32, bf16):
         master = opt16.state[q]["master_param"]
         assert master.dtype == torch.float32 and opt16.state[q]["momentum_buffer"].dtype == torch.float32
-        torch.testing.assert_close(q, master.to(torch.bfloat16), rtol=0, atol=0)  # param is the rounded master
+        torch.testing.assert_close(
+            q, master.to(torch.bfloat16), rtol=0, atol=0
+        )  # param is the rounded master
         # Only the bf16 rounding of each gradient separates the runs.
         assert (master - p.detach()).abs().max() <= 0.01 * p.detach().abs().max()
 
@@ -201,7 +223,7 @@ def test_grad_scaler_unscales_in_kernel_and_skips_overflow():
     x = torch.randn(5000)
 
     def backward(params, scaler, overflow):
-        loss = sum((p ** 2).sum() for p in params[:3]) + (params[3] * x).sum()
+        loss = sum((p**2).sum() for p in params[:3]) + (params[3] * x).sum()
         if overflow:
             loss = loss * float("inf")
         scaler.scale(loss).backward()
@@ -214,7 +236,7 @@ def test_grad_scaler_unscales_in_kernel_and_skips_overflow():
     assert all(torch.equal(p, b) for p, b in zip(ours, before))
     assert not any(opt.state[p] for p in ours)
     assert scaler_ours.get_scale() == 512.0
-    for step in range(5):
+    for _step in range(5):
         opt.zero_grad()
         ref.zero_grad()
         backward(ours, scaler_ours, overflow=False)
@@ -267,7 +289,9 @@ def test_state_dict_round_trip_and_interop_both_ways():
         run(opt_a, params, 10, seed=5)
         saved = copy.deepcopy(opt_a.state_dict())
         params_b = clone(params)
-        opt_b = second(params_b, **kwargs) if second is FusedSGD else second(params_b, foreach=False, **kwargs)
+        opt_b = (
+            second(params_b, **kwargs) if second is FusedSGD else second(params_b, foreach=False, **kwargs)
+        )
         opt_b.load_state_dict(saved)
         run(opt_b, params_b, 10, seed=6)
         assert_close_rel(params_b, oracle, 1e-5)
@@ -319,7 +343,7 @@ def test_zero_grad_follows_set_grad_none():
 
 
 def test_compiled_kernel_is_what_runs_on_cpu():
-    """CI sets LIGHTNING_FUSEDSGD_REQUIRE_COMPILED=1, so a build failure fails here instead of falling back."""
+    """CI sets LIGHTNING_FUSEDSGD_REQUIRE_COMPILED=1: a build failure fails here instead of falling back."""
     assert hasattr(load_extension(), "sgd_step")
     p = nn.Parameter(torch.randn(10))
     opt = FusedSGD([p])

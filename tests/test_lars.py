@@ -30,7 +30,9 @@ def grads_for(step, generator):
     return grads
 
 
-def oracle_step(weights, buffers, grads, *, lars_mask, lr, nesterov, trust_clip, decayed_grad, maximize, eta=1e-3, eps=0.0):
+def oracle_step(
+    weights, buffers, grads, *, lars_mask, lr, nesterov, trust_clip, decayed_grad, maximize, eta=1e-3, eps=0.0
+):
     """The LARS formula of You et al. (DESIGN.md) in float64, written independently of the package."""
     for i, (w, g) in enumerate(zip(weights, grads)):
         g = -g if maximize else g
@@ -39,7 +41,9 @@ def oracle_step(weights, buffers, grads, *, lars_mask, lr, nesterov, trust_clip,
             raw_norm = g.norm().item()
             if decayed_grad:
                 denominator_norm = (g + WD * w).norm().item()
-                ratio = eta * w_norm / (denominator_norm + eps) if w_norm > 0 and denominator_norm > 0 else 1.0
+                ratio = (
+                    eta * w_norm / (denominator_norm + eps) if w_norm > 0 and denominator_norm > 0 else 1.0
+                )
             else:
                 ratio = eta * w_norm / (raw_norm + WD * w_norm + eps) if w_norm > 0 and raw_norm > 0 else 1.0
             if trust_clip:
@@ -55,7 +59,11 @@ def oracle_step(weights, buffers, grads, *, lars_mask, lr, nesterov, trust_clip,
 @pytest.mark.parametrize("backend", ["compiled", "torch"])
 @pytest.mark.parametrize(
     "nesterov, trust_clip, decayed_grad, maximize",
-    [c for c in itertools.product((False, True), (False, True), (False, True), (False, True)) if not (c[3] and c[1])],
+    [
+        c
+        for c in itertools.product((False, True), (False, True), (False, True), (False, True))
+        if not (c[3] and c[1])
+    ],
 )
 def test_lars_matches_formula_over_30_steps(backend, nesterov, trust_clip, decayed_grad, maximize):
     params = make_params()
@@ -66,8 +74,15 @@ def test_lars_matches_formula_over_30_steps(backend, nesterov, trust_clip, decay
         {"params": [p for p, m in zip(params, lars_mask) if not m], "lars": False},
     ]
     opt = FusedLARS(
-        groups, lr=LR, momentum=MOMENTUM, weight_decay=WD, nesterov=nesterov, trust_clip=trust_clip,
-        lars_denominator="decayed_grad" if decayed_grad else "grad_plus_decay", maximize=maximize, backend=backend,
+        groups,
+        lr=LR,
+        momentum=MOMENTUM,
+        weight_decay=WD,
+        nesterov=nesterov,
+        trust_clip=trust_clip,
+        lars_denominator="decayed_grad" if decayed_grad else "grad_plus_decay",
+        maximize=maximize,
+        backend=backend,
     )
     weights = [p.detach().double() for p in params]
     buffers = [None] * len(params)
@@ -77,12 +92,23 @@ def test_lars_matches_formula_over_30_steps(backend, nesterov, trust_clip, decay
         for p, g in zip(params, grads):
             p.grad = g.clone()
         opt.step()
-        oracle_step(weights, buffers, [g.double() for g in grads], lars_mask=lars_mask, lr=LR, nesterov=nesterov,
-                    trust_clip=trust_clip, decayed_grad=decayed_grad, maximize=maximize)
+        oracle_step(
+            weights,
+            buffers,
+            [g.double() for g in grads],
+            lars_mask=lars_mask,
+            lr=LR,
+            nesterov=nesterov,
+            trust_clip=trust_clip,
+            decayed_grad=decayed_grad,
+            maximize=maximize,
+        )
     for p, w in zip(params, weights):
         assert ((p.double() - w).abs().max() / w.abs().max().clamp_min(1e-12)).item() < 1e-5
     for p, b in zip(params, buffers):
-        assert ((opt.state[p]["momentum_buffer"].double() - b).abs().max() / b.abs().max().clamp_min(1e-12)).item() < 1e-4
+        assert (
+            (opt.state[p]["momentum_buffer"].double() - b).abs().max() / b.abs().max().clamp_min(1e-12)
+        ).item() < 1e-4
 
 
 def test_lars_actually_rescales():
@@ -142,7 +168,7 @@ def test_lars_is_deterministic_across_thread_counts():
 
 
 def test_lars_state_interoperates_with_torch_sgd():
-    """FusedLARS -> torch.optim.SGD -> FusedLARS keeps buffers bit-identical, and the run continues exactly."""
+    """FusedLARS -> torch.optim.SGD -> FusedLARS keeps buffers bit-identical; the run continues exactly."""
     generator = torch.Generator().manual_seed(4)
     grads = [grads_for(step, generator) for step in range(8)]
     kwargs = dict(lr=LR, momentum=MOMENTUM, weight_decay=WD)
