@@ -1,0 +1,120 @@
+"""End-of-run outputs: ``metrics.json``, ``curves.png`` and a one-line summary."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities import rank_zero_only
+
+__all__ = ["RunSummary"]
+
+
+class RunSummary(pl.Callback):
+    """Records lr, training loss and validation accuracy per step; writes the run's results at the end.
+
+    On rank 0 at the end of ``fit``: ``<output_dir>/metrics.json`` (final logged metrics, best
+    accuracy, steps, wall time, checkpoint paths), ``<output_dir>/curves.png`` (lr, training loss and
+    validation accuracy against the global step) and a last printed line
+    ``summary: name=... val_acc=... ...``.
+
+    Args:
+        output_dir: Where to write the files.
+        name: Run name shown in the summary (the recipe).
+        monitor: The validation accuracy metric.
+    """
+
+    def __init__(self, output_dir: str, name: str = "run", monitor: str = "val/acc") -> None:
+        self.output_dir = Path(output_dir)
+        self.name = name
+        self.monitor = monitor
+        self.lr: list[tuple[int, float]] = []
+        self.train_loss: list[tuple[int, float]] = []
+        self.val_acc: list[tuple[int, float]] = []
+        self.start_time = 0.0
+        self._last_step = 0
+        self.summary: dict[str, Any] = {}
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.start_time = time.perf_counter()
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._last_step = trainer.global_step  # > 0 when resuming
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        step = trainer.global_step
+        if step == self._last_step:  # accumulating: no optimizer step after this batch
+            return
+        self._last_step = step
+        if trainer.optimizers:
+            lr = trainer.optimizers[0].param_groups[0]["lr"]  # the lr this step used
+            self.lr.append((step, float(lr)))
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if isinstance(loss, torch.Tensor):
+            self.train_loss.append((step, loss.item()))
+
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        value = trainer.callback_metrics.get(self.monitor)
+        if value is not None and not trainer.sanity_checking:
+            self.val_acc.append((trainer.global_step, float(value)))
+
+    @rank_zero_only
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        metrics = {key: float(value) for key, value in trainer.callback_metrics.items() if value.numel() == 1}
+        checkpoint = next((cb for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint)), None)
+        best = max((acc for _, acc in self.val_acc), default=math.nan)
+        self.summary = {
+            "name": self.name,
+            self.monitor: metrics.get(self.monitor, math.nan),
+            f"best_{self.monitor}": best,
+            "epochs": trainer.current_epoch,
+            "global_step": trainer.global_step,
+            "wall_time_s": round(time.perf_counter() - self.start_time, 1),
+            "metrics": metrics,
+            "last_checkpoint": checkpoint.last_model_path if checkpoint else "",
+            "best_checkpoint": checkpoint.best_model_path if checkpoint else "",
+        }
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        (self.output_dir / "metrics.json").write_text(json.dumps(self.summary, indent=2) + "\n")
+        self._plot(self.output_dir / "curves.png")
+        print(self.summary_line(), flush=True)
+
+    def summary_line(self) -> str:
+        """``summary: name=quickstart val_acc=0.9833 ...`` from the last recorded run."""
+        metrics = self.summary["metrics"]
+        fields = {"val_acc": self.summary[self.monitor], "best_val_acc": self.summary[f"best_{self.monitor}"]}
+        fields.update(
+            {key.replace("/", "_"): metrics[key] for key in ("val/acc5", "val/loss") if key in metrics}
+        )
+        parts = [f"{key}={value:.4f}" for key, value in fields.items()]
+        parts += [
+            f"epochs={self.summary['epochs']}",
+            f"steps={self.summary['global_step']}",
+            f"time={self.summary['wall_time_s']}s",
+            f"out={self.output_dir}",
+        ]
+        return f"summary: name={self.name} " + " ".join(parts)
+
+    def _plot(self, path: Path) -> None:
+        from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global state
+
+        series = (("learning rate", self.lr), ("train loss", self.train_loss), (self.monitor, self.val_acc))
+        fig = Figure(figsize=(13, 3.5), layout="constrained")
+        axes = fig.subplots(1, 3)
+        for ax, (title, points) in zip(axes, series):
+            if points:
+                steps, values = zip(*points)
+                ax.plot(steps, values, marker="o" if len(points) < 30 else None)
+            ax.set_title(title)
+            ax.set_xlabel("step")
+            ax.grid(alpha=0.3)
+        fig.suptitle(self.name)
+        fig.savefig(path, dpi=100)

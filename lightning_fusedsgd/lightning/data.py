@@ -1,0 +1,408 @@
+"""DataModules: scikit-learn's digits (offline quickstart), CIFAR-10 and ImageFolder from disk, synthetic.
+
+Every training loader draws from :class:`EpochSampler`: the order of epoch ``e`` is a function of
+``(seed, e)`` only, and each sample's augmentation is seeded from ``(seed, e, index)``. A run resumed
+at an epoch boundary therefore sees the same batches and the same augmented pixels as an
+uninterrupted run, whatever the number of loader workers or the global RNG state.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
+from torchvision.transforms import v2
+
+from lightning_fusedsgd.lightning.errors import DataNotFoundError
+
+__all__ = [
+    "CIFAR10DataModule",
+    "DigitsDataModule",
+    "EpochSampler",
+    "ImageFolderDataModule",
+    "SeededDataset",
+    "SyntheticDataModule",
+]
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
+CIFAR10_STD = (0.2470, 0.2435, 0.2616)
+
+Transform = Callable[[Any], Any]
+
+
+class EpochSampler(DistributedSampler):
+    """Shuffles by ``(seed, epoch)``, shards over ranks, and pairs each index with an augmentation seed.
+
+    It yields ``(index, sample_seed)`` keys for :class:`SeededDataset`. Lightning calls
+    ``set_epoch`` before every epoch. Subclassing ``DistributedSampler`` matters: Lightning keeps a
+    sampler of that type under DDP instead of replacing it, so the datamodule passes the rank and
+    world size itself (1 and 0 on a single device).
+
+    Args:
+        dataset: The dataset to sample from.
+        num_replicas: Number of processes sharing the data (``trainer.world_size``).
+        rank: This process's rank (``trainer.global_rank``).
+        shuffle: Shuffle the order each epoch.
+        seed: Base seed of order and augmentation; the same on every rank.
+        drop_last: Drop the tail that does not divide evenly over ranks instead of padding it.
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        *,
+        num_replicas: int = 1,
+        rank: int = 0,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+    ) -> None:
+        super().__init__(
+            dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last
+        )
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:  # type: ignore[override]
+        # A stream separate from the shuffle's (seed + epoch), identical on every rank.
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch + 1)
+        sample_seeds = torch.randint(2**31 - 1, (len(self.dataset),), generator=generator).tolist()
+        for index in super().__iter__():
+            yield index, sample_seeds[index]
+
+
+class SeededDataset(Dataset):
+    """Applies a transform to ``base[index]`` under a CPU RNG seeded per sample.
+
+    Keys are ``(index, seed)`` from :class:`EpochSampler` (random augmentation, reproducible) or a
+    plain ``index`` (evaluation transforms, which draw no random numbers).
+
+    Args:
+        base: A dataset returning ``(image, target)``.
+        transform: Applied to the image; ``None`` returns it unchanged.
+    """
+
+    def __init__(self, base: Dataset, transform: Transform | None = None) -> None:
+        self.base = base
+        self.transform = transform
+
+    def __len__(self) -> int:
+        return len(self.base)  # type: ignore[arg-type]
+
+    def __getitem__(self, key: int | tuple[int, int]) -> tuple[Any, Any]:
+        index, seed = key if isinstance(key, tuple) else (key, None)
+        image, target = self.base[index]
+        if self.transform is None:
+            return image, target
+        if seed is None:
+            return self.transform(image), target
+        # Only the CPU generator is reseeded (and restored), so CUDA RNG streams are untouched.
+        with torch.random.fork_rng(devices=[]):
+            torch.default_generator.manual_seed(seed)
+            return self.transform(image), target
+
+
+class _SeededDataModule(pl.LightningDataModule):
+    """Shared loader logic: :class:`EpochSampler` for training, sequential evaluation."""
+
+    #: Label count and image channels the model must accept (0 classes: known only after ``setup``).
+    num_classes: int = 0
+    in_channels: int = 3
+
+    def __init__(self, batch_size: int, num_workers: int, seed: int, drop_last: bool) -> None:
+        super().__init__()
+        if batch_size < 1:
+            raise ValueError(f"batch_size is the per-device batch and must be >= 1, got {batch_size}")
+        self.batch_size = batch_size
+        self.num_workers = num_workers
+        self.seed = seed
+        self.drop_last = drop_last
+        self.train_set: Dataset | None = None
+        self.val_set: Dataset | None = None
+
+    def check_data(self) -> None:
+        """Raise :class:`DataNotFoundError` if the data is not on disk (cheap; no decoding)."""
+
+    def _ready(self, dataset: Dataset | None) -> Dataset:
+        if dataset is None:
+            raise RuntimeError(f"{type(self).__name__}.setup() has not been called")
+        return dataset
+
+    def _loader(self, dataset: Dataset, sampler: EpochSampler | None) -> DataLoader:
+        return DataLoader(
+            dataset,
+            batch_size=self.batch_size,
+            sampler=sampler,
+            num_workers=self.num_workers,
+            pin_memory=torch.cuda.is_available(),
+            drop_last=self.drop_last and sampler is not None,
+            persistent_workers=self.num_workers > 0,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        trainer = self.trainer
+        world_size, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
+        train_set = self._ready(self.train_set)
+        return self._loader(
+            train_set, EpochSampler(train_set, num_replicas=world_size, rank=rank, seed=self.seed)
+        )
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self._ready(self.val_set), None)
+
+
+class DigitsDataModule(_SeededDataModule):
+    """scikit-learn's 8x8 handwritten digits (1797 images, 10 classes), upsampled; ships offline.
+
+    A fixed stratified split (independent of ``seed``) keeps ``val_fraction`` of the images for
+    validation. Training images get a small random affine transform.
+
+    Args:
+        batch_size: Per-device batch size.
+        image_size: Side the 8x8 images are upsampled to (bilinear).
+        val_fraction: Share of images held out for validation.
+        augment: Random rotation/translation/scale of training images.
+        num_workers: Loader processes; the data lives in memory, so 0 is fastest.
+        seed: Seed of the training order and augmentation.
+        drop_last: Drop the last incomplete training batch.
+    """
+
+    num_classes = 10
+    in_channels = 1
+
+    def __init__(
+        self,
+        batch_size: int = 64,
+        image_size: int = 32,
+        val_fraction: float = 0.2,
+        augment: bool = True,
+        num_workers: int = 0,
+        seed: int = 0,
+        drop_last: bool = False,
+    ) -> None:
+        super().__init__(batch_size, num_workers, seed, drop_last)
+        self.image_size = image_size
+        self.val_fraction = val_fraction
+        self.augment = augment
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is not None:
+            return
+        from sklearn.datasets import load_digits
+        from sklearn.model_selection import train_test_split
+
+        digits = load_digits()
+        images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0  # in [0, 1]
+        images = torch.nn.functional.interpolate(
+            images, size=self.image_size, mode="bilinear", align_corners=False
+        )
+        targets = torch.tensor(digits.target, dtype=torch.long)
+        train_idx, val_idx = train_test_split(
+            range(len(targets)), test_size=self.val_fraction, stratify=digits.target, random_state=0
+        )
+        train_images = images[train_idx]
+        normalize = v2.Normalize([train_images.mean().item()], [train_images.std().item()])
+        # Augment before normalizing so the affine fill (0) is the background colour.
+        train_transform = (
+            v2.Compose([v2.RandomAffine(degrees=10, translate=(0.1, 0.1), scale=(0.9, 1.1)), normalize])
+            if self.augment
+            else normalize
+        )
+        self.train_set = SeededDataset(TensorDataset(train_images, targets[train_idx]), train_transform)
+        self.val_set = SeededDataset(TensorDataset(images[val_idx], targets[val_idx]), normalize)
+
+
+class CIFAR10DataModule(_SeededDataModule):
+    """CIFAR-10 from a local folder (torchvision's python version), standard crop + flip augmentation.
+
+    Args:
+        root: Folder holding ``cifar-10-batches-py/``.
+        batch_size: Per-device batch size.
+        download: Let torchvision download the data into ``root`` if it is missing.
+        num_workers: Loader processes.
+        seed: Seed of the training order and augmentation.
+        drop_last: Drop the last incomplete training batch.
+    """
+
+    num_classes = 10
+    _FILES = ("data_batch_1", "data_batch_2", "data_batch_3", "data_batch_4", "data_batch_5", "test_batch")
+
+    def __init__(
+        self,
+        root: str = "data/cifar10",
+        batch_size: int = 128,
+        download: bool = False,
+        num_workers: int = 4,
+        seed: int = 0,
+        drop_last: bool = False,
+    ) -> None:
+        super().__init__(batch_size, num_workers, seed, drop_last)
+        self.root = root
+        self.download = download
+
+    def check_data(self) -> None:
+        folder = Path(self.root).expanduser().resolve() / "cifar-10-batches-py"
+        if self.download or all((folder / name).is_file() for name in self._FILES):
+            return
+        raise DataNotFoundError(
+            "CIFAR-10 (python version)",
+            str(folder),
+            f"<root>/cifar-10-batches-py/{{{','.join(self._FILES)},batches.meta}}; "
+            "or add data.download=true to fetch it",
+        )
+
+    def prepare_data(self) -> None:
+        if self.download:
+            from torchvision.datasets import CIFAR10
+
+            CIFAR10(self.root, train=True, download=True)
+            CIFAR10(self.root, train=False, download=True)
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is not None:
+            return
+        from torchvision.datasets import CIFAR10
+
+        self.check_data()
+        finish = [
+            v2.ToImage(),
+            v2.ToDtype(torch.float32, scale=True),
+            v2.Normalize(CIFAR10_MEAN, CIFAR10_STD),
+        ]
+        train_transform = v2.Compose([v2.RandomCrop(32, padding=4), v2.RandomHorizontalFlip(), *finish])
+        self.train_set = SeededDataset(CIFAR10(self.root, train=True), train_transform)
+        self.val_set = SeededDataset(CIFAR10(self.root, train=False), v2.Compose(finish))
+
+
+class ImageFolderDataModule(_SeededDataModule):
+    """ImageNet layout (``root/train/<class>/*``, ``root/val/<class>/*``), standard ResNet transforms.
+
+    Training: RandomResizedCrop + horizontal flip. Validation: resize to ``image_size / 0.875``
+    then center crop (256 -> 224).
+
+    Args:
+        root: Dataset folder with ``train/`` and ``val/``.
+        batch_size: Per-device batch size.
+        image_size: Crop size.
+        num_workers: Loader processes per device.
+        seed: Seed of the training order and augmentation.
+        drop_last: Drop the last incomplete training batch.
+    """
+
+    LAYOUT = (
+        "<root>/train/<class>/<image> and <root>/val/<class>/<image> (the torchvision ImageFolder layout)"
+    )
+
+    def __init__(
+        self,
+        root: str = "data/imagenet",
+        batch_size: int = 32,
+        image_size: int = 224,
+        num_workers: int = 8,
+        seed: int = 0,
+        drop_last: bool = False,
+    ) -> None:
+        super().__init__(batch_size, num_workers, seed, drop_last)
+        self.root = root
+        self.image_size = image_size
+
+    def check_data(self) -> None:
+        root = Path(self.root).expanduser().resolve()
+        for split in ("train", "val"):
+            folder = root / split
+            if not folder.is_dir() or not any(entry.is_dir() for entry in os.scandir(folder)):
+                raise DataNotFoundError("ImageNet-style (ImageFolder) data", str(folder), self.LAYOUT)
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is not None:
+            return
+        from torchvision.datasets import ImageFolder
+
+        self.check_data()
+        finish = [
+            v2.ToImage(),
+            v2.ToDtype(torch.float32, scale=True),
+            v2.Normalize(IMAGENET_MEAN, IMAGENET_STD),
+        ]
+        train_transform = v2.Compose(
+            [v2.RandomResizedCrop(self.image_size, antialias=True), v2.RandomHorizontalFlip(), *finish]
+        )
+        val_transform = v2.Compose(
+            [
+                v2.Resize(round(self.image_size / 0.875), antialias=True),
+                v2.CenterCrop(self.image_size),
+                *finish,
+            ]
+        )
+        train = ImageFolder(os.path.join(self.root, "train"))
+        self.num_classes = len(train.classes)
+        self.train_set = SeededDataset(train, train_transform)
+        self.val_set = SeededDataset(ImageFolder(os.path.join(self.root, "val")), val_transform)
+
+
+class SyntheticImages(Dataset):
+    """Gaussian-noise images with random labels, each a pure function of ``(seed, index)``."""
+
+    def __init__(self, length: int, shape: tuple[int, int, int], num_classes: int, seed: int) -> None:
+        self.length = length
+        self.shape = shape
+        self.num_classes = num_classes
+        self.seed = seed
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        image = torch.randn(self.shape, generator=generator)
+        return image, int(torch.randint(self.num_classes, (), generator=generator))
+
+
+class SyntheticDataModule(_SeededDataModule):
+    """Random images for smoke tests and throughput runs; no data needed.
+
+    Args:
+        batch_size: Per-device batch size.
+        image_size: Image side.
+        num_classes: Label range (the configs tie it to the model's).
+        in_channels: Image channels (the configs tie it to the model's).
+        train_samples: Images per training epoch.
+        val_samples: Images per validation pass.
+        num_workers: Loader processes.
+        seed: Seed of the images and the training order.
+        drop_last: Drop the last incomplete training batch.
+    """
+
+    def __init__(
+        self,
+        batch_size: int = 32,
+        image_size: int = 224,
+        num_classes: int = 1000,
+        in_channels: int = 3,
+        train_samples: int = 1024,
+        val_samples: int = 256,
+        num_workers: int = 0,
+        seed: int = 0,
+        drop_last: bool = False,
+    ) -> None:
+        super().__init__(batch_size, num_workers, seed, drop_last)
+        self.image_size = image_size
+        self.num_classes = num_classes
+        self.in_channels = in_channels
+        self.train_samples = train_samples
+        self.val_samples = val_samples
+
+    def setup(self, stage: str | None = None) -> None:
+        shape = (self.in_channels, self.image_size, self.image_size)
+        self.train_set = SeededDataset(
+            SyntheticImages(self.train_samples, shape, self.num_classes, self.seed)
+        )
+        # A different seed stream, so validation images are not the training images.
+        self.val_set = SeededDataset(
+            SyntheticImages(self.val_samples, shape, self.num_classes, self.seed + 1)
+        )

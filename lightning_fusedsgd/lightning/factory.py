@@ -1,0 +1,313 @@
+"""``configure_optimizers`` for FusedSGD/LARS: parameter groups, linear lr scaling, warmup + decay.
+
+Use it in your own LightningModule::
+
+    def configure_optimizers(self):
+        return configure_fused_sgd(self, lr=0.1, weight_decay=1e-4,
+                                   schedule=Schedule(warmup=5, decay="multistep", milestones=(30, 60, 80)))
+
+or as a Hydra node (``_target_: lightning_fusedsgd.lightning.configure_fused_sgd`` with
+``_partial_: true``) whose result the module calls with itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch.utils.data import DataLoader
+
+from lightning_fusedsgd.lightning.errors import ConfigError
+from lightning_fusedsgd.optim import FusedSGD
+from lightning_fusedsgd.param_groups import param_groups
+from lightning_fusedsgd.schedules import WarmupLR, scaled_lr
+
+__all__ = ["Schedule", "clip_gradients", "configure_fused_sgd"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """Warmup and decay, with lengths in epochs or optimizer steps; resolved into a :class:`WarmupLR`.
+
+    Args:
+        decay: ``cosine``, ``multistep``, ``poly``, ``linear`` or ``constant`` (see ``WarmupSchedule``).
+        warmup: Length of the linear warmup, in ``unit`` (fractions of an epoch allowed).
+        milestones: ``multistep`` lr drops, in ``unit``. Milestones at or past the end of the run are
+            dropped: they would never fire, so the lr of every step taken is unchanged.
+        unit: ``"epoch"`` or ``"step"`` (optimizer steps), for ``warmup`` and ``milestones``.
+        start_factor: Warmup's first lr as a fraction of the peak.
+        start_lr: Warmup's first lr as an absolute value (overrides ``start_factor``); Goyal et al.
+            warm up from the base lr, i.e. ``start_lr = lr``. A value above the peak means no ramp.
+        gamma: ``multistep`` factor per milestone.
+        power: ``poly`` exponent.
+        end_lr: Absolute final lr of ``cosine`` / ``poly`` / ``linear``.
+    """
+
+    decay: str = "cosine"
+    warmup: float = 0.0
+    milestones: Sequence[float] = ()
+    unit: Literal["epoch", "step"] = "epoch"
+    start_factor: float = 0.0
+    start_lr: float | None = None
+    gamma: float = 0.1
+    power: float = 2.0
+    end_lr: float = 0.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "milestones", tuple(self.milestones))  # Hydra passes a ListConfig
+        if self.unit not in ("epoch", "step"):
+            raise ConfigError(f"schedule.unit must be 'epoch' or 'step', got {self.unit!r}")
+
+    def build(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        total_steps: int,
+        steps_per_epoch: int | None,
+        peak_lr: float,
+    ) -> WarmupLR:
+        """The scheduler for a run of ``total_steps`` optimizer steps, ``steps_per_epoch`` per epoch.
+
+        Raises:
+            ConfigError: If epochs are used with an unknown epoch length, or the schedule does not fit
+                the run.
+        """
+        in_epochs = self.unit == "epoch" and (self.warmup or self.milestones)
+        if in_epochs and steps_per_epoch is None:
+            raise ConfigError(
+                "the training data has no length, so epochs cannot be converted: use schedule.unit=step"
+            )
+        scale = steps_per_epoch if in_epochs else 1
+        warmup_steps = round(self.warmup * scale)
+        if warmup_steps >= total_steps:
+            # Ramp over the whole run rather than start at a large peak lr unwarmed.
+            rank_zero_warn(
+                f"Schedule: warmup of {warmup_steps} steps does not fit in this run of {total_steps} steps; "
+                f"warming up over {total_steps - 1} steps instead"
+            )
+            warmup_steps = total_steps - 1
+        milestones = [step for step in (round(m * scale) for m in self.milestones) if step < total_steps]
+        # With every milestone past the end, multistep is constant for every step taken.
+        decay = "constant" if self.decay == "multistep" and self.milestones and not milestones else self.decay
+        start_factor = self.start_factor
+        if self.start_lr is not None:
+            start_factor = min(1.0, self.start_lr / peak_lr) if peak_lr > 0 else 1.0
+        try:
+            return WarmupLR(
+                optimizer,
+                total_steps=total_steps,
+                warmup_steps=warmup_steps,
+                start_factor=start_factor,
+                decay=decay,
+                milestones=milestones,
+                gamma=self.gamma,
+                power=self.power,
+                end_lr=self.end_lr,
+            )
+        except ValueError as err:
+            raise ConfigError(f"schedule: {err} (steps per epoch: {steps_per_epoch})") from err
+
+
+def configure_fused_sgd(
+    module: pl.LightningModule,
+    *,
+    lr: float = 0.1,
+    reference_batch_size: int | None = 256,
+    momentum: float = 0.9,
+    weight_decay: float = 1e-4,
+    nesterov: bool = False,
+    dampening: float = 0.0,
+    lars: bool = False,
+    trust_coefficient: float = 0.001,
+    lars_eps: float = 0.0,
+    trust_clip: bool = False,
+    master_weights: bool | None = None,
+    no_decay_bias: bool = True,
+    no_decay_norm: bool = True,
+    no_lars_bias: bool = True,
+    no_lars_norm: bool = True,
+    extra_no_decay: Sequence[str] = (),
+    schedule: Schedule | None = None,
+    batch_size: int | None = None,
+    **optimizer_kwargs: Any,
+) -> dict[str, Any]:
+    """Build parameter groups -> :class:`FusedSGD` -> :class:`WarmupLR` for ``module``'s trainer.
+
+    Call it from ``configure_optimizers``. The peak lr follows the linear scaling rule with the
+    global batch ``per-device batch x trainer.world_size (devices x nodes) x accumulate_grad_batches``;
+    the schedule spans ``trainer.estimated_stepping_batches``. Logs one line with the resolved values.
+
+    Args:
+        module: The LightningModule, attached to a trainer.
+        lr: Base lr for ``reference_batch_size`` images per step.
+        reference_batch_size: Batch size ``lr`` was tuned for; ``None`` uses ``lr`` as the peak as is.
+        momentum: Momentum factor.
+        weight_decay: L2 weight decay of the decayed group.
+        nesterov: Nesterov momentum.
+        dampening: Momentum dampening.
+        lars: LARS trust ratio on the weights (not on biases/norm parameters, per the ``no_lars_*`` flags).
+        trust_coefficient: LARS eta.
+        lars_eps: LARS epsilon.
+        trust_clip: LARC-style clipping of the trust ratio.
+        master_weights: fp32 master weights; ``None`` turns them on when the module's parameters are
+            bf16/fp16 (``precision="bf16-true"``).
+        no_decay_bias: No weight decay on biases.
+        no_decay_norm: No weight decay on normalization and other 1-d parameters.
+        no_lars_bias: No LARS on biases.
+        no_lars_norm: No LARS on normalization and other 1-d parameters.
+        extra_no_decay: fnmatch patterns of more parameter names with neither decay nor LARS.
+        schedule: Warmup and decay; default cosine to zero without warmup.
+        batch_size: Per-device batch size; read from the training DataLoader when ``None``.
+        **optimizer_kwargs: Further :class:`FusedSGD` arguments (``wd_after_momentum``, ``backend``,
+            ``lars_denominator``, ...).
+
+    Returns:
+        ``{"optimizer": ..., "lr_scheduler": {"scheduler": ..., "interval": "step"}}``.
+
+    Raises:
+        ConfigError: If the module has no trainer, the run length or batch size cannot be found,
+            or the schedule does not fit the run.
+    """
+    trainer = module._trainer
+    if trainer is None:
+        raise ConfigError(
+            "configure_fused_sgd needs the module attached to a Trainer: call it from configure_optimizers"
+        )
+    schedule = schedule or Schedule()
+
+    if trainer.train_dataloader is None:
+        # As estimated_stepping_batches does; needed here even when max_steps alone sets the length.
+        trainer.fit_loop.setup_data()
+    total_steps = trainer.estimated_stepping_batches
+    if not math.isfinite(total_steps) or total_steps < 1:
+        raise ConfigError(
+            f"cannot size the lr schedule: the run has {total_steps} optimizer steps; set trainer.max_epochs "
+            "or trainer.max_steps"
+        )
+    total_steps = int(total_steps)
+    accumulate = trainer.accumulate_grad_batches
+    batches = trainer.num_training_batches
+    steps_per_epoch = max(1, math.ceil(batches / accumulate)) if math.isfinite(batches) else None
+    if batch_size is None:
+        batch_size = _per_device_batch_size(trainer)
+    global_batch = batch_size * trainer.world_size * accumulate
+    peak_lr = float(lr) if reference_batch_size is None else scaled_lr(lr, global_batch, reference_batch_size)
+
+    if not lars:
+        # One decayed and one excluded group, as plain SGD recipes have.
+        no_lars_bias, no_lars_norm = no_decay_bias, no_decay_norm
+    groups = param_groups(
+        module,
+        weight_decay,
+        no_decay_bias=no_decay_bias,
+        no_decay_norm=no_decay_norm,
+        no_lars_bias=no_lars_bias,
+        no_lars_norm=no_lars_norm,
+        extra_no_decay=tuple(extra_no_decay),
+    )
+    if not lars:
+        for group in groups:
+            group["lars"] = False
+            group["name"] = "decay" if group["weight_decay"] else "no_decay"
+    if master_weights is None:
+        master_weights = any(p.dtype in (torch.float16, torch.bfloat16) for p in module.parameters())
+
+    optimizer = FusedSGD(
+        groups,
+        lr=peak_lr,
+        momentum=momentum,
+        dampening=dampening,
+        weight_decay=weight_decay,
+        nesterov=nesterov,
+        master_weights=master_weights,
+        lars=lars,
+        trust_coefficient=trust_coefficient,
+        lars_eps=lars_eps,
+        trust_clip=trust_clip,
+        **optimizer_kwargs,
+    )
+    scheduler = schedule.build(
+        optimizer, total_steps=total_steps, steps_per_epoch=steps_per_epoch, peak_lr=peak_lr
+    )
+
+    scaling = "" if reference_batch_size is None else f" = {lr:g} x {global_batch}/{reference_batch_size}"
+    group_sizes = ", ".join(
+        f"{group['name']} {len(group['params'])} tensors/{sum(p.numel() for p in group['params']) / 1e6:.2f}M"
+        for group in optimizer.param_groups
+    )
+    rank_zero_info(
+        f"configure_fused_sgd: {'LARS' if lars else 'SGD'} peak lr {peak_lr:g}{scaling}, "
+        f"global batch {global_batch} "
+        f"({batch_size} per device x {trainer.world_size} processes x {accumulate} accumulated), "
+        f"warmup {scheduler.schedule.warmup_steps} of {total_steps} steps ({steps_per_epoch}/epoch, "
+        f"{schedule.decay}), master_weights={master_weights}, groups: {group_sizes}"
+    )
+    return {
+        "optimizer": optimizer,
+        "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1},
+    }
+
+
+def _per_device_batch_size(trainer: pl.Trainer) -> int:
+    loader = trainer.train_dataloader
+    if isinstance(loader, DataLoader):
+        size = loader.batch_size or getattr(loader.batch_sampler, "batch_size", None)
+        if size:
+            return int(size)
+    raise ConfigError(
+        "configure_fused_sgd cannot read the per-device batch size from the training dataloader "
+        f"({type(loader).__name__}); pass batch_size=..."
+    )
+
+
+def clip_gradients(
+    module: pl.LightningModule,
+    optimizer: torch.optim.Optimizer,
+    gradient_clip_val: float | None,
+    gradient_clip_algorithm: str | None = None,
+) -> None:
+    """Gradient clipping that also works with FusedSGD under Lightning's mixed precision.
+
+    Lightning's ``MixedPrecision.clip_gradients`` raises for any optimizer that unscales gradients
+    itself (``_step_supports_amp_scaling``, as FusedSGD does), under ``16-mixed`` and ``bf16-mixed``
+    alike, because with a GradScaler the gradients are still scaled when clipping would run. This
+    function instead unscales them with the scaler first (``GradScaler.unscale_``, which also records
+    overflow); the scaler's ``step`` then hands FusedSGD ``grad_scale=None`` and the overflow flag, so the
+    kernel does not unscale twice and still skips the step on inf/NaN. The cost is one extra pass over
+    the gradients, which is why the default path leaves unscaling to the kernel. Under ``bf16-mixed``
+    there is no scaler and the gradients are clipped directly. Every other precision goes through
+    Lightning's own ``clip_gradients``.
+
+    Use it from ``configure_gradient_clipping`` (``ImageClassifier`` does)::
+
+        def configure_gradient_clipping(self, optimizer, gradient_clip_val, gradient_clip_algorithm):
+            clip_gradients(self, optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+    Args:
+        module: The LightningModule being trained.
+        optimizer: The optimizer about to step.
+        gradient_clip_val: Clip threshold (``trainer.gradient_clip_val``); ``None`` or 0 does nothing.
+        gradient_clip_algorithm: ``"norm"`` (default) or ``"value"``.
+    """
+    if not gradient_clip_val:
+        return
+    optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap a LightningOptimizer
+    precision = module.trainer.precision_plugin
+    if not (
+        isinstance(precision, MixedPrecision) and getattr(optimizer, "_step_supports_amp_scaling", False)
+    ):
+        module.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        return
+    if precision.scaler is not None:
+        precision.scaler.unscale_(optimizer)
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    if (gradient_clip_algorithm or "norm") == "value":
+        torch.nn.utils.clip_grad_value_(params, gradient_clip_val)
+    else:
+        torch.nn.utils.clip_grad_norm_(params, gradient_clip_val)

@@ -1,0 +1,145 @@
+"""The image-classification LightningModule used by ``train.py``: a torchvision ResNet by name."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+import torchvision
+from torch import nn
+from torchmetrics.classification import MulticlassAccuracy
+
+from lightning_fusedsgd.lightning.errors import ConfigError
+from lightning_fusedsgd.lightning.factory import clip_gradients, configure_fused_sgd
+
+__all__ = ["ImageClassifier", "build_resnet"]
+
+OptimizerFactory = Callable[[pl.LightningModule], Any]
+
+
+def build_resnet(
+    arch: str,
+    num_classes: int,
+    *,
+    in_channels: int = 3,
+    small_input: bool = False,
+    zero_init_residual: bool = False,
+) -> nn.Module:
+    """A torchvision ResNet (``resnet18`` ... ``resnet152``, ``resnext*``, ``wide_resnet*``), untrained.
+
+    Args:
+        arch: torchvision model name.
+        num_classes: Output classes.
+        in_channels: Input channels (the stem is rebuilt when not 3).
+        small_input: CIFAR-style stem for 32x32 images: 3x3 stride-1 first conv and no max-pool.
+        zero_init_residual: Zero the last BatchNorm gamma of every residual block, so each block
+            starts as the identity (Goyal et al. 2017, section 5.1).
+
+    Raises:
+        ConfigError: If ``arch`` is not a torchvision ResNet.
+    """
+    resnets = sorted(
+        name
+        for name in torchvision.models.list_models(torchvision.models)
+        if name.startswith(("resnet", "resnext", "wide_resnet"))
+    )
+    if arch not in resnets:
+        raise ConfigError(
+            f"model.arch={arch!r} is not a torchvision ResNet; choose one of {', '.join(resnets)}"
+        )
+    net = torchvision.models.get_model(
+        arch, weights=None, num_classes=num_classes, zero_init_residual=zero_init_residual
+    )
+    if small_input or in_channels != 3:
+        kernel, stride, padding = (3, 1, 1) if small_input else (7, 2, 3)
+        net.conv1 = nn.Conv2d(in_channels, net.conv1.out_channels, kernel, stride, padding, bias=False)
+        nn.init.kaiming_normal_(net.conv1.weight, mode="fan_out", nonlinearity="relu")  # as torchvision
+    if small_input:
+        net.maxpool = nn.Identity()
+    return net
+
+
+class ImageClassifier(pl.LightningModule):
+    """Cross-entropy classification with top-1/top-5 accuracy and the FusedSGD factory.
+
+    Logs ``train/loss``, ``train/acc``, ``val/loss``, ``val/acc`` and ``val/acc5``.
+
+    Args:
+        arch: torchvision ResNet name (see :func:`build_resnet`).
+        num_classes: Output classes.
+        in_channels: Input image channels.
+        small_input: CIFAR-style stem (see :func:`build_resnet`).
+        zero_init_residual: Zero-init each block's last BatchNorm gamma.
+        label_smoothing: Label smoothing of the training loss (validation loss uses none).
+        channels_last: Keep weights and inputs in channels-last memory format (faster convolutions
+            under mixed precision on recent GPUs).
+        optimizer: ``module -> configure_optimizers() result``, typically
+            ``functools.partial(configure_fused_sgd, lr=..., ...)`` (a Hydra ``_partial_`` node);
+            ``None`` uses :func:`configure_fused_sgd`'s defaults.
+    """
+
+    def __init__(
+        self,
+        arch: str = "resnet18",
+        num_classes: int = 10,
+        in_channels: int = 3,
+        small_input: bool = False,
+        zero_init_residual: bool = False,
+        label_smoothing: float = 0.0,
+        channels_last: bool = False,
+        optimizer: OptimizerFactory | None = None,
+    ) -> None:
+        super().__init__()
+        # The optimizer factory is code, not a hyperparameter; Hydra saves the full config anyway.
+        self.save_hyperparameters(ignore=["optimizer"])
+        self.net = build_resnet(
+            arch,
+            num_classes,
+            in_channels=in_channels,
+            small_input=small_input,
+            zero_init_residual=zero_init_residual,
+        )
+        self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
+        self.net.to(memory_format=self.memory_format)
+        self.label_smoothing = label_smoothing
+        self.optimizer_factory = optimizer
+        self.val_acc = MulticlassAccuracy(num_classes, top_k=1, average="micro")
+        self.val_acc5 = MulticlassAccuracy(num_classes, top_k=min(5, num_classes), average="micro")
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.net(images.contiguous(memory_format=self.memory_format))
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        images, targets = batch
+        logits = self(images)
+        loss = F.cross_entropy(logits, targets, label_smoothing=self.label_smoothing)
+        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/acc", (logits.argmax(dim=1) == targets).float().mean())
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        images, targets = batch
+        logits = self(images)
+        self.log("val/loss", F.cross_entropy(logits, targets), prog_bar=True, sync_dist=True)
+        self.val_acc(logits, targets)
+        self.val_acc5(logits, targets)
+        self.log("val/acc", self.val_acc, prog_bar=True)
+        self.log("val/acc5", self.val_acc5)
+
+    def configure_optimizers(self) -> Any:
+        if self.optimizer_factory is None:
+            return configure_fused_sgd(self)
+        return self.optimizer_factory(self)
+
+    def configure_gradient_clipping(
+        self,
+        optimizer: torch.optim.Optimizer,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:
+        # Lightning refuses to clip under a GradScaler for optimizers that unscale themselves;
+        # clip_gradients unscales first instead (see its docstring).
+        clip_gradients(self, optimizer, gradient_clip_val, gradient_clip_algorithm)

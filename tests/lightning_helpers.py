@@ -1,0 +1,108 @@
+"""Shared pieces of the Lightning/Hydra tests: a user's own small LightningModule and config composition."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, open_dict
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_fusedsgd.lightning import clip_gradients, configure_fused_sgd
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class TinyClassifier(pl.LightningModule):
+    """What a user writes: their own module, with ``configure_fused_sgd`` in ``configure_optimizers``."""
+
+    def __init__(self, samples: int = 80, batch_size: int = 16, **factory_kwargs: Any) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1),
+            nn.BatchNorm2d(8),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(8, 4),
+        )
+        generator = torch.Generator().manual_seed(0)
+        self.data = TensorDataset(
+            torch.randn(samples, 3, 8, 8, generator=generator), torch.arange(samples) % 4
+        )
+        self.batch_size = batch_size
+        self.factory_kwargs = factory_kwargs
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        images, targets = batch
+        loss = F.cross_entropy(self.net(images), targets)
+        self.log("train/loss", loss)
+        return loss
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.data, batch_size=self.batch_size)
+
+    def configure_optimizers(self) -> Any:
+        return configure_fused_sgd(self, **self.factory_kwargs)
+
+
+class ClippingTinyClassifier(TinyClassifier):
+    """Adds the documented clipping hook and records the gradient norm it leaves for the optimizer."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.clipped_norms: list[float] = []
+
+    def configure_gradient_clipping(
+        self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None
+    ) -> None:
+        clip_gradients(self, optimizer, gradient_clip_val, gradient_clip_algorithm)
+        grads = [p.grad.float() for p in self.parameters() if p.grad is not None]
+        self.clipped_norms.append(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item())
+
+
+def cpu_trainer(**kwargs: Any) -> pl.Trainer:
+    """A quiet CPU trainer for tests."""
+    defaults = dict(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    return pl.Trainer(**{**defaults, **kwargs})
+
+
+def compose_train(overrides: list[str], output_dir: Path) -> DictConfig:
+    """``train.py``'s config as Hydra composes it, with the run dir set, ready for ``runner.train``."""
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("train", overrides=overrides, return_hydra_config=True)
+    with open_dict(cfg):
+        cfg.hydra.runtime.output_dir = str(output_dir)
+    HydraConfig.instance().set_config(cfg)  # resolves ${hydra:...} as in a real run
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return cfg
+
+
+def run_train_py(args: list[str], cwd: Path = ROOT, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``python train.py ARGS`` as a user runs it."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "HYDRA_FULL_ERROR": "0"}
+    return subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

@@ -1,0 +1,172 @@
+"""Every recipe composes and instantiates from the real config; fast_dev_run of two of them."""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from hydra.utils import instantiate
+from lightning_helpers import ROOT, compose_train
+from omegaconf import OmegaConf
+
+from lightning_fusedsgd.lightning import ImageClassifier, Schedule
+from lightning_fusedsgd.lightning.runner import train
+
+RECIPES = sorted(path.stem for path in (ROOT / "recipes").glob("*.yaml"))
+
+# The published hyperparameters each recipe must carry (sources in the recipe files and DESIGN.md).
+PUBLISHED = {
+    "quickstart": {
+        "data._target_": "DigitsDataModule",
+        "model.arch": "resnet18",
+        "model.in_channels": 1,
+        "model.zero_init_residual": True,
+        "optim.lr": 0.2,
+        "schedule.milestones": [6, 8],
+        "trainer.max_epochs": 10,
+    },
+    "resnet50": {
+        "data._target_": "ImageFolderDataModule",
+        "model.arch": "resnet50",
+        "model.zero_init_residual": True,
+        "data.batch_size": 32,
+        "optim.lr": 0.1,
+        "optim.reference_batch_size": 256,
+        "optim.momentum": 0.9,
+        "optim.weight_decay": 1e-4,
+        "optim.no_decay_norm": True,
+        "optim.lars": False,
+        "schedule.decay": "multistep",
+        "schedule.warmup": 5,
+        "schedule.start_lr": 0.1,
+        "schedule.milestones": [30, 60, 80],
+        "trainer.max_epochs": 90,
+    },
+    "resnet50_lars": {
+        "data._target_": "ImageFolderDataModule",
+        "model.arch": "resnet50",
+        "data.batch_size": 408,
+        "optim.lr": 10.5,
+        "optim.reference_batch_size": 3264,
+        "optim.lars": True,
+        "optim.trust_coefficient": 0.001,
+        "optim.lars_eps": 0.0,
+        "optim.weight_decay": 5e-5,
+        "optim.momentum": 0.9,
+        "optim.no_lars_norm": True,
+        "model.label_smoothing": 0.1,
+        "schedule.decay": "poly",
+        "schedule.power": 2.0,
+        "schedule.end_lr": 1e-4,
+        "schedule.warmup": 2,
+        "trainer.max_epochs": 37,
+    },
+    "resnet50_torchvision_v1": {
+        "data._target_": "ImageFolderDataModule",
+        "model.arch": "resnet50",
+        "model.zero_init_residual": False,
+        "data.batch_size": 32,
+        "optim.lr": 0.1,
+        "optim.reference_batch_size": 256,
+        "optim.weight_decay": 1e-4,
+        "optim.no_decay_norm": False,
+        "optim.no_decay_bias": False,
+        "schedule.decay": "multistep",
+        "schedule.warmup": 0,
+        "schedule.milestones": [30, 60],
+        "trainer.max_epochs": 90,
+    },
+    "resnet18_cifar10": {
+        "data._target_": "CIFAR10DataModule",
+        "model.arch": "resnet18",
+        "model.small_input": True,
+        "data.batch_size": 128,
+        "optim.lr": 0.1,
+        "optim.reference_batch_size": 128,
+        "optim.weight_decay": 5e-4,
+        "optim.no_decay_norm": False,
+        "schedule.decay": "cosine",
+        "trainer.max_epochs": 200,
+    },
+}
+
+
+def test_every_recipe_is_checked():
+    assert set(RECIPES) == set(PUBLISHED)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_recipe_states_source_result_and_command(recipe):
+    text = (ROOT / "recipes" / f"{recipe}.yaml").read_text()
+    assert text.startswith("# @package _global_")
+    assert re.search(r"^# Source: \S", text, re.M)
+    assert re.search(r"^# Published[^:]*: .*\d%", text, re.M)
+    assert re.search(
+        rf"^# Run: python train.py{'' if recipe == 'quickstart' else f' recipe={recipe}'}", text, re.M
+    )
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_recipe_composes_and_instantiates(recipe, tmp_path):
+    cfg = compose_train([f"recipe={recipe}"], tmp_path)
+    assert cfg.name == recipe
+    for key, value in PUBLISHED[recipe].items():
+        actual = OmegaConf.select(cfg, key)
+        if key.endswith("_target_"):
+            assert actual.endswith(value), key
+        else:
+            assert (OmegaConf.to_object(actual) if OmegaConf.is_config(actual) else actual) == value, key
+
+    datamodule = instantiate(cfg.data)  # no data needed until setup()
+    assert isinstance(datamodule, pl.LightningDataModule) and datamodule.batch_size == cfg.data.batch_size
+    factory = instantiate(cfg.optim)
+    assert isinstance(factory, functools.partial)
+    schedule = instantiate(cfg.schedule)
+    assert isinstance(schedule, Schedule)
+    model = instantiate(cfg.model, optimizer=functools.partial(factory, schedule=schedule))
+    assert isinstance(model, ImageClassifier)
+    if cfg.model.zero_init_residual:
+        last_bn = model.net.layer1[0].bn3 if cfg.model.arch == "resnet50" else model.net.layer1[0].bn2
+        assert torch.count_nonzero(last_bn.weight) == 0
+    callbacks = [instantiate(node) for node in cfg.callbacks.values()]
+    trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=instantiate(cfg.logger))
+    assert trainer.max_epochs == cfg.trainer.max_epochs
+    assert trainer.checkpoint_callback.dirpath == str(tmp_path / "checkpoints")
+
+
+def test_fast_dev_run_default_recipe(tmp_path):
+    summary = train(compose_train(["trainer.fast_dev_run=true", "trainer.accelerator=cpu"], tmp_path))
+    assert summary["global_step"] == 1
+    assert 0.0 <= summary["val/acc"] <= 1.0
+    assert json.loads((tmp_path / "metrics.json").read_text())["name"] == "quickstart"
+
+
+def test_fast_dev_run_resnet50_on_synthetic_data(tmp_path):
+    overrides = [
+        "recipe=resnet50",
+        "data=synthetic",
+        "data.image_size=32",
+        "data.batch_size=2",
+        "trainer.fast_dev_run=true",
+        "trainer.accelerator=cpu",
+    ]
+    summary = train(compose_train(overrides, tmp_path))
+    assert summary["global_step"] == 1 and summary["name"] == "resnet50"
+
+
+def test_resume_from_last_checkpoint_continues_the_run(tmp_path):
+    short = [
+        "trainer.limit_train_batches=2",
+        "trainer.limit_val_batches=1",
+        "data.batch_size=8",
+        "trainer.accelerator=cpu",
+    ]
+    first = train(compose_train([*short, "trainer.max_epochs=1"], tmp_path / "first"))
+    assert first["global_step"] == 2
+    last = tmp_path / "first" / "checkpoints" / "last.ckpt"
+    resumed = train(compose_train([*short, "trainer.max_epochs=2", f"ckpt_path={last}"], tmp_path / "second"))
+    assert resumed["global_step"] == 4 and resumed["epochs"] == 2
