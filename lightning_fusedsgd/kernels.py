@@ -62,7 +62,8 @@ def _build_key() -> str:
     digest = hashlib.sha256()
     for name in _SOURCES + _HEADERS:
         digest.update((_CSRC / name).read_bytes())
-    for part in (*_CFLAGS, *_LDFLAGS, torch.__version__, sys.version, _cpu_signature()):
+    # The .so links against this torch installation's libraries: another venv gets its own build.
+    for part in (*_CFLAGS, *_LDFLAGS, torch.__version__, torch.__file__, sys.version, _cpu_signature()):
         digest.update(part.encode())
     return digest.hexdigest()[:16]
 
