@@ -171,6 +171,14 @@ class FusedSGD(Optimizer):
         super().add_param_group(param_group)
         self._cached_plan = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        # torch.optim.Optimizer pickles only defaults, state and groups; keep our settings too.
+        return {**super().__getstate__(), "set_grad_none": self.set_grad_none, "backend": self.backend}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._cached_plan = None
+
     def zero_grad(self, set_to_none: bool | None = None) -> None:
         """Clears gradients; ``set_to_none`` defaults to the constructor's ``set_grad_none``."""
         super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)

@@ -395,3 +395,22 @@ def test_torch_sgd_state_with_one_group_loads_into_two_groups_by_name():
         for name, p in zip(group["param_names"], group["params"]):
             assert torch.equal(opt.state[p]["momentum_buffer"], by_name[name]["momentum_buffer"])
     assert [g["weight_decay"] for g in opt.param_groups] == [1e-4, 0.0]  # our grouping's hyperparameters kept
+
+
+def test_deepcopy_and_pickle_keep_settings_and_state():
+    import pickle
+
+    params = make_params()
+    opt = FusedSGD(params, lr=0.05, momentum=0.9, set_grad_none=False, backend="torch")
+    set_grads([params], 0, torch.Generator().manual_seed(8))
+    opt.step()
+    for copied in (copy.deepcopy(opt), pickle.loads(pickle.dumps(opt))):
+        assert copied.backend == "torch" and copied.set_grad_none is False
+        copied_params = [p for g in copied.param_groups for p in g["params"]]
+        for p, q in zip(copied_params, params):
+            assert copied.state[p].keys() == opt.state[q].keys()
+            assert all(torch.equal(copied.state[p][key], value) for key, value in opt.state[q].items())
+            p.grad = torch.ones_like(p)
+        copied.step()  # steps with the copied state and settings
+        copied.zero_grad()
+        assert all(p.grad is not None for p in copied_params)  # set_grad_none=False survived
