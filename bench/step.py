@@ -33,13 +33,12 @@ def contenders(params: list[torch.Tensor], master_weights: bool) -> dict[str, ob
     fused_ours = FusedSGD(clone_params(params), master_weights=master_weights, backend="compiled", **HPARAMS)
     foreach = torch.optim.SGD(clone_params(params), foreach=True, **HPARAMS)
     fused_torch = torch.optim.SGD(clone_params(params), fused=True, **HPARAMS)
-    fused_ours.step()  # creates buffers and masters, so the floor can use the same layout
-    floor_params = [p for g in fused_ours.param_groups for p in g["params"]]
+    fused_ours.step()  # creates buffers and masters, so the floor can copy their layout
+    ours = [p for g in fused_ours.param_groups for p in g["params"]]
+    floor_params = clone_params(ours)  # the floor scribbles over its tensors: never the timed optimizer's
     floor_grads = [p.grad for p in floor_params]
-    floor_bufs = [torch.empty_like(fused_ours.state[p]["momentum_buffer"]) for p in floor_params]
-    floor_masters = (
-        [fused_ours.state[p]["master_param"].clone() for p in floor_params] if master_weights else []
-    )
+    floor_bufs = [fused_ours.state[p]["momentum_buffer"].clone() for p in ours]
+    floor_masters = [fused_ours.state[p]["master_param"].clone() for p in ours] if master_weights else []
     return {
         "FusedSGD": fused_ours.step,
         "torch foreach": foreach.step,

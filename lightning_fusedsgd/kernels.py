@@ -9,7 +9,9 @@ prebuilds it.
 Backends:
     ``compiled``: our kernel (CPU tensors).
     ``torch``: the same math in plain PyTorch (``reference.py``): the oracle in tests and the fallback.
-    ``torch_fused``: ``torch._fused_sgd_`` (CUDA, where its semantics are identical to ours).
+    ``torch_fused``: ``torch._fused_sgd_`` (CUDA, where its semantics are identical to ours). Like
+        torch's own fused SGD it unscales ``p.grad`` in place under a GradScaler; the other backends
+        leave gradients untouched.
     ``auto``: ``compiled`` on CPU, ``torch_fused`` on CUDA where eligible, else ``torch``.
 
 Where the compiler is missing, ``auto`` warns once and runs ``torch``. Setting
@@ -98,12 +100,15 @@ def _build_and_import(verbose: bool) -> ModuleType:
     key = _build_key()
     name = f"lightning_fusedsgd_C_{key}"
     build_dir = cache_dir() / key
-    built = build_dir / f"{name}.so"
-    if built.exists():  # import directly: skips the toolchain check that load() runs in every process
-        spec = importlib.util.spec_from_file_location(name, built)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
+    ready = build_dir / "ready"  # written after a complete build: a half-linked .so is never imported
+    if ready.exists():
+        try:  # import directly: skips the toolchain check that load() runs in every process
+            spec = importlib.util.spec_from_file_location(name, build_dir / f"{name}.so")
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            return module
+        except (ImportError, OSError):
+            pass  # a damaged cache: go through cpp_extension's locked build below
     # cpp_extension logs a CUDA_HOME notice at import on machines without CUDA; it is irrelevant here.
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     from torch.utils import cpp_extension
@@ -114,7 +119,7 @@ def _build_and_import(verbose: bool) -> ModuleType:
         file=sys.stderr,
     )
     try:
-        return cpp_extension.load(
+        module = cpp_extension.load(
             name=name,
             sources=[str(_CSRC / source) for source in _SOURCES],
             extra_cflags=list(_CFLAGS),
@@ -123,13 +128,14 @@ def _build_and_import(verbose: bool) -> ModuleType:
             build_directory=str(build_dir),
             verbose=verbose,
         )
-    except (
-        Exception
-    ) as error:  # the toolchain raises many types: compiler missing, ninja missing, link errors
+    # The toolchain raises many types: compiler or ninja missing, compile and link errors.
+    except Exception as error:
         raise KernelBuildError(
             f"could not build the lightning_fusedsgd kernel in {build_dir}: {error}. "
             "Install a C++ compiler (g++) and ninja, or use FusedSGD(..., backend='torch')."
         ) from error
+    ready.touch()
+    return module
 
 
 @functools.cache

@@ -159,15 +159,18 @@ class FusedSGD(Optimizer):
         merged = {**self.defaults, **param_group}
         _check_hyperparameters(merged)
         params = param_group["params"]
-        tensors = (
-            [params] if isinstance(params, Tensor) else [p[1] if isinstance(p, tuple) else p for p in params]
-        )
+        # Materialized once: a generator (model.parameters()) would be used up by the checks below.
+        params = param_group["params"] = [params] if isinstance(params, Tensor) else list(params)
+        tensors = [p[1] if isinstance(p, tuple) else p for p in params]
         devices = {p.device for p in tensors if isinstance(p, Tensor)}
         if len(devices) > 1:
             raise ValueError(
                 f"All parameters of one group must be on one device, got {sorted(map(str, devices))}: "
                 "move the model to one device before building the optimizer, or use one group per device."
             )
+        if len({id(p) for p in tensors}) != len(tensors):
+            # torch.optim only warns; in one fused call a repeated tensor would be updated twice at once.
+            raise ValueError("A parameter group lists the same parameter twice: pass each parameter once.")
         super().add_param_group(param_group)
         self._cached_plan = None
 
@@ -220,6 +223,8 @@ class FusedSGD(Optimizer):
                 None if grad_scale is None else grad_scale.to(device),
                 None if found_inf is None else found_inf.to(device),
             )
+        for bucket in buckets.values():
+            bucket.grads = []  # a cached plan must not keep this step's gradients alive after zero_grad
         for param, dense in staged:
             param.copy_(dense)
         for param, key, value in new_state:
@@ -425,16 +430,17 @@ class _CachedPlan:
     """A validated plan, reused while the parameters, their state and the group structure are unchanged.
 
     Building a plan costs a few microseconds of Python per parameter, which on models with thousands of
-    small tensors is as much as the update itself. Reuse is checked in bulk: the same params (by identity
-    and dtype) with the same grad/no-grad pattern, grads laid out like their params (checked in C++), the
-    same state dicts and state tensors (by identity), and the same momentum/master-weights switches.
+    small tensors is as much as the update itself. Reuse is checked in bulk: the same params (by identity,
+    dtype, device, shape and strides, against detached views taken at capture) with the same grad/no-grad
+    pattern, grads laid out like their params (checked in C++), the same state dicts and state tensors (by
+    identity), and the same momentum/master-weights switches.
     """
 
     group_key: list[tuple[int, bool, bool]]
     params: list[Tensor]
-    dtypes: list[torch.dtype]
     has_grad: list[bool]
     stepped: list[Tensor]
+    layouts: list[Tensor]
     state_dicts: list[dict[str, Any]]
     state_tensors: list[Tensor | None]
     buckets: dict[tuple, _Bucket]
@@ -459,9 +465,9 @@ class _CachedPlan:
         return cls(
             group_key=cls._group_key(optimizer),
             params=params,
-            dtypes=[p.dtype for p in params],
             has_grad=[p.grad is not None for p in params],
             stepped=stepped,
+            layouts=[p.detach() for p in stepped],
             state_dicts=state_dicts,
             state_tensors=cls._state_tensors(state_dicts),
             buckets=buckets,
@@ -474,7 +480,6 @@ class _CachedPlan:
         if not (
             len(params) == len(self.params)
             and all(map(operator.is_, params, self.params))
-            and list(map(_dtype_of, params)) == self.dtypes
             and self._group_key(optimizer) == self.group_key
         ):
             return None
@@ -486,6 +491,7 @@ class _CachedPlan:
         if not (
             all(map(operator.is_, state_dicts, self.state_dicts))
             and all(map(operator.is_, self._state_tensors(state_dicts), self.state_tensors))
+            and kernels.load_extension().same_layouts(self.layouts, self.stepped)
             and kernels.load_extension().same_layouts(self.stepped, grads)
         ):
             return None
@@ -495,13 +501,14 @@ class _CachedPlan:
 
 
 _grad_of = operator.attrgetter("grad")
-_dtype_of = operator.attrgetter("dtype")
 _get_buffer = operator.methodcaller("get", "momentum_buffer")
 _get_master = operator.methodcaller("get", "master_param")
 
 
 class FusedLARS(FusedSGD):
     """FusedSGD with LARS on by default, for configs that name an optimizer class.
+
+    The signature is spelled out (not ``**kwargs``) because LightningCLI and Hydra read it.
 
     Groups can still turn it off per group (``lars=False``), as ``param_groups`` does for biases and
     normalization parameters. Arguments are those of :class:`FusedSGD`.

@@ -13,13 +13,9 @@ from lightning_fusedsgd import FusedSGD
 from lightning_fusedsgd.kernels import load_extension
 
 BACKENDS = ["compiled", "torch", "torch_fused"]
-SHAPES = [
-    (8, 3, 3, 3),
-    (8,),
-    (33, 17),
-    (5000,),
-    (3, 5, 4, 4),
-]  # last two exceed one kernel chunk / go channels_last
+# (70000,) spans several kernel chunks and takes the bucket past the single-thread threshold; the 4-d
+# shapes go channels_last.
+SHAPES = [(8, 3, 3, 3), (8,), (33, 17), (70_000,), (3, 5, 4, 4)]
 
 
 def valid_combinations():
@@ -108,7 +104,7 @@ def test_tensor_lr_and_closure(backend):
     ours, theirs = make_params(), make_params()
     opt = FusedSGD(ours, lr=torch.tensor(0.05), momentum=0.9, backend=backend)
     ref = torch.optim.SGD(theirs, lr=0.05, momentum=0.9, foreach=False)
-    x = torch.randn(5000)
+    x = torch.randn(70_000)
 
     def closure(params):
         def fn():
@@ -220,7 +216,7 @@ def test_grad_scaler_unscales_in_kernel_and_skips_overflow():
     ours, theirs = make_params(), make_params()
     opt = FusedSGD(ours, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3)
     ref = torch.optim.SGD(theirs, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3, foreach=False)
-    x = torch.randn(5000)
+    x = torch.randn(70_000)
 
     def backward(params, scaler, overflow):
         loss = sum((p**2).sum() for p in params[:3]) + (params[3] * x).sum()
@@ -414,3 +410,51 @@ def test_deepcopy_and_pickle_keep_settings_and_state():
         copied.step()  # steps with the copied state and settings
         copied.zero_grad()
         assert all(p.grad is not None for p in copied_params)  # set_grad_none=False survived
+
+
+def test_groups_given_as_generators_keep_their_params():
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2))
+    opt = FusedSGD([{"params": model[0].parameters()}, {"params": model[1].parameters(), "lr": 0.01}], lr=0.1)
+    assert [len(g["params"]) for g in opt.param_groups] == [2, 2]
+
+
+def test_layout_change_after_a_cached_step_is_handled_like_torch():
+    """A param re-laid out in place (p.data = ...) must not reach the kernel with its old buffer."""
+    ours = [nn.Parameter(torch.randn(4, 3, 5, 5)), nn.Parameter(torch.randn(70_000, dtype=torch.float64))]
+    theirs = [nn.Parameter(p.detach().clone()) for p in ours]
+    opt = FusedSGD(ours, lr=0.05, momentum=0.9)
+    ref = torch.optim.SGD(theirs, lr=0.05, momentum=0.9, foreach=False)
+    generator = torch.Generator().manual_seed(9)
+    for step in range(4):
+        if step == 2:
+            ours[0].data = ours[0].data.contiguous(memory_format=torch.channels_last)
+        for p, q in zip(ours, theirs):
+            g = torch.randn(p.shape, generator=generator, dtype=p.dtype)
+            p.grad = (
+                g.clone(memory_format=torch.preserve_format) if p is ours[1] else torch.empty_like(p).copy_(g)
+            )
+            q.grad = g.clone()
+        opt.step()
+        ref.step()
+    assert ours[0].is_contiguous(memory_format=torch.channels_last)
+    assert_close_rel(ours, theirs, 1e-6)
+
+
+def test_a_cached_plan_does_not_keep_gradients_alive():
+    import weakref
+
+    params = make_params()
+    opt = FusedSGD(params, lr=0.05, momentum=0.9)
+    for _ in range(3):  # the second step onwards reuses the cached plan
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+    refs = [weakref.ref(p.grad) for p in params]
+    opt.zero_grad(set_to_none=True)
+    assert all(r() is None for r in refs)
+
+
+def test_a_parameter_listed_twice_is_refused():
+    p = nn.Parameter(torch.randn(3))
+    with pytest.raises(ValueError, match="same parameter twice"):
+        FusedSGD([p, p], lr=0.1)

@@ -36,6 +36,8 @@ def assert_unchanged(opt, params, before):
         (dict(nesterov=True), "Nesterov momentum requires momentum > 0"),
         (dict(nesterov=True, momentum=0.9, dampening=0.1), "dampening = 0"),
         (dict(lars_denominator="nope"), "Unknown lars_denominator"),
+        (dict(trust_coefficient=0.0), "trust_coefficient > 0"),
+        (dict(lars_eps=-1e-8), "lars_eps >= 0"),
         (dict(backend="cuda_magic"), "Unknown backend"),
     ],
 )
