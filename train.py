@@ -14,6 +14,7 @@ from omegaconf import DictConfig
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> None:
     # Heavy imports after Hydra has parsed the command line, so --help and --cfg stay instant.
+    from lightning_fusedsgd.checkpoint import CheckpointError
     from lightning_fusedsgd.lightning.errors import ConfigError
     from lightning_fusedsgd.lightning.runner import train
 
@@ -22,7 +23,7 @@ def main(cfg: DictConfig) -> None:
     logging.getLogger("lightning").handlers.clear()
     try:
         train(cfg)
-    except ConfigError as err:  # a user mistake: its message, no traceback
+    except (ConfigError, CheckpointError) as err:  # a user mistake or a bad file: its message, no traceback
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
 

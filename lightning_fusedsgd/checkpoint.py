@@ -1,6 +1,7 @@
 """Checkpoints that keep momentum, master weights and the schedule: read, validate, remap, write.
 
-Four jobs, each usable on its own:
+Plain PyTorch (the Lightning glue is in :mod:`lightning_fusedsgd.lightning.checkpointing`). Four jobs,
+each usable on its own:
 
 * **Read safely.** :func:`read_checkpoint_file` verifies the zip records' CRC32 (``torch.load`` does
   not, so a flipped byte in tensor data would load silently) and turns every failure into a
@@ -11,13 +12,11 @@ Four jobs, each usable on its own:
   recomputed, so buffers stay bit-identical.
 * **Start a run from a foreign checkpoint.** :func:`read_start_checkpoint` reads a Lightning, a
   torchvision-reference (``{"model", "optimizer", "lr_scheduler", "epoch", "args"}``) or a plain
-  weights file and validates it against a module before anything changes;
-  :class:`InitFromCheckpoint` (a Lightning ``Callback``) loads weights and optimizer state once
-  ``configure_optimizers`` has built the optimizer. Lightning's own ``ckpt_path`` is for resuming a
-  run of the same module and optimizer; this is for bringing a checkpoint from elsewhere.
-* **Write atomically.** :class:`AtomicCheckpointIO` (``Trainer(plugins=[AtomicCheckpointIO()])``)
-  writes to a temporary file in the target directory, fsyncs, renames and fsyncs the directory, so
-  ``last.ckpt`` is always either the old or the new complete checkpoint.
+  weights file and validates it against a module before anything changes; :func:`load_optimizer_state`
+  and :func:`seed_master_weights` apply it.
+* **Write atomically.** :func:`save_checkpoint_file` writes to a temporary file in the target
+  directory, fsyncs, renames and fsyncs the directory, so the target is always either the old or the
+  new complete checkpoint.
 """
 
 from __future__ import annotations
@@ -28,35 +27,28 @@ import glob
 import os
 import pickle
 import secrets
-import warnings
 import zipfile
 from collections import Counter
 from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import fsspec
-import lightning.pytorch as pl
 import torch
-from fsspec.implementations.local import LocalFileSystem
-from lightning.pytorch.plugins.io import TorchCheckpointIO
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
 __all__ = [
-    "AtomicCheckpointIO",
     "CheckpointError",
     "CheckpointMismatchError",
-    "InitFromCheckpoint",
     "StartState",
     "load_optimizer_state",
     "read_checkpoint_file",
     "read_start_checkpoint",
     "remap_optimizer_state_dict",
     "same_param_layout",
+    "save_checkpoint_file",
+    "seed_master_weights",
 ]
 
-# Non-tensor objects known checkpoints hold, allowed under ``weights_only=True``:
 # torchvision's reference script stores its argparse namespace under "args".
 _SAFE_GLOBALS = [argparse.Namespace]
 # How many names an error message lists per category before summarizing.
@@ -101,7 +93,9 @@ def _unreadable(path: str, exc: BaseException) -> CheckpointError:
     message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     if isinstance(exc, pickle.UnpicklingError) and message.startswith("Weights only load failed"):
         # torch's message is long; the line naming the refused object is the useful part.
-        detail = next((line.strip() for line in str(exc).splitlines() if "Unsupported global" in line), message)
+        detail = next(
+            (line.strip() for line in str(exc).splitlines() if "Unsupported global" in line), message
+        )
         return CheckpointError(
             f"checkpoint {path!r} holds pickled Python objects that a weights-only load refuses "
             f"({detail}). Nothing was loaded; if you trust the file's source, load it without that "
@@ -457,7 +451,11 @@ class StartState:
 
 
 def _is_state_dict(value: Any) -> bool:
-    return isinstance(value, Mapping) and bool(value) and all(isinstance(v, torch.Tensor) for v in value.values())
+    return (
+        isinstance(value, Mapping)
+        and bool(value)
+        and all(isinstance(v, torch.Tensor) for v in value.values())
+    )
 
 
 def _unpack(
@@ -474,16 +472,22 @@ def _unpack(
         meta = {"epoch": checkpoint.get("epoch"), "global_step": checkpoint.get("global_step")}
         return "lightning", checkpoint["state_dict"], next(iter(optimizer_states), None), meta
     if _is_state_dict(checkpoint.get("model")):
-        return "torchvision", checkpoint["model"], checkpoint.get("optimizer"), {
-            "epoch": checkpoint.get("epoch"),
-            "args": checkpoint.get("args"),
-        }
+        return (
+            "torchvision",
+            checkpoint["model"],
+            checkpoint.get("optimizer"),
+            {
+                "epoch": checkpoint.get("epoch"),
+                "args": checkpoint.get("args"),
+            },
+        )
     if _is_state_dict(checkpoint.get("state_dict")):
         return "weights", checkpoint["state_dict"], None, {}
     if _is_state_dict(checkpoint):
         return "weights", checkpoint, None, {}
+    keys = _listed(sorted(map(str, checkpoint)))
     raise CheckpointError(
-        f"checkpoint {path!r} has an unknown layout (top-level keys: {_listed(sorted(map(str, checkpoint)))}); "
+        f"checkpoint {path!r} has an unknown layout (top-level keys: {keys}); "
         "expected a Lightning checkpoint, a torchvision reference checkpoint ({'model', 'optimizer', "
         "'lr_scheduler', 'epoch'}) or a state dict of tensors"
     )
@@ -529,7 +533,9 @@ def _torchvision_group_names(module: nn.Module, args: Any) -> list[list[str]]:
     return [names for names in groups.values() if names]
 
 
-def _fallback_names(module: nn.Module, saved_groups: Sequence[Mapping[str, Any]], path: str) -> list[list[str]]:
+def _fallback_names(
+    module: nn.Module, saved_groups: Sequence[Mapping[str, Any]], path: str
+) -> list[list[str]]:
     """Names for an unnamed single-group optimizer: the module's parameter order (all, or trainable)."""
     count = sum(len(group["params"]) for group in saved_groups)
     every = [name for name, _ in module.named_parameters()]
@@ -579,7 +585,10 @@ def read_start_checkpoint(
 
     expected = {name: tensor.shape for name, tensor in module.state_dict().items()}
     rename = _match_names(
-        {name: [tensor.shape] for name, tensor in weights.items()}, expected, source=path, what="model weights"
+        {name: [tensor.shape] for name, tensor in weights.items()},
+        expected,
+        source=path,
+        what="model weights",
     )
     model_state = {rename[name]: tensor for name, tensor in weights.items()}
 
@@ -596,10 +605,11 @@ def read_start_checkpoint(
                 if kind == "torchvision"
                 else _fallback_names(module, saved_groups, path)
             )
-            if [len(n) for n in names] != [len(g["params"]) for g in saved_groups]:
+            saved_sizes = [len(g["params"]) for g in saved_groups]
+            if [len(n) for n in names] != saved_sizes:
                 raise CheckpointMismatchError(
-                    f"checkpoint {path!r}: its optimizer groups have sizes {[len(g['params']) for g in saved_groups]}"
-                    f", the model's parameters grouped as the saving script did give {[len(n) for n in names]}. "
+                    f"checkpoint {path!r}: its optimizer groups have sizes {saved_sizes}, the model's "
+                    f"parameters grouped as the saving script did give {[len(n) for n in names]}. "
                     "Nothing was loaded; the checkpoint comes from a different model, or start from its "
                     "weights only (weights_only=True)."
                 )
@@ -636,13 +646,20 @@ def read_start_checkpoint(
     )
 
 
-def _seed_master_weights(
+def seed_master_weights(
     optimizer: torch.optim.Optimizer, module: nn.Module, weights: Mapping[str, torch.Tensor]
 ) -> None:
     """Give master-weighted bf16/fp16 parameters the checkpoint's fp32 weights as their master copy.
 
     Under ``precision="bf16-true"`` Lightning casts the module before the optimizer exists, so a master
-    copy made from the parameter would lose the low bits the checkpoint still has.
+    copy made from the parameter would lose the low bits the checkpoint still has. Parameters that are
+    not bf16/fp16, not in a ``master_weights`` group, or have no fp32 weight in ``weights`` are left
+    alone.
+
+    Args:
+        optimizer: The optimizer (FusedSGD) whose state receives the master copies.
+        module: The module the optimizer's parameters belong to; names them.
+        weights: Weights under ``module``'s parameter names, e.g. :attr:`StartState.model_state`.
     """
     names = {id(param): name for name, param in module.named_parameters()}
     for group in optimizer.param_groups:
@@ -654,115 +671,9 @@ def _seed_master_weights(
                 optimizer.state[param]["master_param"] = saved.to(param.device, copy=True)
 
 
-class InitFromCheckpoint(pl.Callback):
-    """Start ``Trainer.fit`` from a checkpoint made elsewhere, keeping its momentum.
-
-    At ``on_fit_start``, once ``configure_optimizers`` has built the optimizer and before the first
-    step or checkpoint write, it validates the checkpoint against the module, loads the weights, loads
-    the optimizer state remapped by name into the run's grouping, gives master-weighted bf16/fp16
-    parameters the checkpoint's fp32 weights as master copy (under ``bf16-true`` the module was cast
-    before), and advances the lr schedulers if asked. A checkpoint that does not fit raises
-    :class:`CheckpointMismatchError` there, with nothing changed.
-
-    Lightning's ``ckpt_path`` (or its SLURM auto-resume) wins: when the fit resumes from a checkpoint
-    of its own, this callback does nothing, so a resumed run never re-applies its start checkpoint
-    (which need not even exist any more). That is why nothing happens in ``setup``: Lightning only
-    reveals the resume path after it.
-
-    Args:
-        checkpoint: A checkpoint path, or a :class:`StartState` already read (and so validated) by
-            :func:`read_start_checkpoint`, e.g. by a CLI that checks its inputs before building the
-            Trainer.
-        weights_only: Ignore the optimizer state in the file.
-        schedule_start_step: Advance every (``interval="step"``) lr scheduler by this many steps before
-            training, to continue a schedule rather than restart it. The trainer's own step counter
-            (``max_steps``, logging) still starts at 0.
-        trusted: See :func:`read_checkpoint_file`; used when ``checkpoint`` is a path.
-
-    Raises:
-        ValueError: If ``schedule_start_step`` is negative.
-    """
-
-    def __init__(
-        self,
-        checkpoint: str | os.PathLike[str] | StartState,
-        *,
-        weights_only: bool = False,
-        schedule_start_step: int = 0,
-        trusted: bool = False,
-    ) -> None:
-        if schedule_start_step < 0:
-            raise ValueError(f"schedule_start_step must be >= 0, got {schedule_start_step}")
-        self.checkpoint = checkpoint
-        self.weights_only = weights_only
-        self.schedule_start_step = schedule_start_step
-        self.trusted = trusted
-
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Validate the checkpoint, then load weights and optimizer state and position the schedule."""
-        if trainer.ckpt_path is not None:
-            rank_zero_info(f"Resuming from {trainer.ckpt_path}: the start checkpoint is not applied.")
-            return
-        state = self.checkpoint
-        if not isinstance(state, StartState):
-            state = read_start_checkpoint(state, pl_module, weights_only=self.weights_only, trusted=self.trusted)
-        optimizer_state = None if self.weights_only else state.optimizer_state
-        if optimizer_state is not None and len(trainer.optimizers) != 1:
-            raise CheckpointError(
-                f"the module has {len(trainer.optimizers)} optimizers; starting from {state.path} with its "
-                "optimizer state supports exactly one. Use weights_only=True."
-            )
-        self._check_scheduler_intervals(trainer)
-        # Optimizer first: it validates by name before changing anything, so a mismatch leaves the
-        # module untouched too.
-        if optimizer_state is not None:
-            load_optimizer_state(trainer.optimizers[0], optimizer_state, module=pl_module, source=state.path)
-        pl_module.load_state_dict(state.model_state)
-        for optimizer in trainer.optimizers:
-            _seed_master_weights(optimizer, pl_module, state.model_state)
-        self._advance_schedulers(trainer)
-        if optimizer_state is None:
-            rank_zero_warn(
-                f"Starting from the weights of {state.path} only: momentum buffers restart from zero "
-                "(rebuilt from the first gradients, a warm restart) and the lr schedule starts at step "
-                f"{self.schedule_start_step}. To keep momentum, start from a checkpoint that includes the "
-                "optimizer state."
-            )
-        else:
-            rank_zero_info(
-                f"Started from {state.path} ({state.kind}): weights and momentum; lr schedule at step "
-                f"{self.schedule_start_step}."
-            )
-
-    def _check_scheduler_intervals(self, trainer: pl.Trainer) -> None:
-        if not self.schedule_start_step:
-            return
-        for config in trainer.lr_scheduler_configs:
-            if config.interval != "step":
-                raise ValueError(
-                    f"schedule_start_step counts optimizer steps, but {type(config.scheduler).__name__} steps "
-                    "once per epoch; return it with interval='step' or leave schedule_start_step at 0"
-                )
-
-    def _advance_schedulers(self, trainer: pl.Trainer) -> None:
-        # Stepping replays the schedule exactly, chained schedulers included; torch's "scheduler
-        # stepped before the optimizer" warning is expected here.
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)`")
-            for config in trainer.lr_scheduler_configs:
-                for _ in range(self.schedule_start_step):
-                    config.scheduler.step()
-
-
 # --------------------------------------------------------------------------------------------------
 # Atomic writes
 # --------------------------------------------------------------------------------------------------
-
-
-def _local_path(path: str | os.PathLike[str]) -> Path | None:
-    """The local filesystem path behind ``path``, or None for remote storage (s3://, gs://, ...)."""
-    filesystem, local = fsspec.core.url_to_fs(os.fspath(path))
-    return Path(local) if isinstance(filesystem, LocalFileSystem) else None
 
 
 def _temp_name(target: Path) -> Path:
@@ -796,8 +707,22 @@ def _fsync_directory(directory: Path) -> None:
         os.close(fd)
 
 
-def _atomic_torch_save(obj: Any, target: Path) -> None:
-    """``torch.save`` to ``target`` so that it is always either the old or the new complete file."""
+def save_checkpoint_file(obj: Any, path: str | os.PathLike[str]) -> None:
+    """``torch.save`` to a local ``path`` so that it is always either the old or the new complete file.
+
+    Writes a hidden temporary file next to ``path`` (same filesystem, so the rename is atomic), flushes
+    and fsyncs it, renames it over ``path`` with ``os.replace`` and fsyncs the directory, so the rename
+    survives a power loss too. A failed write removes its temporary file; one left by a killed process
+    is removed by the next save of the same file.
+
+    Args:
+        obj: What to save (a checkpoint dict).
+        path: The target file; its directory is created if needed.
+
+    Raises:
+        OSError: If writing fails (disk full...); ``path`` then still holds the previous checkpoint.
+    """
+    target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_temps(target)
     temp = _temp_name(target)
@@ -813,55 +738,3 @@ def _atomic_torch_save(obj: Any, target: Path) -> None:
         temp.unlink(missing_ok=True)
         raise
     _fsync_directory(target.parent)
-
-
-class AtomicCheckpointIO(TorchCheckpointIO):
-    """Lightning ``CheckpointIO`` whose local checkpoint files are always complete.
-
-    Lightning's default stages the bytes in memory, writes them through an fsspec transaction whose
-    temporary file lives in the system temp directory (a copy, not an atomic rename, when that is
-    another filesystem) and never fsyncs: a crash or power loss can leave a torn ``last.ckpt``. This
-    plugin writes to a hidden temporary file next to the target, flushes and fsyncs it, renames it over
-    the target with ``os.replace`` and fsyncs the directory. A failed write removes its temporary
-    file; one left by a killed process is removed by the next save of the same file. Remote paths
-    (``s3://``...) keep Lightning's behaviour.
-
-    Loading checks the file's CRCs and reports a damaged file as a :class:`CheckpointError` naming it.
-    Use with ``Trainer(plugins=[AtomicCheckpointIO()])``.
-    """
-
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], path: str | os.PathLike[str], storage_options: Any | None = None
-    ) -> None:
-        """Write ``checkpoint`` to ``path`` atomically and durably.
-
-        Raises:
-            TypeError: If ``storage_options`` is given (as :class:`TorchCheckpointIO`).
-        """
-        local = _local_path(path)
-        if storage_options is not None or local is None:
-            super().save_checkpoint(checkpoint, path, storage_options)
-            return
-        _atomic_torch_save(checkpoint, local)
-
-    def load_checkpoint(
-        self,
-        path: str | os.PathLike[str],
-        map_location: Any = lambda storage, loc: storage,
-        weights_only: bool | None = None,
-    ) -> dict[str, Any]:
-        """Load a checkpoint, first verifying a local file's integrity.
-
-        Raises:
-            FileNotFoundError: If ``path`` does not exist.
-            CheckpointError: If the file is truncated, corrupted or refused by a weights-only load.
-        """
-        local = _local_path(path)
-        if local is not None and local.is_file():
-            _verify_zip_integrity(os.fspath(local))
-        try:
-            return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
-        except FileNotFoundError:
-            raise
-        except Exception as exc:  # torch.load raises many types for damaged files; all mean "unreadable"
-            raise _unreadable(os.fspath(path), exc) from exc

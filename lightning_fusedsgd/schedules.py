@@ -198,6 +198,58 @@ class WarmupSchedule:
             shape = (1.0 - progress) ** (1.0 if self.decay == "linear" else self.power)
         return self.end_lr + (peak - self.end_lr) * shape
 
+    def changes_within(self, other: WarmupSchedule, num_steps: int) -> dict[str, tuple[Any, Any]]:
+        """The differences from ``other`` that change the lr of one of steps ``0 ... num_steps - 1``.
+
+        Empty means both schedules give bit-identical lrs on those steps, for any peak; for example a
+        longer run whose multistep milestones all lie ahead, or whose warmup is unchanged and still
+        in progress. Differences that only matter later (``total_steps`` of a multistep schedule, a
+        milestone not yet reached) are not reported. Conservative: a reported difference may, by
+        coincidence, leave every lr unchanged.
+
+        Args:
+            other: The schedule to compare with.
+            num_steps: How many steps, from step 0, are compared (the steps a run already took).
+
+        Returns:
+            ``{parameter: (this value, other value)}`` for the parameters that differ and shape the lr
+            of those steps.
+        """
+        mine, theirs = self._determinants(num_steps), other._determinants(num_steps)
+        if mine == theirs:
+            return {}
+        relevant = mine.keys() | theirs.keys()
+        return {
+            field.name: (getattr(self, field.name), getattr(other, field.name))
+            for field in dataclasses.fields(self)
+            if field.name in relevant and getattr(self, field.name) != getattr(other, field.name)
+        }
+
+    def _determinants(self, num_steps: int) -> dict[str, Any]:
+        """The parameters ``f(0) ... f(num_steps - 1)`` depend on, equivalent shapes written alike."""
+        if num_steps <= 0:
+            return {}
+        found: dict[str, Any] = {"warmup_steps": self.warmup_steps}
+        if self.warmup_steps:
+            found["start_factor"] = self.start_factor
+        last = num_steps - 1
+        if last < self.warmup_steps:
+            return found
+        if self.decay in ("constant", "multistep"):
+            # Both give exactly the peak until the first milestone is reached.
+            reached = tuple(m for m in self.milestones if m <= last)
+            found["decay"] = "multistep" if reached else "constant"
+            if reached:
+                found.update(milestones=reached, gamma=self.gamma)
+            return found
+        # cosine / poly / linear: the peak (shape 1.0) at the warmup's end, the curve after it.
+        found.update(decay="cosine" if self.decay == "cosine" else "poly", end_lr=self.end_lr)
+        if last > self.warmup_steps:
+            found["total_steps"] = self.total_steps
+            if self.decay != "cosine":
+                found["power"] = 1.0 if self.decay == "linear" else self.power
+        return found
+
     def curve(self, peak: float, num_steps: int | None = None) -> list[float]:
         """``[f(0), ..., f(num_steps - 1)]``: the lrs of a run, ``total_steps`` of them by default."""
         return [
@@ -221,8 +273,10 @@ class WarmupLR(LRScheduler):
     :meth:`load_state_dict` restores the step and immediately sets every group to ``f(step)``, so
     the next optimizer step uses the lr an uninterrupted run would, whichever order the optimizer
     and scheduler states are loaded in. The schedule and peaks this scheduler was constructed with
-    are kept; a checkpoint saved with different ones triggers a warning (a deliberate change, such
-    as a longer run, takes effect from the resumed step).
+    are kept and apply from the resumed step. A checkpoint saved with another schedule warns only if
+    that changes the lr of a step already taken (:meth:`WarmupSchedule.changes_within`): resuming a
+    multistep run with a larger ``max_epochs`` is silent, since it is exactly the longer run, while
+    resuming a cosine run with another length warns.
 
     Args:
         optimizer: The wrapped optimizer.
@@ -288,25 +342,29 @@ class WarmupLR(LRScheduler):
                 f"scheduler checkpoint has {len(saved_peaks)} parameter groups, this optimizer has "
                 f"{len(self.base_lrs)}; build the parameter groups the same way as the saved run"
             )
-        saved_schedule = state_dict.get("schedule", {})
-        changed = {
-            field: (saved_schedule[field], value)
-            for field, value in dataclasses.asdict(self.schedule).items()
-            if field in saved_schedule and saved_schedule[field] != value
-        }
+        # Resuming with another schedule (a longer run, for one) is fine as long as the steps already
+        # taken had the lrs the new schedule gives them: then the resumed run is exactly the new run.
+        taken = int(state_dict.get("last_epoch", 0))
+        saved_schedule = state_dict.get("schedule")
+        changed = (
+            WarmupSchedule(**saved_schedule).changes_within(self.schedule, taken) if saved_schedule else {}
+        )
         if changed:
+            differences = ", ".join(f"{key}: {old!r} -> {new!r}" for key, (old, new) in changed.items())
             warnings.warn(
-                f"WarmupLR: resuming with a schedule that differs from the checkpoint's "
-                f"({', '.join(f'{k}: {old!r} -> {new!r}' for k, (old, new) in changed.items())}); "
-                "the new schedule applies from the resumed step",
+                f"WarmupLR: the {taken} steps already taken followed another lr schedule than the one "
+                f"resumed with ({differences}); "
+                f"the new schedule applies from step {taken} on, so this run differs from one that used the "
+                "new schedule from the start",
                 UserWarning,
                 stacklevel=2,
             )
         current_peaks = [_as_float(peak) for peak in self.base_lrs]
-        if [_as_float(peak) for peak in saved_peaks] != current_peaks:
+        saved = [_as_float(peak) for peak in saved_peaks]
+        if taken and saved != current_peaks:
             warnings.warn(
-                f"WarmupLR: resuming with peak lrs {current_peaks}, the checkpoint has "
-                f"{[_as_float(peak) for peak in saved_peaks]}; the new peaks apply from the resumed step",
+                f"WarmupLR: resuming with peak lrs {current_peaks}, the checkpoint has {saved}; the new "
+                f"peaks apply from step {taken} on",
                 UserWarning,
                 stacklevel=2,
             )

@@ -17,6 +17,7 @@ from omegaconf import DictConfig, open_dict
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_fusedsgd.checkpoint import read_checkpoint_file
 from lightning_fusedsgd.lightning import clip_gradients, configure_fused_sgd
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,6 +71,42 @@ class ClippingTinyClassifier(TinyClassifier):
         self.clipped_norms.append(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item())
 
 
+class StopAt(pl.Callback):
+    """Interrupts ``fit`` (raises :class:`Interrupted`) just before the optimizer step number ``step + 1``."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch, batch_idx
+    ) -> None:
+        if trainer.global_step == self.step:
+            raise Interrupted(f"stopped at step {self.step}")
+
+
+class Interrupted(RuntimeError):
+    """Raised by :class:`StopAt`."""
+
+
+class StartProbe(pl.Callback):
+    """Saves what a run starts from (weights, optimizer state, lr, epoch, step) to ``path`` at train start."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        optimizer = trainer.optimizers[0]
+        names = {id(p): name for name, p in pl_module.named_parameters()}
+        probe = {
+            "weights": {name: t.detach().clone() for name, t in pl_module.state_dict().items()},
+            "state": {names[id(p)]: {k: v.clone() for k, v in s.items()} for p, s in optimizer.state.items()},
+            "lr": [group["lr"] for group in optimizer.param_groups],
+            "epoch": trainer.current_epoch,
+            "global_step": trainer.global_step,
+        }
+        torch.save(probe, self.path)
+
+
 def cpu_trainer(**kwargs: Any) -> pl.Trainer:
     """A quiet CPU trainer for tests."""
     defaults = dict(
@@ -106,3 +143,40 @@ def run_train_py(args: list[str], cwd: Path = ROOT, timeout: float = 300) -> sub
         text=True,
         timeout=timeout,
     )
+
+
+def last_checkpoint(run_dir: Path) -> Path:
+    """A train.py run's ``last.ckpt``."""
+    return run_dir / "checkpoints" / "last.ckpt"
+
+
+def final_state(run_dir: Path) -> dict[str, Any]:
+    """Weights, optimizer state by parameter name, lr per step and step count of a run's last.ckpt."""
+    checkpoint = read_checkpoint_file(last_checkpoint(run_dir))
+    optimizer = checkpoint["optimizer_states"][0]
+    names = {
+        index: name
+        for group in optimizer["param_groups"]
+        for index, name in zip(group["params"], group["param_names"])
+    }
+    return {
+        "weights": checkpoint["state_dict"],
+        "optimizer": {
+            f"{names[index]}/{key}": tensor
+            for index, state in optimizer["state"].items()
+            for key, tensor in state.items()
+        },
+        "lrs": checkpoint["callbacks"]["RunSummary"]["lr"],
+        "global_step": checkpoint["global_step"],
+    }
+
+
+def assert_identical(actual: dict[str, Any], expected: dict[str, Any]) -> None:
+    """Two :func:`final_state` results agree bit for bit (and in dtype)."""
+    assert actual["global_step"] == expected["global_step"]
+    assert actual["lrs"] == expected["lrs"]
+    for part in ("weights", "optimizer"):
+        assert actual[part].keys() == expected[part].keys(), part
+        for name, tensor in expected[part].items():
+            assert actual[part][name].dtype == tensor.dtype, name
+            assert torch.equal(actual[part][name], tensor), name

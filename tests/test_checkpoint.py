@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import io
 import subprocess
 import sys
 from pathlib import Path
@@ -21,16 +22,16 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_fusedsgd.checkpoint import (
-    AtomicCheckpointIO,
     CheckpointError,
     CheckpointMismatchError,
-    InitFromCheckpoint,
     load_optimizer_state,
     read_checkpoint_file,
     read_start_checkpoint,
     remap_optimizer_state_dict,
     same_param_layout,
+    save_checkpoint_file,
 )
+from lightning_fusedsgd.lightning.checkpointing import AtomicCheckpointIO, InitFromCheckpoint
 from lightning_fusedsgd.optim import FusedSGD
 from lightning_fusedsgd.schedules import WarmupLR
 
@@ -63,7 +64,9 @@ def batches(seed: int, count: int = STEPS_PER_EPOCH) -> list[tuple[torch.Tensor,
 
 def loader(data: list[tuple[torch.Tensor, torch.Tensor]]) -> DataLoader:
     """The same batches, in the same order, as a DataLoader for Lightning."""
-    return DataLoader(TensorDataset(torch.cat([x for x, _ in data]), torch.cat([y for _, y in data])), batch_size=BATCH)
+    return DataLoader(
+        TensorDataset(torch.cat([x for x, _ in data]), torch.cat([y for _, y in data])), batch_size=BATCH
+    )
 
 
 def train(model: nn.Module, optimizer: torch.optim.Optimizer, data: list) -> None:
@@ -76,7 +79,10 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, data: list) -> Non
 def torchvision_groups(model: Net) -> list[dict]:
     """What torchvision's reference script builds with --norm-weight-decay 0.0, written out by hand."""
     other = [model.conv.weight, model.conv.bias, model.fc.weight, model.fc.bias]
-    return [{"params": other, "weight_decay": WD}, {"params": [model.bn.weight, model.bn.bias], "weight_decay": 0.0}]
+    return [
+        {"params": other, "weight_decay": WD},
+        {"params": [model.bn.weight, model.bn.bias], "weight_decay": 0.0},
+    ]
 
 
 def buffers_by_name(optimizer: torch.optim.Optimizer, module: nn.Module) -> dict[str, torch.Tensor]:
@@ -84,7 +90,9 @@ def buffers_by_name(optimizer: torch.optim.Optimizer, module: nn.Module) -> dict
     return {names[id(p)]: s["momentum_buffer"] for p, s in optimizer.state.items() if "momentum_buffer" in s}
 
 
-def assert_same_tensors(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], exact: bool) -> None:
+def assert_same_tensors(
+    actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], exact: bool
+) -> None:
     assert actual.keys() == expected.keys()
     for name in expected:
         if exact:
@@ -96,7 +104,9 @@ def assert_same_tensors(actual: dict[str, torch.Tensor], expected: dict[str, tor
 class LitNet(pl.LightningModule):
     """A LightningModule using FusedSGD with a grouping unlike torch's: no-decay group first, named."""
 
-    def __init__(self, classes: int = 3, master_weights: bool = False, total_steps: int | None = None) -> None:
+    def __init__(
+        self, classes: int = 3, master_weights: bool = False, total_steps: int | None = None
+    ) -> None:
         super().__init__()
         self.model = Net(classes)
         self.master_weights = master_weights
@@ -148,7 +158,11 @@ def save_torchvision_checkpoint(
     scheduler.step()
     weights = {("module." if ddp_prefix else "") + k: v for k, v in model.state_dict().items()}
     args = argparse.Namespace(norm_weight_decay=0.0, bias_weight_decay=None, transformer_embedding_decay=None)
-    checkpoint = {"model": weights, "optimizer": optimizer.state_dict(), "lr_scheduler": scheduler.state_dict()}
+    checkpoint = {
+        "model": weights,
+        "optimizer": optimizer.state_dict(),
+        "lr_scheduler": scheduler.state_dict(),
+    }
     torch.save(checkpoint | {"epoch": 0, "args": args}, path)
     return model, optimizer
 
@@ -299,7 +313,9 @@ def test_torchvision_checkpoint_starts_a_fit_with_its_momentum(tmp_path: Path, d
 
     class Probe(pl.Callback):
         def on_train_start(self, trainer, pl_module):
-            self.buffers = {n: b.clone() for n, b in buffers_by_name(trainer.optimizers[0], pl_module).items()}
+            self.buffers = {
+                n: b.clone() for n, b in buffers_by_name(trainer.optimizers[0], pl_module).items()
+            }
 
     probe = Probe()
     lit = LitNet()
@@ -310,7 +326,7 @@ def test_torchvision_checkpoint_starts_a_fit_with_its_momentum(tmp_path: Path, d
     assert_same_tensors(dict(lit.named_parameters()), expected, exact=False)
 
 
-def test_weights_only_start_warns_and_starts_the_schedule_where_asked(tmp_path: Path) -> None:
+def test_weights_only_start_warns_and_continues_the_run_at_start_epoch(tmp_path: Path) -> None:
     torch.manual_seed(0)
     weights = Net().state_dict()
     torch.save(weights, tmp_path / "weights.pt")
@@ -321,20 +337,26 @@ def test_weights_only_start_warns_and_starts_the_schedule_where_asked(tmp_path: 
                 self.lr = trainer.optimizers[0].param_groups[0]["lr"]
                 self.state = dict(trainer.optimizers[0].state)
                 self.weights = {n: t.clone() for n, t in pl_module.model.state_dict().items()}
+                self.position = (trainer.current_epoch, trainer.global_step)
 
     probe = Probe()
     lit = LitNet(total_steps=20)
-    start = InitFromCheckpoint(tmp_path / "weights.pt", schedule_start_step=5)
-    trainer = make_trainer(tmp_path, max_steps=1, callbacks=[start, probe])
-    warning = r"weights of .*weights\.pt only: momentum buffers restart from zero.*starts at step 5"
+    start = InitFromCheckpoint(tmp_path / "weights.pt", start_epoch=2)
+    trainer = make_trainer(tmp_path, max_epochs=3, callbacks=[start, probe])
+    warning = (
+        r"weights of .*weights\.pt only: momentum buffers restart from zero.*starts at epoch 2 \(step 8\)"
+    )
     with pytest.warns(UserWarning, match=warning):
         trainer.fit(lit, loader(batches(seed=2)))
 
     assert probe.state == {}
     assert_same_tensors(probe.weights, weights, exact=True)
+    # Two epochs of 4 steps counted as done: max_epochs=3 leaves one epoch to train.
+    assert probe.position == (2, 2 * STEPS_PER_EPOCH)
+    assert (trainer.current_epoch, trainer.global_step) == (3, 3 * STEPS_PER_EPOCH)
     schedule = trainer.lr_scheduler_configs[0].scheduler.schedule
-    assert probe.lr == schedule.lr_at(5, LR)  # warmup is 10 steps: 5 in, the lr is half the peak
-    assert probe.lr == pytest.approx(LR / 2)
+    assert probe.lr == schedule.lr_at(8, LR)  # warmup is 10 steps: 8 in, the lr is 0.8 x the peak
+    assert probe.lr == pytest.approx(0.8 * LR)
 
 
 def test_bf16_true_start_keeps_fp32_weights_as_master_and_fp32_momentum(tmp_path: Path) -> None:
@@ -350,9 +372,9 @@ def test_bf16_true_start_keeps_fp32_weights_as_master_and_fp32_momentum(tmp_path
 
     probe = Probe()
     lit = LitNet(master_weights=True)
-    make_trainer(tmp_path, precision="bf16-true", max_steps=1, callbacks=[InitFromCheckpoint(path), probe]).fit(
-        lit, loader(batches(seed=2))
-    )
+    make_trainer(
+        tmp_path, precision="bf16-true", max_steps=1, callbacks=[InitFromCheckpoint(path), probe]
+    ).fit(lit, loader(batches(seed=2)))
     assert next(lit.parameters()).dtype == torch.bfloat16
     assert_same_tensors(probe.masters, {f"model.{n}": p for n, p in reference.named_parameters()}, exact=True)
     expected_buffers = {f"model.{n}": b for n, b in buffers_by_name(sgd, reference).items()}
@@ -392,22 +414,31 @@ def test_checkpoint_of_another_model_fails_before_training_and_overwrites_nothin
     "args, groups",
     [
         (
-            argparse.Namespace(norm_weight_decay=0.0, bias_weight_decay=0.0, transformer_embedding_decay=None),
+            argparse.Namespace(
+                norm_weight_decay=0.0, bias_weight_decay=0.0, transformer_embedding_decay=None
+            ),
             # torchvision checks custom keys before norm classes, so bn.bias joins "bias", not "norm".
             [["conv.weight", "fc.weight"], ["bn.weight"], ["conv.bias", "bn.bias", "fc.bias"]],
         ),
         (
-            argparse.Namespace(norm_weight_decay=None, bias_weight_decay=None, transformer_embedding_decay=None),
+            argparse.Namespace(
+                norm_weight_decay=None, bias_weight_decay=None, transformer_embedding_decay=None
+            ),
             [["conv.weight", "conv.bias", "bn.weight", "bn.bias", "fc.weight", "fc.bias"]],
         ),
-        (None, [["conv.weight", "conv.bias", "bn.weight", "bn.bias", "fc.weight", "fc.bias"]]),  # pre-0.12 script
+        (
+            None,
+            [["conv.weight", "conv.bias", "bn.weight", "bn.bias", "fc.weight", "fc.bias"]],
+        ),  # pre-0.12 script
     ],
     ids=["norm_and_bias_decay", "defaults", "no_args"],
 )
 def test_torchvision_unnamed_groups_are_rebuilt_from_its_args(tmp_path: Path, args, groups) -> None:
     model = Net()
     params = dict(model.named_parameters())
-    sgd = torch.optim.SGD([{"params": [params[n] for n in names]} for names in groups], lr=LR, momentum=MOMENTUM)
+    sgd = torch.optim.SGD(
+        [{"params": [params[n] for n in names]} for names in groups], lr=LR, momentum=MOMENTUM
+    )
     train(model, sgd, batches(seed=1, count=1))
     checkpoint = {"model": model.state_dict(), "optimizer": sgd.state_dict(), "epoch": 3, "args": args}
     torch.save(checkpoint, tmp_path / "tv.pth")
@@ -436,7 +467,9 @@ def test_lightning_checkpoint_of_unnamed_sgd_matches_by_parameter_order(tmp_path
     torch.save(checkpoint, tmp_path / "sgd.ckpt")
     start = read_start_checkpoint(tmp_path / "sgd.ckpt", LitNet())
     assert (start.kind, start.global_step) == ("lightning", 1)
-    assert start.optimizer_state["param_groups"][0]["param_names"] == [n for n, _ in source.named_parameters()]
+    assert start.optimizer_state["param_groups"][0]["param_names"] == [
+        n for n, _ in source.named_parameters()
+    ]
 
     two_groups = [{"params": source.model.conv.parameters()}, {"params": source.model.fc.parameters()}]
     checkpoint["optimizer_states"] = [torch.optim.SGD(two_groups, lr=LR).state_dict()]
@@ -444,7 +477,10 @@ def test_lightning_checkpoint_of_unnamed_sgd_matches_by_parameter_order(tmp_path
     refusal = r"two_groups\.ckpt.*no param_names, 2 group\(s\) and 4 parameters.*weights_only=True"
     with pytest.raises(CheckpointMismatchError, match=refusal):
         read_start_checkpoint(tmp_path / "two_groups.ckpt", LitNet())
-    assert read_start_checkpoint(tmp_path / "two_groups.ckpt", LitNet(), weights_only=True).optimizer_state is None
+    assert (
+        read_start_checkpoint(tmp_path / "two_groups.ckpt", LitNet(), weights_only=True).optimizer_state
+        is None
+    )
 
 
 def test_extra_and_missing_weights_are_named(tmp_path: Path) -> None:
@@ -539,25 +575,24 @@ def test_atomic_io_checkpoints_resume_bit_identically(tmp_path: Path) -> None:
         assert not list((tmp_path / directory).glob(".*")), "temporary files left behind"
 
 
-def test_failed_write_keeps_the_previous_checkpoint_and_leaves_no_temp_file(tmp_path: Path, monkeypatch) -> None:
-    io = AtomicCheckpointIO()
+def test_failed_write_keeps_the_previous_checkpoint_and_leaves_no_temp_file(
+    tmp_path: Path, monkeypatch
+) -> None:
     path = tmp_path / "last.ckpt"
-    io.save_checkpoint({"step": 1, "w": torch.ones(1000)}, path)
+    save_checkpoint_file({"step": 1, "w": torch.ones(1000)}, path)
     previous = path.read_bytes()
 
     real_save = torch.save
 
     def save_half_then_fail(obj, file, *args, **kwargs):
-        import io as _io
-
-        buffer = _io.BytesIO()
+        buffer = io.BytesIO()
         real_save(obj, buffer)
         file.write(buffer.getvalue()[: len(buffer.getvalue()) // 2])
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(torch, "save", save_half_then_fail)
     with pytest.raises(OSError, match="No space left"):
-        io.save_checkpoint({"step": 2, "w": torch.zeros(1000)}, path)
+        save_checkpoint_file({"step": 2, "w": torch.zeros(1000)}, path)
     monkeypatch.undo()
 
     assert path.read_bytes() == previous
@@ -570,6 +605,6 @@ def test_next_save_removes_temp_file_of_a_killed_writer(tmp_path: Path) -> None:
     dead = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     stale = tmp_path / f".last.ckpt.{int(dead.stdout)}.0badf00d.tmp"
     stale.write_bytes(b"half a checkpoint")
-    AtomicCheckpointIO().save_checkpoint({"step": 3}, tmp_path / "last.ckpt")
+    save_checkpoint_file({"step": 3}, tmp_path / "last.ckpt")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
     assert read_checkpoint_file(tmp_path / "last.ckpt") == {"step": 3}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import math
 
@@ -181,7 +182,7 @@ def test_scheduler_only_resume_sets_the_group_lr() -> None:
     assert scheduler.get_last_lr() == [pytest.approx(0.8)]
 
 
-def test_resume_with_a_longer_run_warns_and_uses_the_new_schedule() -> None:
+def test_resume_with_a_longer_run_that_changes_taken_steps_warns_and_uses_the_new_schedule() -> None:
     optimizer = _optimizer(1.0)
     scheduler = WarmupLR(optimizer, total_steps=10, decay="linear")
     _run(optimizer, scheduler, 5)
@@ -189,9 +190,72 @@ def test_resume_with_a_longer_run_warns_and_uses_the_new_schedule() -> None:
 
     optimizer = _optimizer(1.0)
     scheduler = WarmupLR(optimizer, total_steps=20, decay="linear")
-    with pytest.warns(UserWarning, match=r"total_steps: 10 -> 20"):
+    with pytest.warns(UserWarning, match=r"5 steps already taken followed another .*total_steps: 10 -> 20"):
         scheduler.load_state_dict(state)
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.75)  # 1 - 5/20
+
+
+@pytest.mark.filterwarnings("error")
+def test_resume_with_a_longer_multistep_run_is_silent_and_exactly_the_longer_run() -> None:
+    # max_epochs=2 then max_epochs=4 with milestones ahead: the factory even turned the short run's
+    # milestone-less multistep into "constant"; every step taken is unchanged, so no warning.
+    longer = dict(total_steps=16, warmup_steps=2, decay="multistep", milestones=(9, 12))
+    optimizer = _optimizer(1.0)
+    uninterrupted = _run(optimizer, WarmupLR(optimizer, **longer), 16)
+
+    optimizer = _optimizer(1.0)
+    scheduler = WarmupLR(optimizer, total_steps=8, warmup_steps=2, decay="constant")
+    before = _run(optimizer, scheduler, 8)
+    state = _roundtrip(scheduler.state_dict())
+    optimizer = _optimizer(1.0)
+    scheduler = WarmupLR(optimizer, **longer)
+    scheduler.load_state_dict(state)
+    assert before + _run(optimizer, scheduler, 8) == uninterrupted
+
+
+SCHEDULE_VARIANTS = [
+    dict(total_steps=12, warmup_steps=3, start_factor=0.1, decay="cosine", end_lr=0.01),
+    dict(total_steps=24, warmup_steps=3, start_factor=0.1, decay="cosine", end_lr=0.01),
+    dict(total_steps=24, warmup_steps=3, start_factor=0.1, decay="cosine", end_lr=0.02),
+    dict(total_steps=12, warmup_steps=3, start_factor=0.1, decay="poly", power=1.0, end_lr=0.01),
+    dict(total_steps=12, warmup_steps=3, start_factor=0.1, decay="linear", end_lr=0.01),
+    dict(total_steps=12, warmup_steps=3, start_factor=0.1, decay="poly", power=2.0, end_lr=0.01),
+    dict(total_steps=12, warmup_steps=3, start_factor=0.1, decay="multistep", milestones=(6, 9)),
+    dict(total_steps=24, warmup_steps=3, start_factor=0.1, decay="multistep", milestones=(6, 20)),
+    dict(total_steps=24, warmup_steps=3, start_factor=0.1, decay="multistep", milestones=(7, 9)),
+    dict(total_steps=24, warmup_steps=3, start_factor=0.1, decay="multistep", milestones=(6, 9), gamma=0.5),
+    dict(total_steps=12, warmup_steps=3, start_factor=0.1, decay="constant"),
+    dict(total_steps=12, warmup_steps=3, start_factor=0.2, decay="constant"),
+    dict(total_steps=12, warmup_steps=4, start_factor=0.1, decay="constant"),
+    dict(total_steps=12, warmup_steps=0, decay="constant"),
+    dict(total_steps=12, warmup_steps=0, decay="cosine"),
+]
+
+
+@pytest.mark.parametrize("num_steps", [0, 1, 3, 4, 5, 7, 8, 13])
+def test_changes_within_reports_every_change_of_a_taken_lr(num_steps: int) -> None:
+    # Oracle: the lrs themselves, compared bit for bit. Nothing reported must mean identical lrs.
+    schedules = [WarmupSchedule(**kwargs) for kwargs in SCHEDULE_VARIANTS]
+    silent = 0
+    for a in schedules:
+        for b in schedules:
+            if not a.changes_within(b, num_steps):
+                silent += 1
+                assert a.curve(PEAK, num_steps) == b.curve(PEAK, num_steps), (a, b)
+    assert silent > len(schedules)  # not vacuous: some different schedules agree on these steps
+
+
+def test_changes_within_ignores_what_only_matters_later() -> None:
+    short = WarmupSchedule(total_steps=12, warmup_steps=3, decay="constant")
+    longer = WarmupSchedule(total_steps=40, warmup_steps=3, decay="multistep", milestones=(20, 30))
+    assert short.changes_within(longer, 12) == {}
+    assert longer.changes_within(short, 21) == {
+        "decay": ("multistep", "constant"),
+        "milestones": ((20, 30), ()),
+    }
+    cosine = WarmupSchedule(total_steps=12, warmup_steps=6, decay="cosine")
+    assert cosine.changes_within(dataclasses.replace(cosine, total_steps=24), 6) == {}  # still warming up
+    assert cosine.changes_within(dataclasses.replace(cosine, total_steps=24), 8) == {"total_steps": (12, 24)}
 
 
 def test_resume_with_a_changed_peak_warns_and_uses_the_new_peak() -> None:

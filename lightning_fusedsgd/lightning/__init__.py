@@ -1,6 +1,7 @@
 """PyTorch Lightning integration: the optimizer factory, an image classifier, DataModules, callbacks."""
 
 from lightning_fusedsgd.lightning.callbacks import RunSummary
+from lightning_fusedsgd.lightning.checkpointing import AtomicCheckpointIO, InitFromCheckpoint
 from lightning_fusedsgd.lightning.data import (
     CIFAR10DataModule,
     DigitsDataModule,
@@ -13,6 +14,7 @@ from lightning_fusedsgd.lightning.factory import Schedule, clip_gradients, confi
 from lightning_fusedsgd.lightning.module import ImageClassifier, build_resnet
 
 __all__ = [
+    "AtomicCheckpointIO",
     "CIFAR10DataModule",
     "ConfigError",
     "DataNotFoundError",
@@ -20,6 +22,7 @@ __all__ = [
     "EpochSampler",
     "ImageClassifier",
     "ImageFolderDataModule",
+    "InitFromCheckpoint",
     "RunSummary",
     "Schedule",
     "SyntheticDataModule",

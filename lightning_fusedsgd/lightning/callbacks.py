@@ -22,7 +22,8 @@ class RunSummary(pl.Callback):
     On rank 0 at the end of ``fit``: ``<output_dir>/metrics.json`` (final logged metrics, best
     accuracy, steps, wall time, checkpoint paths), ``<output_dir>/curves.png`` (lr, training loss and
     validation accuracy against the global step) and a last printed line
-    ``summary: name=... val_acc=... ...``.
+    ``summary: name=... val_acc=... ...``. The recorded curves are saved in checkpoints, so a resumed
+    run's files cover the whole run.
 
     Args:
         output_dir: Where to write the files.
@@ -40,6 +41,14 @@ class RunSummary(pl.Callback):
         self.start_time = 0.0
         self._last_step = 0
         self.summary: dict[str, Any] = {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"lr": self.lr, "train_loss": self.train_loss, "val_acc": self.val_acc}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.lr = list(state_dict.get("lr", []))
+        self.train_loss = list(state_dict.get("train_loss", []))
+        self.val_acc = list(state_dict.get("val_acc", []))
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.start_time = time.perf_counter()
@@ -69,7 +78,7 @@ class RunSummary(pl.Callback):
     @rank_zero_only
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         metrics = {key: float(value) for key, value in trainer.callback_metrics.items() if value.numel() == 1}
-        checkpoint = next((cb for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint)), None)
+        checkpoints = [cb for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint)]
         best = max((acc for _, acc in self.val_acc), default=math.nan)
         self.summary = {
             "name": self.name,
@@ -79,8 +88,10 @@ class RunSummary(pl.Callback):
             "global_step": trainer.global_step,
             "wall_time_s": round(time.perf_counter() - self.start_time, 1),
             "metrics": metrics,
-            "last_checkpoint": checkpoint.last_model_path if checkpoint else "",
-            "best_checkpoint": checkpoint.best_model_path if checkpoint else "",
+            "last_checkpoint": _last_checkpoint(checkpoints),
+            "best_checkpoint": next(
+                (cb.best_model_path for cb in checkpoints if cb.monitor == self.monitor), ""
+            ),
         }
         self.output_dir.mkdir(parents=True, exist_ok=True)
         (self.output_dir / "metrics.json").write_text(json.dumps(self.summary, indent=2) + "\n")
@@ -118,3 +129,11 @@ class RunSummary(pl.Callback):
             ax.grid(alpha=0.3)
         fig.suptitle(self.name)
         fig.savefig(path, dpi=100)
+
+
+def _last_checkpoint(checkpoints: list[ModelCheckpoint]) -> str:
+    """The newest checkpoint: a ``save_last`` file, else the file a ``monitor=None`` callback keeps."""
+    paths = [cb.last_model_path for cb in checkpoints] + [
+        cb.best_model_path for cb in checkpoints if cb.monitor is None
+    ]
+    return next((path for path in paths if path), "")

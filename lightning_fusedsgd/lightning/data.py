@@ -1,13 +1,15 @@
 """DataModules: scikit-learn's digits (offline quickstart), CIFAR-10 and ImageFolder from disk, synthetic.
 
 Every training loader draws from :class:`EpochSampler`: the order of epoch ``e`` is a function of
-``(seed, e)`` only, and each sample's augmentation is seeded from ``(seed, e, index)``. A run resumed
-at an epoch boundary therefore sees the same batches and the same augmented pixels as an
+``(seed, e)`` only, and each sample's augmentation is seeded from ``(seed, e, index)``. The
+DataModules save their position in the data (epoch, batches used) in Lightning checkpoints, so a run
+resumed at an epoch boundary or mid-epoch sees the same batches and the same augmented pixels as an
 uninterrupted run, whatever the number of loader workers or the global RNG state.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -41,7 +43,8 @@ class EpochSampler(DistributedSampler):
     """Shuffles by ``(seed, epoch)``, shards over ranks, and pairs each index with an augmentation seed.
 
     It yields ``(index, sample_seed)`` keys for :class:`SeededDataset`. Lightning calls
-    ``set_epoch`` before every epoch. Subclassing ``DistributedSampler`` matters: Lightning keeps a
+    ``set_epoch`` before every epoch; :meth:`resume_at` makes the next pass start part-way into an
+    epoch, as a resumed run needs. Subclassing ``DistributedSampler`` matters: Lightning keeps a
     sampler of that type under DDP instead of replacing it, so the datamodule passes the rank and
     world size itself (1 and 0 on a single device).
 
@@ -67,12 +70,29 @@ class EpochSampler(DistributedSampler):
         super().__init__(
             dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last
         )
+        self._resume: tuple[int, int] | None = None
+
+    def resume_at(self, epoch: int, skip: int) -> None:
+        """Set the epoch and make the next pass over it leave out its first ``skip`` samples (this rank's).
+
+        Args:
+            epoch: The epoch training continues in.
+            skip: Samples of this rank's order of ``epoch`` already trained on.
+        """
+        self.set_epoch(epoch)
+        self._resume = (epoch, skip)
 
     def __iter__(self) -> Iterator[tuple[int, int]]:  # type: ignore[override]
+        skip = 0
+        if self._resume is not None:
+            epoch, skip = self._resume
+            self._resume = None
+            if epoch != self.epoch:  # Lightning moved on to another epoch: nothing to leave out
+                skip = 0
         # A stream separate from the shuffle's (seed + epoch), identical on every rank.
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch + 1)
         sample_seeds = torch.randint(2**31 - 1, (len(self.dataset),), generator=generator).tolist()
-        for index in super().__iter__():
+        for index in itertools.islice(super().__iter__(), skip, None):
             yield index, sample_seeds[index]
 
 
@@ -108,7 +128,13 @@ class SeededDataset(Dataset):
 
 
 class _SeededDataModule(pl.LightningDataModule):
-    """Shared loader logic: :class:`EpochSampler` for training, sequential evaluation."""
+    """Shared loader logic: :class:`EpochSampler` for training, sequential evaluation.
+
+    ``state_dict`` (saved in Lightning checkpoints) records the epoch training is in and how many of
+    its batches were used; ``load_state_dict`` positions the training sampler there. It is restored
+    before ``configure_optimizers`` asks for the training loader, so even loader workers that start
+    drawing indices at once start at the right place.
+    """
 
     #: Label count and image channels the model must accept (0 classes: known only after ``setup``).
     num_classes: int = 0
@@ -124,6 +150,31 @@ class _SeededDataModule(pl.LightningDataModule):
         self.drop_last = drop_last
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None
+        self._train_sampler: EpochSampler | None = None
+        self._resume: tuple[int, int] | None = None  # (epoch, batches used), from a checkpoint
+
+    def state_dict(self) -> dict[str, int]:
+        """The position in the training data: ``{"epoch", "batches"}`` (batches of it already used)."""
+        trainer, sampler = self.trainer, self._train_sampler
+        if trainer is None or sampler is None:
+            return {}
+        epoch = sampler.epoch  # the epoch in progress or, after its end, the one just finished
+        used = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        if used >= trainer.num_training_batches:
+            epoch, used = epoch + 1, 0
+        return {"epoch": epoch, "batches": used}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        """Continue at a position from :meth:`state_dict` (an empty dict: from the start)."""
+        self._resume = (state_dict["epoch"], state_dict["batches"]) if state_dict else None
+        if self._train_sampler is not None:
+            self._apply_resume(self._train_sampler)
+
+    def _apply_resume(self, sampler: EpochSampler) -> None:
+        if self._resume is not None:
+            epoch, batches = self._resume
+            sampler.resume_at(epoch, batches * self.batch_size)
+            self._resume = None  # once: a loader rebuilt later starts its epochs from the beginning
 
     def check_data(self) -> None:
         """Raise :class:`DataNotFoundError` if the data is not on disk (cheap; no decoding)."""
@@ -148,9 +199,9 @@ class _SeededDataModule(pl.LightningDataModule):
         trainer = self.trainer
         world_size, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
         train_set = self._ready(self.train_set)
-        return self._loader(
-            train_set, EpochSampler(train_set, num_replicas=world_size, rank=rank, seed=self.seed)
-        )
+        self._train_sampler = EpochSampler(train_set, num_replicas=world_size, rank=rank, seed=self.seed)
+        self._apply_resume(self._train_sampler)
+        return self._loader(train_set, self._train_sampler)
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self._ready(self.val_set), None)

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import functools
+import warnings
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 from hydra.utils import instantiate
+from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_fusedsgd.checkpoint import CheckpointError, read_start_checkpoint
 from lightning_fusedsgd.lightning.callbacks import RunSummary
+from lightning_fusedsgd.lightning.checkpointing import InitFromCheckpoint
 from lightning_fusedsgd.lightning.errors import ConfigError, DataNotFoundError
 
 __all__ = ["train"]
@@ -19,17 +23,21 @@ __all__ = ["train"]
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Train as ``cfg`` (``conf/train.yaml`` + a recipe + overrides) says.
 
-    The data is checked before anything heavy is built, so a missing dataset fails in seconds.
+    The data is checked before anything heavy is built, so a missing dataset fails in seconds; the
+    checkpoint to resume from (``ckpt_path``) or to start from (``init.path``) is checked against the
+    model before the Trainer exists, so a wrong or damaged file fails before anything is written.
 
     Args:
         cfg: The composed config, with nodes ``data``, ``model``, ``optim``, ``schedule``,
-            ``trainer``, ``callbacks``, ``logger`` and keys ``name``, ``seed``, ``ckpt_path``.
+            ``trainer``, ``callbacks``, ``logger``, ``init`` and keys ``name``, ``seed``, ``ckpt_path``.
 
     Returns:
         :class:`RunSummary`'s summary (also written to ``metrics.json``); empty on ranks other than 0.
 
     Raises:
         ConfigError: For a user mistake (missing data, missing checkpoint, impossible schedule...).
+        CheckpointError: If the checkpoint is damaged, of another model or of the wrong kind; the
+            message names the file and, for another model, the parameters.
     """
     pl.seed_everything(cfg.seed, workers=True)
     datamodule = instantiate(cfg.data)
@@ -43,13 +51,61 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     # Combined in Python: instantiate() would turn a Schedule passed as an override into a DictConfig.
     optimizer = functools.partial(instantiate(cfg.optim), schedule=instantiate(cfg.schedule))
     model = instantiate(cfg.model, optimizer=optimizer)
-    callbacks = [instantiate(node) for node in cfg.callbacks.values() if node is not None]
+    start = _checked_start(cfg, model)
+    callbacks = [instantiate(node) for node in cfg.callbacks.values() if node is not None] + start
     logger = instantiate(cfg.logger) if cfg.get("logger") else False
     trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=logger)
     if logger:
         logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
-    trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+    with warnings.catch_warnings():
+        # Lightning cannot see that the DataModules resume mid-epoch exactly (their state_dict holds
+        # the position in the data), so it would warn on every resume from a step checkpoint.
+        warnings.filterwarnings(
+            "ignore", message="You're resuming from a checkpoint that ended before the epoch"
+        )
+        trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
     return next((cb.summary for cb in callbacks if isinstance(cb, RunSummary)), {})
+
+
+def _checked_start(cfg: DictConfig, model: pl.LightningModule) -> list[pl.Callback]:
+    """Check the checkpoint the run resumes from (``ckpt_path``) or starts from (``init.path``).
+
+    Returns:
+        The callback that applies ``init.path``, if the run starts from it; else nothing.
+    """
+    if cfg.ckpt_path is not None:
+        _check_resume_checkpoint(cfg.ckpt_path, model)
+        if cfg.init.path is not None:
+            rank_zero_info(f"Resuming from {cfg.ckpt_path}: init.path={cfg.init.path} is not applied.")
+        return []
+    if cfg.init.path is None:
+        return []
+    init = cfg.init
+    max_epochs = cfg.trainer.get("max_epochs")
+    if init.start_epoch < 0 or (max_epochs not in (None, -1) and init.start_epoch >= max_epochs):
+        raise ConfigError(
+            f"init.start_epoch={init.start_epoch} must be >= 0 and below trainer.max_epochs={max_epochs} "
+            "(the length of the whole run, the epochs before start_epoch included)"
+        )
+    state = read_start_checkpoint(init.path, model, weights_only=init.weights_only, trusted=init.trusted)
+    return [InitFromCheckpoint(state, weights_only=init.weights_only, start_epoch=init.start_epoch)]
+
+
+def _check_resume_checkpoint(ckpt_path: str, model: pl.LightningModule) -> None:
+    """Read a local ``ckpt_path`` (CRCs included) and check that it is a full checkpoint of ``model``."""
+    if ckpt_path in ("last", "best", "hpc") or "://" in ckpt_path:
+        return  # Lightning resolves these itself
+    state = read_start_checkpoint(ckpt_path, model)  # names the file and any mismatched parameters
+    if state.kind != "lightning":
+        raise CheckpointError(
+            f"ckpt_path={ckpt_path} is a {state.kind} checkpoint, not one written by a Lightning run; "
+            f"ckpt_path resumes this CLI's runs. Start from it with init.path={ckpt_path} instead"
+        )
+    if state.optimizer_state is None:
+        raise CheckpointError(
+            f"ckpt_path={ckpt_path} holds no optimizer state (saved weights-only), so it cannot resume "
+            f"momentum; start from its weights with init.path={ckpt_path} init.weights_only=true"
+        )
 
 
 def _check_model_fits_data(cfg: DictConfig, datamodule: pl.LightningDataModule) -> None:

@@ -1,0 +1,129 @@
+"""Exact resume through train.py's runner, on the quickstart model: a run split in two is the same run.
+
+Oracle: the same run made in one go. Both are compared through their final ``last.ckpt``: the weights,
+every optimizer state tensor (momentum buffers, fp32 master weights) and the lr each optimizer step
+used (RunSummary's record, which travels in the checkpoint), all bit for bit.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from lightning_helpers import Interrupted, assert_identical, compose_train, final_state, last_checkpoint
+
+from lightning_fusedsgd.checkpoint import read_checkpoint_file
+from lightning_fusedsgd.lightning import DigitsDataModule
+from lightning_fusedsgd.lightning.runner import train
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:.*does not have many workers:UserWarning"),
+    pytest.mark.filterwarnings("ignore:The dirpath has changed:UserWarning"),
+    # Resuming with a larger max_epochs changes no lr already used: WarmupLR must stay silent.
+    pytest.mark.filterwarnings("error:WarmupLR"),
+]
+
+STEPS_PER_EPOCH = 3
+# A milestone at epoch 3 (step 9): the 2-epoch half has none (its schedule is warmup + constant), the
+# resumed half passes it.
+SHORT = [
+    "trainer.accelerator=cpu",
+    f"trainer.limit_train_batches={STEPS_PER_EPOCH}",
+    "trainer.limit_val_batches=1",
+    "data.batch_size=16",
+    "schedule.milestones=[3]",
+    "trainer.enable_progress_bar=false",
+    "+trainer.enable_model_summary=false",
+]
+VARIANTS = {"sgd": [], "lars": ["optim=fused_lars"], "bf16_true": ["trainer.precision=bf16-true"]}
+
+
+def run(run_dir: Path, *overrides: str) -> dict[str, Any]:
+    return train(compose_train([*SHORT, *overrides], run_dir))
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory: pytest.TempPathFactory):
+    """The uninterrupted 4-epoch run of each variant, made once per module."""
+    states: dict[str, dict[str, Any]] = {}
+
+    def get(variant: str) -> dict[str, Any]:
+        if variant not in states:
+            run_dir = tmp_path_factory.mktemp(f"straight_{variant}")
+            run(run_dir, *VARIANTS[variant], "trainer.max_epochs=4")
+            states[variant] = final_state(run_dir)
+        return states[variant]
+
+    return get
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_two_then_four_epochs_equals_four_epochs(variant: str, straight, tmp_path: Path) -> None:
+    expected = straight(variant)
+    assert expected["global_step"] == 4 * STEPS_PER_EPOCH
+    assert expected["lrs"][-1][1] < expected["lrs"][5][1]  # the milestone falls in the resumed half
+
+    run(tmp_path / "first", *VARIANTS[variant], "trainer.max_epochs=2")
+    assert final_state(tmp_path / "first")["global_step"] == 2 * STEPS_PER_EPOCH
+    resume = f"ckpt_path={last_checkpoint(tmp_path / 'first')}"
+    summary = run(tmp_path / "second", *VARIANTS[variant], "trainer.max_epochs=4", resume)
+
+    assert summary["global_step"] == 4 * STEPS_PER_EPOCH
+    resumed = final_state(tmp_path / "second")
+    assert_identical(resumed, expected)
+    kinds = {name.rsplit("/", 1)[1] for name in resumed["optimizer"]}
+    assert kinds == ({"momentum_buffer", "master_param"} if variant == "bf16_true" else {"momentum_buffer"})
+    if variant == "bf16_true":
+        assert {t.dtype for t in resumed["weights"].values() if t.is_floating_point()} == {torch.bfloat16}
+        assert {t.dtype for t in resumed["optimizer"].values()} == {torch.float32}
+    if variant == "lars":
+        groups = read_checkpoint_file(last_checkpoint(tmp_path / "second"))["optimizer_states"][0][
+            "param_groups"
+        ]
+        assert sorted(group["lars"] for group in groups) == [False, True]
+
+
+def test_mid_epoch_resume_from_a_step_checkpoint_continues_at_the_right_step(
+    straight, tmp_path: Path
+) -> None:
+    first = tmp_path / "first"
+    step_checkpoints = ["trainer.max_epochs=4", "callbacks.step_checkpoint.every_n_train_steps=2"]
+    stop = ["+callbacks.stop._target_=lightning_helpers.StopAt", "+callbacks.stop.step=5"]
+    with pytest.raises(Interrupted):  # stopped in epoch 1 before its last batch; last step checkpoint: 4
+        run(first, *step_checkpoints, *stop)
+
+    checkpoint = read_checkpoint_file(last_checkpoint(first))
+    assert checkpoint["global_step"] == 4
+    assert checkpoint["DigitsDataModule"] == {"epoch": 1, "batches": 1}  # one batch into epoch 1
+    run(tmp_path / "second", *step_checkpoints, f"ckpt_path={last_checkpoint(first)}")
+    assert_identical(final_state(tmp_path / "second"), straight("sgd"))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_datamodule_continues_at_its_saved_position(num_workers: int) -> None:
+    def batches(datamodule: DigitsDataModule, epoch: int) -> list[torch.Tensor]:
+        datamodule.setup()
+        loader = datamodule.train_dataloader()
+        loader.sampler.set_epoch(epoch)  # as Lightning does, after the loader exists
+        return [targets for _, targets in loader]
+
+    options = dict(batch_size=256, image_size=8, num_workers=num_workers)
+    epoch_two = batches(DigitsDataModule(**options), 2)
+    resumed = DigitsDataModule(**options)
+    # Restored before the loader exists (as Lightning does); workers draw indices when the loader is
+    # first iterated, so the position must already be in the sampler then.
+    resumed.load_state_dict({"epoch": 2, "batches": 2})
+    resumed.setup()
+    loader = resumed.train_dataloader()
+    assert loader.sampler.epoch == 2
+    iterator = iter(loader)  # before set_epoch: what a worker prefetches must be from epoch 2 already
+    loader.sampler.set_epoch(2)
+    rest = [targets for _, targets in iterator]
+    assert len(rest) == len(epoch_two) - 2
+    for got, expected in zip(rest, epoch_two[2:]):
+        assert torch.equal(got, expected)
+    # Only the first pass is shortened; the next epoch is whole.
+    loader.sampler.set_epoch(3)
+    assert len([targets for _, targets in loader]) == len(epoch_two)
