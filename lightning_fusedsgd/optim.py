@@ -12,6 +12,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_fusedsgd import kernels, reference
+from lightning_fusedsgd.checkpoint import remap_optimizer_state_dict, same_param_layout
 from lightning_fusedsgd.reference import HPARAM_COLUMNS
 
 LARS_DENOMINATORS = ("grad_plus_decay", "decayed_grad")
@@ -386,8 +387,6 @@ class FusedSGD(Optimizer):
         would cast them to the param's dtype), and fills hyperparameters that a ``torch.optim.SGD``
         checkpoint lacks (``lars``, ``master_weights``, ...) from the current groups.
         """
-        from lightning_fusedsgd.checkpoint import remap_optimizer_state_dict, same_param_layout
-
         if not same_param_layout(state_dict, self.param_groups):
             # A different grouping (e.g. torch.optim.SGD's one group for our two): move state by name.
             state_dict = remap_optimizer_state_dict(state_dict, self.param_groups, source="optimizer state")

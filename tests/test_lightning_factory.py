@@ -151,3 +151,19 @@ def test_schedule_errors_are_config_errors():
         Schedule(decay="multistep", warmup=2, milestones=[1]).build(
             _optimizer(), total_steps=100, steps_per_epoch=10, peak_lr=1.0
         )
+
+
+def test_run_summary_records_the_lr_each_step_used(tmp_path):
+    """RunSummary records f(0), f(1), ...: Lightning steps the scheduler before batch-end hooks."""
+    from lightning_fusedsgd.lightning import RunSummary
+
+    summary = RunSummary(str(tmp_path))
+    model = TinyClassifier(lr=0.2, schedule=Schedule(warmup=3, unit="step", decay="linear"))
+    trainer = cpu_trainer(max_epochs=2, callbacks=[summary])
+    trainer.fit(model)
+    scheduler = trainer.lr_scheduler_configs[0].scheduler
+    peak = scheduler.base_lrs[0]
+    expected = [scheduler.schedule.lr_at(t, peak) for t in range(trainer.global_step)]
+    assert [step for step, _ in summary.lr] == list(range(1, trainer.global_step + 1))
+    assert [lr for _, lr in summary.lr] == pytest.approx(expected, rel=1e-12)
+    assert summary.lr[0][1] == pytest.approx(0.0)  # warmup starts at start_factor 0 x peak

@@ -63,12 +63,15 @@ class RunSummary(pl.Callback):
         if step == self._last_step:  # accumulating: no optimizer step after this batch
             return
         self._last_step = step
-        if trainer.optimizers:
-            lr = trainer.optimizers[0].param_groups[0]["lr"]  # the lr this step used
-            self.lr.append((step, float(lr)))
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if isinstance(loss, torch.Tensor):
             self.train_loss.append((step, loss.item()))
+
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        # Lightning steps the scheduler before on_train_batch_end: only here is this step's lr visible.
+        self.lr.append((trainer.global_step + 1, float(optimizer.param_groups[0]["lr"])))
 
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         value = trainer.callback_metrics.get(self.monitor)
