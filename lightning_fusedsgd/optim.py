@@ -490,8 +490,7 @@ class _CachedPlan:
         if not (
             all(map(operator.is_, state_dicts, self.state_dicts))
             and all(map(operator.is_, self._state_tensors(state_dicts), self.state_tensors))
-            and kernels.load_extension().same_layouts(self.layouts, self.stepped)
-            and kernels.load_extension().same_layouts(self.stepped, grads)
+            and kernels.load_extension().same_layouts(self.layouts, self.stepped, grads)
         ):
             return None
         for key, bucket in self.buckets.items():

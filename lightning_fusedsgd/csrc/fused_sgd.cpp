@@ -388,15 +388,17 @@ void floor_step(const std::vector<at::Tensor>& params, const std::vector<at::Ten
   }
 }
 
-// True when every b[i] is a dense tensor with a[i]'s dtype, device, shape and strides: lets the optimizer
-// reuse last step's validated plan with this step's gradients.
-bool same_layouts(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
-  if (a.size() != b.size()) return false;
-  for (size_t i = 0; i < a.size(); ++i) {
-    if (b[i].layout() != at::kStrided || b[i].scalar_type() != a[i].scalar_type() ||
-        b[i].device() != a[i].device() || b[i].sizes() != a[i].sizes() || b[i].strides() != a[i].strides()) {
-      return false;
-    }
+// True when params[i] and grads[i] are dense tensors with layouts[i]'s dtype, device, shape and strides:
+// lets the optimizer reuse last step's validated plan (layouts are views taken when it was made).
+bool same_layouts(const std::vector<at::Tensor>& layouts, const std::vector<at::Tensor>& params,
+                  const std::vector<at::Tensor>& grads) {
+  if (params.size() != layouts.size() || grads.size() != layouts.size()) return false;
+  auto same = [](const at::Tensor& a, const at::Tensor& b) {
+    return b.layout() == at::kStrided && b.scalar_type() == a.scalar_type() && b.device() == a.device() &&
+           b.sizes() == a.sizes() && b.strides() == a.strides();
+  };
+  for (size_t i = 0; i < layouts.size(); ++i) {
+    if (!same(layouts[i], params[i]) || !same(layouts[i], grads[i])) return false;
   }
   return true;
 }
@@ -406,6 +408,6 @@ bool same_layouts(const std::vector<at::Tensor>& a, const std::vector<at::Tensor
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sgd_step", &lfsgd::sgd_step, "Fused SGD/LARS step over one (device, dtype) bucket of CPU tensors");
   m.def("floor_step", &lfsgd::floor_step, "Data-movement floor: sgd_step's memory traffic, no math");
-  m.def("same_layouts", &lfsgd::same_layouts, "Whether two tensor lists match in dtype, device, shape, strides");
+  m.def("same_layouts", &lfsgd::same_layouts, "Whether params and grads still have the recorded layouts");
   m.attr("hparam_columns") = static_cast<int>(lfsgd::kNumHParams);
 }
