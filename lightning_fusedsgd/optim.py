@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import operator
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -429,21 +430,23 @@ class _CachedPlan:
     """A validated plan, reused while the parameters, their state and the group structure are unchanged.
 
     Building a plan costs a few microseconds of Python per parameter, which on models with thousands of
-    small tensors is as much as the update itself. Reuse is checked in bulk: the same params (by identity,
-    dtype, device, shape and strides, against detached views taken at capture) with the same grad/no-grad
-    pattern, grads laid out like their params (checked in C++), the same state dicts and state tensors (by
-    identity), and the same momentum/master-weights switches.
+    small tensors is as much as the update itself. Reuse is checked in bulk, with no per-parameter Python
+    beyond C-level ``map``: the same params (by identity) and momentum/master-weights switches; in C++,
+    the same grad/no-grad pattern and params and grads laid out as recorded (dtype, device, shape,
+    strides); the same state mapping (keys and per-param dicts by identity, in order) and the same state
+    tensors (by identity).
     """
 
     group_key: list[tuple[int, bool, bool]]
     params: list[Tensor]
-    has_grad: list[bool]
-    stepped: list[Tensor]
-    layouts: list[Tensor]
+    layouts: Any  # the extension's PlanLayouts: params, grad presence and layouts, checked in C++
+    state_keys: list[Tensor]
     state_dicts: list[dict[str, Any]]
-    state_tensors: list[Tensor | None]
+    stepped_dicts: list[dict[str, Any]]
+    buffers: list[Tensor | None]
+    masters: list[Tensor | None]  # empty when no bucket keeps master weights
     buckets: dict[tuple, _Bucket]
-    slots: dict[tuple, list[int]]
+    slots: dict[tuple, list[int] | None]
 
     @staticmethod
     def _group_key(optimizer: FusedSGD) -> list[tuple[int, bool, bool]]:
@@ -451,54 +454,59 @@ class _CachedPlan:
             (len(g["params"]), g["momentum"] != 0, bool(g["master_weights"])) for g in optimizer.param_groups
         ]
 
-    @staticmethod
-    def _state_tensors(state_dicts: list[dict[str, Any]]) -> list[Tensor | None]:
-        return list(map(_get_buffer, state_dicts)) + list(map(_get_master, state_dicts))
-
     @classmethod
     def capture(cls, optimizer: FusedSGD, buckets: dict[tuple, _Bucket]) -> _CachedPlan:
         params = [p for g in optimizer.param_groups for p in g["params"]]
         stepped = [p for p in params if p.grad is not None]
         position = {id(p): i for i, p in enumerate(stepped)}
-        state_dicts = [optimizer.state[p] for p in stepped]
+        stepped_dicts = [optimizer.state[p] for p in stepped]
+        slots = {}
+        for key, bucket in buckets.items():
+            order = [position[id(p)] for p in bucket.params]
+            slots[key] = None if order == list(range(len(stepped))) else order  # None: all grads, in order
         return cls(
             group_key=cls._group_key(optimizer),
             params=params,
-            has_grad=[p.grad is not None for p in params],
-            stepped=stepped,
-            layouts=[p.detach() for p in stepped],
-            state_dicts=state_dicts,
-            state_tensors=cls._state_tensors(state_dicts),
+            layouts=kernels.load_extension().PlanLayouts(
+                params, [p.grad is not None for p in params], [p.detach() for p in stepped]
+            ),
+            state_keys=list(optimizer.state),
+            state_dicts=list(optimizer.state.values()),
+            stepped_dicts=stepped_dicts,
+            buffers=list(map(_get_buffer, stepped_dicts)),
+            masters=list(map(_get_master, stepped_dicts)) if any(key[2] for key in buckets) else [],
             buckets=buckets,
-            slots={key: [position[id(p)] for p in bucket.params] for key, bucket in buckets.items()},
+            slots=slots,
         )
 
     def reuse(self, optimizer: FusedSGD) -> dict[tuple, _Bucket] | None:
         """The cached buckets with this step's grads, or None when anything the plan depends on changed."""
-        params = [p for g in optimizer.param_groups for p in g["params"]]
+        state = optimizer.state
         if not (
-            len(params) == len(self.params)
-            and all(map(operator.is_, params, self.params))
-            and self._group_key(optimizer) == self.group_key
+            self._group_key(optimizer) == self.group_key
+            and all(
+                map(
+                    operator.is_,
+                    itertools.chain.from_iterable(g["params"] for g in optimizer.param_groups),
+                    self.params,
+                )
+            )
+            and len(state) == len(self.state_keys)
+            and all(map(operator.is_, state, self.state_keys))
+            and all(map(operator.is_, state.values(), self.state_dicts))
+            and all(map(operator.is_, map(_get_buffer, self.stepped_dicts), self.buffers))
+            and all(map(operator.is_, map(_get_master, self.stepped_dicts), self.masters))
         ):
             return None
-        grads = list(map(_grad_of, params))
-        if [g is not None for g in grads] != self.has_grad:
-            return None
-        grads = [g for g in grads if g is not None]
-        state_dicts = list(map(optimizer.state.get, self.stepped))
-        if not (
-            all(map(operator.is_, state_dicts, self.state_dicts))
-            and all(map(operator.is_, self._state_tensors(state_dicts), self.state_tensors))
-            and kernels.load_extension().same_layouts(self.layouts, self.stepped, grads)
-        ):
+        grads = self.layouts.grads()
+        if grads is None:
             return None
         for key, bucket in self.buckets.items():
-            bucket.grads = [grads[i] for i in self.slots[key]]
+            slots = self.slots[key]
+            bucket.grads = grads if slots is None else [grads[i] for i in slots]
         return self.buckets
 
 
-_grad_of = operator.attrgetter("grad")
 _get_buffer = operator.methodcaller("get", "momentum_buffer")
 _get_master = operator.methodcaller("get", "master_param")
 

@@ -388,26 +388,49 @@ void floor_step(const std::vector<at::Tensor>& params, const std::vector<at::Ten
   }
 }
 
-// True when params[i] and grads[i] are dense tensors with layouts[i]'s dtype, device, shape and strides:
-// lets the optimizer reuse last step's validated plan (layouts are views taken when it was made).
-bool same_layouts(const std::vector<at::Tensor>& layouts, const std::vector<at::Tensor>& params,
-                  const std::vector<at::Tensor>& grads) {
-  if (params.size() != layouts.size() || grads.size() != layouts.size()) return false;
-  auto same = [](const at::Tensor& a, const at::Tensor& b) {
+// The layouts a cached plan was validated for: every param, whether it had a grad, and views of the stepped
+// params taken then. Built once per plan, so a step's check converts no tensor lists from Python.
+class PlanLayouts {
+ public:
+  PlanLayouts(std::vector<at::Tensor> params, std::vector<bool> has_grad, std::vector<at::Tensor> layouts)
+      : params_(std::move(params)), has_grad_(std::move(has_grad)), layouts_(std::move(layouts)) {
+    TORCH_CHECK(params_.size() == has_grad_.size(), "PlanLayouts: one has_grad entry per param");
+  }
+
+  // This step's grads, or None when the plan no longer holds: a param gained or lost its grad, or a param
+  // or a grad is laid out differently (dtype, device, shape, strides) from what the plan recorded.
+  std::optional<std::vector<at::Tensor>> grads() const {
+    std::vector<at::Tensor> grads;
+    grads.reserve(layouts_.size());
+    for (size_t i = 0; i < params_.size(); ++i) {
+      const at::Tensor& grad = params_[i].grad();
+      if (grad.defined() != has_grad_[i]) return std::nullopt;
+      if (!grad.defined()) continue;
+      const at::Tensor& layout = layouts_.at(grads.size());
+      if (!same_layout(layout, params_[i]) || !same_layout(layout, grad)) return std::nullopt;
+      grads.push_back(grad);
+    }
+    return grads;
+  }
+
+ private:
+  static bool same_layout(const at::Tensor& a, const at::Tensor& b) {
     return b.layout() == at::kStrided && b.scalar_type() == a.scalar_type() && b.device() == a.device() &&
            b.sizes() == a.sizes() && b.strides() == a.strides();
-  };
-  for (size_t i = 0; i < layouts.size(); ++i) {
-    if (!same(layouts[i], params[i]) || !same(layouts[i], grads[i])) return false;
   }
-  return true;
-}
+
+  std::vector<at::Tensor> params_;
+  std::vector<bool> has_grad_;
+  std::vector<at::Tensor> layouts_;
+};
 
 }  // namespace lfsgd
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sgd_step", &lfsgd::sgd_step, "Fused SGD/LARS step over one (device, dtype) bucket of CPU tensors");
   m.def("floor_step", &lfsgd::floor_step, "Data-movement floor: sgd_step's memory traffic, no math");
-  m.def("same_layouts", &lfsgd::same_layouts, "Whether params and grads still have the recorded layouts");
+  pybind11::class_<lfsgd::PlanLayouts>(m, "PlanLayouts")
+      .def(pybind11::init<std::vector<at::Tensor>, std::vector<bool>, std::vector<at::Tensor>>())
+      .def("grads", &lfsgd::PlanLayouts::grads, "This step's grads, or None when the plan no longer holds");
   m.attr("hparam_columns") = static_cast<int>(lfsgd::kNumHParams);
 }
