@@ -202,6 +202,12 @@ class FusedSGD(Optimizer):
         grad_scale: Tensor | None = getattr(self, "grad_scale", None)
         found_inf: Tensor | None = getattr(self, "found_inf", None)
 
+        cached = self._cached_plan
+        if cached is not None and cached.matches(self):  # CPU only: reading found_inf costs nothing
+            if found_inf is not None and bool(found_inf.item()):
+                return loss
+            if cached.step.run(self._hparam_table(), grad_scale, found_inf):
+                return loss
         buckets, new_state, staged = self._plan()
         if found_inf is not None and (found_inf.device.type == "cpu" or new_state) and bool(found_inf.item()):
             # Skipped step: nothing is written, and no (uninitialized) buffer is stored. On CUDA this syncs
@@ -225,12 +231,18 @@ class FusedSGD(Optimizer):
                 None if grad_scale is None else grad_scale.to(device),
                 None if found_inf is None else found_inf.to(device),
             )
-        for bucket in buckets.values():
-            bucket.grads = []  # a cached plan must not keep this step's gradients alive after zero_grad
         for param, dense in staged:
             param.copy_(dense)
         for param, key, value in new_state:
             self.state[param][key] = value
+        reusable = (
+            not new_state
+            and not staged
+            and all(device.type == "cpu" for device, _, _ in buckets)
+            and self.backend in ("auto", "compiled")
+            and kernels.compiled_or_fallback(self.backend) == "compiled"
+        )
+        self._cached_plan = _CachedPlan.capture(self, buckets) if reusable else None
         return loss
 
     def _hparam_table(self) -> Tensor:
@@ -245,27 +257,6 @@ class FusedSGD(Optimizer):
         return torch.tensor(rows, dtype=torch.float64)
 
     def _plan(
-        self,
-    ) -> tuple[dict[tuple, _Bucket], list[tuple[Tensor, str, Tensor]], list[tuple[Tensor, Tensor]]]:
-        """The kernel inputs for this step: last step's plan with new gradients when it still holds."""
-        cached = self._cached_plan
-        if cached is not None:
-            buckets = cached.reuse(self)
-            if buckets is not None:
-                return buckets, [], []
-        buckets, new_state, staged = self._plan_from_scratch()
-        all_cpu = all(device.type == "cpu" for device, _, _ in buckets)
-        reusable = (
-            not new_state
-            and not staged
-            and all_cpu
-            and self.backend in ("auto", "compiled")
-            and kernels.compiled_or_fallback(self.backend) == "compiled"
-        )
-        self._cached_plan = _CachedPlan.capture(self, buckets) if reusable else None
-        return buckets, new_state, staged
-
-    def _plan_from_scratch(
         self,
     ) -> tuple[dict[tuple, _Bucket], list[tuple[Tensor, str, Tensor]], list[tuple[Tensor, Tensor]]]:
         """Validates every parameter and gathers the kernel inputs, changing nothing.
@@ -427,26 +418,25 @@ class FusedSGD(Optimizer):
 
 @dataclass
 class _CachedPlan:
-    """A validated plan, reused while the parameters, their state and the group structure are unchanged.
+    """A validated step, reused while the parameters, their state and the group structure are unchanged.
 
     Building a plan costs a few microseconds of Python per parameter, which on models with thousands of
-    small tensors is as much as the update itself. Reuse is checked in bulk, with no per-parameter Python
-    beyond C-level ``map``: the same params (by identity) and momentum/master-weights switches; in C++,
-    the same grad/no-grad pattern and params and grads laid out as recorded (dtype, device, shape,
-    strides); the same state mapping (keys and per-param dicts by identity, in order) and the same state
-    tensors (by identity).
+    small tensors is as much as the update itself. Reuse is checked in bulk: here, with C-level ``map``
+    only, the same params (by identity) and momentum/master-weights switches, the same state mapping
+    (keys and per-param dicts by identity, in order) and the same state tensors (by identity); in C++
+    (``CachedStep.run``), the same grad/no-grad pattern and params and grads laid out as recorded
+    (dtype, device, shape, strides). The C++ side keeps the kernel arguments, so a step converts no
+    tensor lists.
     """
 
     group_key: list[tuple[int, bool, bool]]
     params: list[Tensor]
-    layouts: Any  # the extension's PlanLayouts: params, grad presence and layouts, checked in C++
     state_keys: list[Tensor]
     state_dicts: list[dict[str, Any]]
     stepped_dicts: list[dict[str, Any]]
     buffers: list[Tensor | None]
     masters: list[Tensor | None]  # empty when no bucket keeps master weights
-    buckets: dict[tuple, _Bucket]
-    slots: dict[tuple, list[int] | None]
+    step: Any  # the extension's CachedStep
 
     @staticmethod
     def _group_key(optimizer: FusedSGD) -> list[tuple[int, bool, bool]]:
@@ -456,33 +446,37 @@ class _CachedPlan:
 
     @classmethod
     def capture(cls, optimizer: FusedSGD, buckets: dict[tuple, _Bucket]) -> _CachedPlan:
+        """Keeps the step just planned (CPU buckets, no new state) for the next steps."""
         params = [p for g in optimizer.param_groups for p in g["params"]]
         stepped = [p for p in params if p.grad is not None]
         position = {id(p): i for i, p in enumerate(stepped)}
+        step = kernels.load_extension().CachedStep(
+            params, [p.grad is not None for p in params], [p.detach() for p in stepped]
+        )
+        for bucket in buckets.values():
+            step.add_bucket(
+                bucket.params,
+                bucket.momentum_buffers,
+                bucket.master_params,
+                bucket.tensor_group,
+                [position[id(p)] for p in bucket.params],
+            )
         stepped_dicts = [optimizer.state[p] for p in stepped]
-        slots = {}
-        for key, bucket in buckets.items():
-            order = [position[id(p)] for p in bucket.params]
-            slots[key] = None if order == list(range(len(stepped))) else order  # None: all grads, in order
         return cls(
             group_key=cls._group_key(optimizer),
             params=params,
-            layouts=kernels.load_extension().PlanLayouts(
-                params, [p.grad is not None for p in params], [p.detach() for p in stepped]
-            ),
             state_keys=list(optimizer.state),
             state_dicts=list(optimizer.state.values()),
             stepped_dicts=stepped_dicts,
             buffers=list(map(_get_buffer, stepped_dicts)),
             masters=list(map(_get_master, stepped_dicts)) if any(key[2] for key in buckets) else [],
-            buckets=buckets,
-            slots=slots,
+            step=step,
         )
 
-    def reuse(self, optimizer: FusedSGD) -> dict[tuple, _Bucket] | None:
-        """The cached buckets with this step's grads, or None when anything the plan depends on changed."""
+    def matches(self, optimizer: FusedSGD) -> bool:
+        """Whether params, groups and state are those the cached step was validated for."""
         state = optimizer.state
-        if not (
+        return (
             self._group_key(optimizer) == self.group_key
             and all(
                 map(
@@ -496,15 +490,7 @@ class _CachedPlan:
             and all(map(operator.is_, state.values(), self.state_dicts))
             and all(map(operator.is_, map(_get_buffer, self.stepped_dicts), self.buffers))
             and all(map(operator.is_, map(_get_master, self.stepped_dicts), self.masters))
-        ):
-            return None
-        grads = self.layouts.grads()
-        if grads is None:
-            return None
-        for key, bucket in self.buckets.items():
-            slots = self.slots[key]
-            bucket.grads = grads if slots is None else [grads[i] for i in slots]
-        return self.buckets
+        )
 
 
 _get_buffer = operator.methodcaller("get", "momentum_buffer")

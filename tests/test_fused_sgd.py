@@ -344,7 +344,7 @@ def test_compiled_kernel_is_what_runs_on_cpu():
     p = nn.Parameter(torch.randn(10))
     opt = FusedSGD([p])
     p.grad = torch.ones(10)
-    buckets, _, _ = opt._plan()
+    buckets, _, _ = opt._plan()  # the from-scratch plan; later steps reuse it through CachedStep
     (device, _, _), bucket = next(iter(buckets.items()))
     assert opt._step_function(device, bucket, opt._hparam_table()) is load_extension().sgd_step
 
@@ -458,3 +458,22 @@ def test_a_parameter_listed_twice_is_refused():
     p = nn.Parameter(torch.randn(3))
     with pytest.raises(ValueError, match="same parameter twice"):
         FusedSGD([p, p], lr=0.1)
+
+
+def test_state_dicts_replaced_between_steps_are_used():
+    """Lightning's optimizer-to-device replaces each opt.state[p] dict; a cached plan must notice."""
+    ours, theirs = make_params(), make_params()
+    opt = FusedSGD(ours, lr=0.05, momentum=0.9)
+    ref = torch.optim.SGD(theirs, lr=0.05, momentum=0.9, foreach=False)
+    generator = torch.Generator().manual_seed(10)
+    for step in range(5):
+        if step == 3:
+            for p, q in zip(ours, theirs):
+                opt.state[p] = {"momentum_buffer": torch.full_like(p, -0.25)}
+                ref.state[q] = {"momentum_buffer": torch.full_like(q, -0.25)}
+        for p, q in zip(ours, theirs):
+            g = torch.randn(p.shape, generator=generator)
+            p.grad, q.grad = g.clone(), g.clone()
+        opt.step()
+        ref.step()
+    assert_close_rel(ours, theirs, 1e-5)
