@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,11 @@ CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR10_STD = (0.2470, 0.2435, 0.2616)
 
 Transform = Callable[[Any], Any]
+
+
+def _to_normalized_tensor(mean: Sequence[float], std: Sequence[float]) -> list[Any]:
+    """The last transforms of every image pipeline: PIL image -> float tensor in [0, 1] -> normalized."""
+    return [v2.ToImage(), v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)]
 
 
 class EpochSampler(DistributedSampler):
@@ -320,11 +325,7 @@ class CIFAR10DataModule(_SeededDataModule):
         from torchvision.datasets import CIFAR10
 
         self.check_data()
-        finish = [
-            v2.ToImage(),
-            v2.ToDtype(torch.float32, scale=True),
-            v2.Normalize(CIFAR10_MEAN, CIFAR10_STD),
-        ]
+        finish = _to_normalized_tensor(CIFAR10_MEAN, CIFAR10_STD)
         train_transform = v2.Compose([v2.RandomCrop(32, padding=4), v2.RandomHorizontalFlip(), *finish])
         self.train_set = SeededDataset(CIFAR10(self.root, train=True), train_transform)
         self.val_set = SeededDataset(CIFAR10(self.root, train=False), v2.Compose(finish))
@@ -375,11 +376,7 @@ class ImageFolderDataModule(_SeededDataModule):
         from torchvision.datasets import ImageFolder
 
         self.check_data()
-        finish = [
-            v2.ToImage(),
-            v2.ToDtype(torch.float32, scale=True),
-            v2.Normalize(IMAGENET_MEAN, IMAGENET_STD),
-        ]
+        finish = _to_normalized_tensor(IMAGENET_MEAN, IMAGENET_STD)
         train_transform = v2.Compose(
             [v2.RandomResizedCrop(self.image_size, antialias=True), v2.RandomHorizontalFlip(), *finish]
         )
