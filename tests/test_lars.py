@@ -68,6 +68,26 @@ def oracle_step(
         weights[i] = w - lr * step
 
 
+def assert_matches_oracle(opt, params, lars_mask, seed, **oracle_kwargs):
+    """Runs 30 steps of `opt` and of the float64 oracle on the same gradients; compares weights, buffers."""
+    weights = [p.detach().double() for p in params]
+    buffers = [None] * len(params)
+    generator = torch.Generator().manual_seed(seed)
+    for step in range(30):
+        grads = grads_for(step, generator)
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt.step()
+        oracle_step(
+            weights, buffers, [g.double() for g in grads], lars_mask=lars_mask, lr=LR, **oracle_kwargs
+        )
+    for p, w in zip(params, weights):
+        assert ((p.double() - w).abs().max() / w.abs().max().clamp_min(1e-12)).item() < 1e-5
+    for p, b in zip(params, buffers):
+        buffer = opt.state[p]["momentum_buffer"].double()
+        assert ((buffer - b).abs().max() / b.abs().max().clamp_min(1e-12)).item() < 1e-4
+
+
 @pytest.mark.parametrize("backend", ["compiled", "torch"])
 @pytest.mark.parametrize(
     "nesterov, trust_clip, decayed_grad, maximize",
@@ -92,31 +112,16 @@ def test_lars_matches_formula_over_30_steps(backend, nesterov, trust_clip, decay
         maximize=maximize,
         backend=backend,
     )
-    weights = [p.detach().double() for p in params]
-    buffers = [None] * len(params)
-    generator = torch.Generator().manual_seed(1)
-    for step in range(30):
-        grads = grads_for(step, generator)
-        for p, g in zip(params, grads):
-            p.grad = g.clone()
-        opt.step()
-        oracle_step(
-            weights,
-            buffers,
-            [g.double() for g in grads],
-            lars_mask=lars_mask,
-            lr=LR,
-            nesterov=nesterov,
-            trust_clip=trust_clip,
-            decayed_grad=decayed_grad,
-            maximize=maximize,
-        )
-    for p, w in zip(params, weights):
-        assert ((p.double() - w).abs().max() / w.abs().max().clamp_min(1e-12)).item() < 1e-5
-    for p, b in zip(params, buffers):
-        assert (
-            (opt.state[p]["momentum_buffer"].double() - b).abs().max() / b.abs().max().clamp_min(1e-12)
-        ).item() < 1e-4
+    assert_matches_oracle(
+        opt,
+        params,
+        lars_mask,
+        seed=1,
+        nesterov=nesterov,
+        trust_clip=trust_clip,
+        decayed_grad=decayed_grad,
+        maximize=maximize,
+    )
 
 
 @pytest.mark.parametrize("backend", ["compiled", "torch"])
@@ -132,30 +137,19 @@ def test_lars_coefficient_eps_and_dampening_reach_the_kernel(backend):
         lars_eps=0.05,
         backend=backend,
     )
-    weights = [p.detach().double() for p in params]
-    buffers = [None] * len(params)
-    generator = torch.Generator().manual_seed(5)
-    for step in range(30):
-        grads = grads_for(step, generator)
-        for p, g in zip(params, grads):
-            p.grad = g.clone()
-        opt.step()
-        oracle_step(
-            weights,
-            buffers,
-            [g.double() for g in grads],
-            lars_mask=[True] * len(params),
-            lr=LR,
-            nesterov=False,
-            trust_clip=False,
-            decayed_grad=False,
-            maximize=False,
-            eta=0.02,
-            eps=0.05,
-            dampening=0.3,
-        )
-    for p, w in zip(params, weights):
-        assert ((p.double() - w).abs().max() / w.abs().max().clamp_min(1e-12)).item() < 1e-5
+    assert_matches_oracle(
+        opt,
+        params,
+        [True] * len(params),
+        seed=5,
+        nesterov=False,
+        trust_clip=False,
+        decayed_grad=False,
+        maximize=False,
+        eta=0.02,
+        eps=0.05,
+        dampening=0.3,
+    )
 
 
 def test_lars_actually_rescales():
