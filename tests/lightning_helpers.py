@@ -21,6 +21,15 @@ from lightning_fusedsgd.checkpoint import read_checkpoint_file
 from lightning_fusedsgd.lightning import clip_gradients, configure_fused_sgd
 
 ROOT = Path(__file__).resolve().parents[1]
+STEPS_PER_EPOCH = 3
+# Overrides that make a train.py run tiny: 3 steps an epoch, one validation batch, no progress bar.
+SMALL_RUN = [
+    "trainer.accelerator=cpu",
+    f"trainer.limit_train_batches={STEPS_PER_EPOCH}",
+    "trainer.limit_val_batches=1",
+    "data.batch_size=16",
+    "trainer.enable_progress_bar=false",
+]
 
 
 class TinyClassifier(pl.LightningModule):

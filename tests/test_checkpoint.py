@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning_helpers import cpu_trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -133,17 +134,7 @@ class LitNet(pl.LightningModule):
 
 
 def make_trainer(root: Path, **kwargs) -> pl.Trainer:
-    defaults = dict(
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=root,
-        max_epochs=1,
-    )
-    return pl.Trainer(**(defaults | kwargs))
+    return cpu_trainer(**({"default_root_dir": root, "max_epochs": 1} | kwargs))
 
 
 def save_torchvision_checkpoint(

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from lightning_helpers import compose_train, last_checkpoint, run_train_py
+from lightning_helpers import SMALL_RUN, STEPS_PER_EPOCH, compose_train, last_checkpoint, run_train_py
 
 from lightning_fusedsgd.checkpoint import CheckpointError, CheckpointMismatchError
 from lightning_fusedsgd.lightning import ConfigError, build_resnet
@@ -25,15 +25,7 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:The number of training batches:UserWarning"),
 ]
 
-STEPS_PER_EPOCH = 3
-SHORT = [
-    "trainer.accelerator=cpu",
-    f"trainer.limit_train_batches={STEPS_PER_EPOCH}",
-    "trainer.limit_val_batches=1",
-    "data.batch_size=16",
-    "trainer.enable_progress_bar=false",
-    "+trainer.enable_model_summary=false",
-]
+SHORT = [*SMALL_RUN, "+trainer.enable_model_summary=false"]
 # The quickstart network as torchvision's reference script would build it for 1-channel digits.
 ARCH = dict(arch="resnet18", in_channels=1)
 

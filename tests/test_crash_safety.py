@@ -18,7 +18,15 @@ import time
 from pathlib import Path
 
 import pytest
-from lightning_helpers import ROOT, assert_identical, final_state, last_checkpoint, run_train_py
+from lightning_helpers import (
+    ROOT,
+    SMALL_RUN,
+    STEPS_PER_EPOCH,
+    assert_identical,
+    final_state,
+    last_checkpoint,
+    run_train_py,
+)
 
 from lightning_fusedsgd.checkpoint import read_checkpoint_file
 
@@ -26,16 +34,7 @@ pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="the harness reads /proc/self/fd"
 )
 
-STEPS_PER_EPOCH = 3
-RUN = [
-    "trainer.accelerator=cpu",
-    f"trainer.limit_train_batches={STEPS_PER_EPOCH}",
-    "trainer.limit_val_batches=1",
-    "data.batch_size=16",
-    "schedule.milestones=[3]",
-    "trainer.enable_progress_bar=false",
-    "trainer.max_epochs=4",
-]
+RUN = [*SMALL_RUN, "schedule.milestones=[3]", "trainer.max_epochs=4"]
 # last.ckpt also every 2 steps: writes at steps 2, 3 (epoch end), 4, 6, 6 (epoch end), 8, 9 (epoch end)...
 STEP_CHECKPOINTS = "callbacks.step_checkpoint.every_n_train_steps=2"
 

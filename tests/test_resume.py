@@ -12,7 +12,15 @@ from typing import Any
 
 import pytest
 import torch
-from lightning_helpers import Interrupted, assert_identical, compose_train, final_state, last_checkpoint
+from lightning_helpers import (
+    SMALL_RUN,
+    STEPS_PER_EPOCH,
+    Interrupted,
+    assert_identical,
+    compose_train,
+    final_state,
+    last_checkpoint,
+)
 
 from lightning_fusedsgd.checkpoint import read_checkpoint_file
 from lightning_fusedsgd.lightning import DigitsDataModule
@@ -25,18 +33,9 @@ pytestmark = [
     pytest.mark.filterwarnings("error:WarmupLR"),
 ]
 
-STEPS_PER_EPOCH = 3
 # A milestone at epoch 3 (step 9): the 2-epoch half has none (its schedule is warmup + constant), the
 # resumed half passes it.
-SHORT = [
-    "trainer.accelerator=cpu",
-    f"trainer.limit_train_batches={STEPS_PER_EPOCH}",
-    "trainer.limit_val_batches=1",
-    "data.batch_size=16",
-    "schedule.milestones=[3]",
-    "trainer.enable_progress_bar=false",
-    "+trainer.enable_model_summary=false",
-]
+SHORT = [*SMALL_RUN, "schedule.milestones=[3]", "+trainer.enable_model_summary=false"]
 VARIANTS = {"sgd": [], "lars": ["optim=fused_lars"], "bf16_true": ["trainer.precision=bf16-true"]}
 
 
