@@ -43,7 +43,7 @@ def contenders(params: list[torch.Tensor], master_weights: bool) -> dict[str, ob
         "FusedSGD": fused_ours.step,
         "torch foreach": foreach.step,
         "torch fused": fused_torch.step,
-        "floor": lambda: ext.floor_step(floor_params, floor_grads, floor_bufs, floor_masters),
+        "floor": lambda: ext.floor_step(floor_params, floor_grads, floor_bufs, floor_masters, []),
     }
 
 

@@ -9,6 +9,7 @@
 #include <optional>
 #include <vector>
 
+#include "cached_step.h"
 #include "sgd_math.h"
 
 namespace lfsgd {
@@ -326,12 +327,14 @@ void sgd_step(const std::vector<at::Tensor>& params, const std::vector<at::Tenso
   }
 }
 
-// The data-movement floor: the same work list, parallel region and bytes read and written as sgd_step with
-// momentum, and no arithmetic (bit moves only). Benchmarks divide step time by this.
+// The data-movement floor: the same work list, waves, parallel region and bytes read and written as sgd_step
+// with momentum, and no arithmetic (bit moves only). Benchmarks divide step time by this. With `lars`, each
+// wave that has LARS tensors first reads their w and g, as the norm pass does, XOR-reduced into per-chunk
+// partials so the reads are kept; the values left behind are the plain floor's.
 template <typename W, typename G, bool kMaster>
 void floor_bucket(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
                   const std::vector<std::optional<at::Tensor>>& momentum_buffers,
-                  const std::vector<at::Tensor>& master_params) {
+                  const std::vector<at::Tensor>& master_params, const std::vector<bool>& lars) {
   const int32_t n = static_cast<int32_t>(params.size());
   std::vector<W*> w_ptr(n), b_ptr(n);
   std::vector<const G*> g_ptr(n);
@@ -343,10 +346,19 @@ void floor_bucket(const std::vector<at::Tensor>& params, const std::vector<at::T
     g_ptr[t] = static_cast<const G*>(grads[t].data_ptr());
     p_ptr[t] = static_cast<G*>(params[t].data_ptr());
   }
-  const WorkList work = make_work_list(params, std::vector<bool>(n, false));
-#pragma omp parallel for schedule(static) num_threads(num_threads_for(work))
-  for (int64_t c = 0; c < static_cast<int64_t>(work.chunks.size()); ++c) {
-    const Chunk chunk = work.chunks[c];
+  const WorkList work = make_work_list(params, lars);
+  std::vector<W> partial(work.chunks.size());
+
+  auto read_chunk = [&](const Chunk& chunk) {
+    const W* w = w_ptr[chunk.tensor];
+    const G* g = g_ptr[chunk.tensor];
+    W sum = 0;
+#pragma omp simd reduction(^ : sum)
+    for (int64_t i = chunk.begin; i < chunk.end; ++i) sum ^= w[i] ^ static_cast<W>(g[i]);
+    return sum;
+  };
+
+  auto move_chunk = [&](const Chunk& chunk) {
     W* w = w_ptr[chunk.tensor];
     W* b = b_ptr[chunk.tensor];
     const G* g = g_ptr[chunk.tensor];
@@ -363,104 +375,57 @@ void floor_bucket(const std::vector<at::Tensor>& params, const std::vector<at::T
       }
       b[i] = w_old ^ b[i];
     }
+  };
+
+#pragma omp parallel num_threads(num_threads_for(work))
+  {
+    for (const Wave& wave : work.waves) {
+      if (wave.needs_norms) {
+#pragma omp for schedule(static)
+        for (int64_t c = wave.chunk_begin; c < wave.chunk_end; ++c) {
+          if (lars[work.chunks[c].tensor]) partial[c] = read_chunk(work.chunks[c]);
+        }
+      }
+#pragma omp for schedule(static)
+      for (int64_t c = wave.chunk_begin; c < wave.chunk_end; ++c) move_chunk(work.chunks[c]);
+    }
   }
 }
 
+// `lars`: which tensors get the norm pass's reads (empty: none, the plain floor).
 void floor_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
                 const std::vector<std::optional<at::Tensor>>& momentum_buffers,
-                const std::vector<at::Tensor>& master_params) {
+                const std::vector<at::Tensor>& master_params, const std::vector<bool>& lars) {
   if (params.empty()) return;
   check_bucket(params, grads, momentum_buffers, master_params);
   for (const auto& b : momentum_buffers) {
     TORCH_CHECK(b.has_value(), "lightning_fusedsgd floor kernel: pass a momentum buffer for every param");
   }
+  TORCH_CHECK(lars.empty() || lars.size() == params.size(),
+              "lightning_fusedsgd floor kernel: lars must be empty or one flag per param");
+  const std::vector<bool> flags = lars.empty() ? std::vector<bool>(params.size(), false) : lars;
   const bool master = !master_params.empty();
   switch (at::elementSize(params[0].scalar_type())) {
     case 2:
-      return master ? floor_bucket<uint32_t, uint16_t, true>(params, grads, momentum_buffers, master_params)
-                    : floor_bucket<uint16_t, uint16_t, false>(params, grads, momentum_buffers, master_params);
+      return master ? floor_bucket<uint32_t, uint16_t, true>(params, grads, momentum_buffers, master_params,
+                                                             flags)
+                    : floor_bucket<uint16_t, uint16_t, false>(params, grads, momentum_buffers, master_params,
+                                                              flags);
     case 4:
-      return floor_bucket<uint32_t, uint32_t, false>(params, grads, momentum_buffers, master_params);
+      return floor_bucket<uint32_t, uint32_t, false>(params, grads, momentum_buffers, master_params, flags);
     case 8:
-      return floor_bucket<uint64_t, uint64_t, false>(params, grads, momentum_buffers, master_params);
+      return floor_bucket<uint64_t, uint64_t, false>(params, grads, momentum_buffers, master_params, flags);
     default:
       TORCH_CHECK(false, "lightning_fusedsgd floor kernel: unsupported dtype ", params[0].scalar_type());
   }
 }
 
-// A validated step kept in C++ for reuse: every param, whether it had a grad, views of the stepped params
-// taken when the plan was made (their layouts), and each bucket's kernel arguments. A step then converts
-// no tensor lists from Python: run() gathers this step's grads, checks them, and runs every bucket.
-class CachedStep {
- public:
-  CachedStep(std::vector<at::Tensor> params, std::vector<bool> has_grad, std::vector<at::Tensor> layouts)
-      : params_(std::move(params)), has_grad_(std::move(has_grad)), layouts_(std::move(layouts)) {
-    TORCH_CHECK(params_.size() == has_grad_.size(), "CachedStep: one has_grad entry per param");
-  }
-
-  // `slots`: each tensor's position among the stepped params (the order of `layouts`).
-  void add_bucket(std::vector<at::Tensor> params, std::vector<std::optional<at::Tensor>> momentum_buffers,
-                  std::vector<at::Tensor> master_params, std::vector<int64_t> tensor_group,
-                  std::vector<int64_t> slots) {
-    for (int64_t slot : slots) TORCH_CHECK(slot >= 0 && slot < static_cast<int64_t>(layouts_.size()));
-    buckets_.push_back({std::move(params), std::move(momentum_buffers), std::move(master_params),
-                        std::move(tensor_group), std::move(slots)});
-  }
-
-  // Runs the step and returns true, or returns false having changed nothing when the plan no longer holds:
-  // a param gained or lost its grad, or a param or grad is laid out differently from what was recorded.
-  bool run(const at::Tensor& group_hparams, const std::optional<at::Tensor>& grad_scale,
-           const std::optional<at::Tensor>& found_inf) const {
-    std::vector<at::Tensor> grads;
-    grads.reserve(layouts_.size());
-    for (size_t i = 0; i < params_.size(); ++i) {
-      const at::Tensor& grad = params_[i].grad();
-      if (grad.defined() != has_grad_[i]) return false;
-      if (!grad.defined()) continue;
-      if (grads.size() >= layouts_.size()) return false;
-      const at::Tensor& layout = layouts_[grads.size()];
-      if (!same_layout(layout, params_[i]) || !same_layout(layout, grad)) return false;
-      grads.push_back(grad);
-    }
-    if (grads.size() != layouts_.size()) return false;
-    for (const Bucket& bucket : buckets_) {
-      std::vector<at::Tensor> bucket_grads;
-      bucket_grads.reserve(bucket.slots.size());
-      for (int64_t slot : bucket.slots) bucket_grads.push_back(grads[slot]);
-      sgd_step(bucket.params, bucket_grads, bucket.momentum_buffers, bucket.master_params, group_hparams,
-               bucket.tensor_group, std::vector<bool>(bucket.params.size(), false), grad_scale, found_inf);
-    }
-    return true;
-  }
-
- private:
-  struct Bucket {
-    std::vector<at::Tensor> params;
-    std::vector<std::optional<at::Tensor>> momentum_buffers;
-    std::vector<at::Tensor> master_params;
-    std::vector<int64_t> tensor_group;
-    std::vector<int64_t> slots;
-  };
-
-  static bool same_layout(const at::Tensor& a, const at::Tensor& b) {
-    return b.layout() == at::kStrided && b.scalar_type() == a.scalar_type() && b.device() == a.device() &&
-           b.sizes() == a.sizes() && b.strides() == a.strides();
-  }
-
-  std::vector<at::Tensor> params_;
-  std::vector<bool> has_grad_;
-  std::vector<at::Tensor> layouts_;
-  std::vector<Bucket> buckets_;
-};
-
 }  // namespace lfsgd
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sgd_step", &lfsgd::sgd_step, "Fused SGD/LARS step over one (device, dtype) bucket of CPU tensors");
-  m.def("floor_step", &lfsgd::floor_step, "Data-movement floor: sgd_step's memory traffic, no math");
-  pybind11::class_<lfsgd::CachedStep>(m, "CachedStep")
-      .def(pybind11::init<std::vector<at::Tensor>, std::vector<bool>, std::vector<at::Tensor>>())
-      .def("add_bucket", &lfsgd::CachedStep::add_bucket)
-      .def("run", &lfsgd::CachedStep::run, "Run the cached step; false (nothing changed) if it no longer holds");
+  m.def("floor_step", &lfsgd::floor_step,
+        "Data-movement floor: sgd_step's memory traffic, no math; lars flags the tensors with a norm pass");
+  lfsgd::bind_cached_step<&lfsgd::sgd_step>(m);
   m.attr("hparam_columns") = static_cast<int>(lfsgd::kNumHParams);
 }
