@@ -1,22 +1,22 @@
-"""Builds and loads the compiled kernel, and chooses the backend that runs a bucket.
+"""Builds and loads the compiled kernels, and chooses the backend that runs a bucket.
 
-The C++ extension in ``csrc/`` is compiled on first use with ninja through
-``torch.utils.cpp_extension`` and cached under ``$LIGHTNING_FUSEDSGD_CACHE`` (default
-``~/.cache/lightning_fusedsgd``), keyed by a hash of the sources, the flags, the torch version and the
-CPU's instruction set (the build uses ``-march=native``). ``python -m lightning_fusedsgd``
-prebuilds it.
+The extensions in ``csrc/`` are compiled on first use with ninja through ``torch.utils.cpp_extension``
+and cached under ``$LIGHTNING_FUSEDSGD_CACHE`` (default ``~/.cache/lightning_fusedsgd``), keyed by a
+hash of the sources, the flags, the torch version and the machine: the CPU's instruction set for the
+CPU kernel (built with ``-march=native``), the CUDA version and the GPUs' compute capabilities for the
+CUDA kernel. ``python -m lightning_fusedsgd`` prebuilds them.
 
 Backends:
-    ``compiled``: our kernel (CPU tensors).
+    ``compiled``: our kernel, for CPU and CUDA tensors.
     ``torch``: the same math in plain PyTorch (``reference.py``): the oracle in tests and the fallback.
     ``torch_fused``: ``torch._fused_sgd_`` (CUDA, where its semantics are identical to ours). Like
         torch's own fused SGD it unscales ``p.grad`` in place under a GradScaler; the other backends
         leave gradients untouched.
-    ``auto``: ``compiled`` on CPU, ``torch_fused`` on CUDA where eligible, else ``torch``.
+    ``auto``: ``compiled`` on CPU and CUDA, ``torch`` on other devices.
 
-Where the compiler is missing, ``auto`` warns once and runs ``torch``. Setting
-``LIGHTNING_FUSEDSGD_REQUIRE_COMPILED=1`` turns that fallback into an error (CI sets it, to prove the
-compiled kernel is what ran).
+Where a kernel cannot be built, ``auto`` warns once and runs PyTorch ops instead (``torch``; on CUDA
+``torch_fused`` where eligible). Setting ``LIGHTNING_FUSEDSGD_REQUIRE_COMPILED=1`` turns that fallback
+into an error (CI sets it, to prove the compiled kernel is what ran).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import os
 import platform
 import sys
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
@@ -38,10 +39,29 @@ import torch
 BACKENDS = ("auto", "compiled", "torch", "torch_fused")
 REQUIRE_COMPILED_ENV = "LIGHTNING_FUSEDSGD_REQUIRE_COMPILED"
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("fused_sgd.cpp",)
-_HEADERS = ("sgd_math.h",)
-_CFLAGS = ("-O3", "-march=native", "-fopenmp")
-_LDFLAGS = ("-fopenmp",)
+_HEADERS = ("sgd_math.h", "cached_step.h")
+
+
+@dataclass(frozen=True)
+class _Extension:
+    """One compiled module: what it is built from and how."""
+
+    name: str
+    sources: tuple[str, ...]
+    cflags: tuple[str, ...]
+    ldflags: tuple[str, ...] = ()
+    cuda_cflags: tuple[str, ...] = ()
+
+
+EXTENSIONS = {
+    "cpu": _Extension(
+        "lightning_fusedsgd_C", ("fused_sgd.cpp",), ("-O3", "-march=native", "-fopenmp"), ("-fopenmp",)
+    ),
+    "cuda": _Extension(
+        "lightning_fusedsgd_cuda", ("fused_sgd_cuda.cu", "fused_sgd_cuda_module.cpp"), ("-O3",), (), ("-O3",)
+    ),
+}
+"""The kernels by device type."""
 
 
 class KernelBuildError(RuntimeError):
@@ -60,12 +80,30 @@ def _cpu_signature() -> str:
     return platform.processor() or platform.machine()
 
 
-def _build_key() -> str:
+def _cuda_signature() -> str:
+    """The CUDA toolkit torch was built with and the architectures the kernel is compiled for."""
+    capabilities = [torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())]
+    return (
+        f"cuda {torch.version.cuda} {os.environ.get('TORCH_CUDA_ARCH_LIST', '')} {sorted(set(capabilities))}"
+    )
+
+
+def _build_key(device_type: str) -> str:
+    extension = EXTENSIONS[device_type]
     digest = hashlib.sha256()
-    for name in _SOURCES + _HEADERS:
+    for name in extension.sources + _HEADERS:
         digest.update((_CSRC / name).read_bytes())
+    machine = _cpu_signature() if device_type == "cpu" else _cuda_signature()
     # The .so links against this torch installation's libraries: another venv gets its own build.
-    for part in (*_CFLAGS, *_LDFLAGS, torch.__version__, torch.__file__, sys.version, _cpu_signature()):
+    for part in (
+        *extension.cflags,
+        *extension.ldflags,
+        *extension.cuda_cflags,
+        torch.__version__,
+        torch.__file__,
+        sys.version,
+        machine,
+    ):
         digest.update(part.encode())
     return digest.hexdigest()[:16]
 
@@ -76,29 +114,33 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-def load_extension() -> ModuleType:
-    """The compiled kernel, built on first use; the outcome (module or failure) is cached per process.
+def load_extension(device_type: str = "cpu") -> ModuleType:
+    """The compiled kernel for ``device_type`` ("cpu" or "cuda"), built on first use; the outcome
+    (module or failure) is cached per process.
 
     Raises:
-        KernelBuildError: no working C++ toolchain, or the build failed.
+        KernelBuildError: no working toolchain (C++ compiler, ninja; nvcc for CUDA), or the build failed.
     """
-    outcome = _load_once()
+    if device_type not in EXTENSIONS:
+        raise KernelBuildError(f"lightning_fusedsgd has no compiled kernel for {device_type} tensors")
+    outcome = _load_once(device_type)
     if isinstance(outcome, KernelBuildError):
         raise outcome
     return outcome
 
 
 @functools.cache
-def _load_once() -> ModuleType | KernelBuildError:
+def _load_once(device_type: str) -> ModuleType | KernelBuildError:
     try:
-        return _build_and_import(verbose=False)
+        return _build_and_import(device_type, verbose=False)
     except KernelBuildError as error:
         return error
 
 
-def _build_and_import(verbose: bool) -> ModuleType:
-    key = _build_key()
-    name = f"lightning_fusedsgd_C_{key}"
+def _build_and_import(device_type: str, verbose: bool) -> ModuleType:
+    extension = EXTENSIONS[device_type]
+    key = _build_key(device_type)
+    name = f"{extension.name}_{key}"
     build_dir = cache_dir() / key
     ready = build_dir / "ready"  # written after a complete build: a half-linked .so is never imported
     if ready.exists():
@@ -115,24 +157,29 @@ def _build_and_import(verbose: bool) -> ModuleType:
 
     build_dir.mkdir(parents=True, exist_ok=True)
     print(
-        f"lightning_fusedsgd: compiling the kernel into {build_dir} (first use only, about 30 s)",
+        f"lightning_fusedsgd: compiling the {device_type} kernel into {build_dir} (first use only, "
+        f"{'about 30 s' if device_type == 'cpu' else 'a minute or two'})",
         file=sys.stderr,
     )
     try:
         module = cpp_extension.load(
             name=name,
-            sources=[str(_CSRC / source) for source in _SOURCES],
-            extra_cflags=list(_CFLAGS),
-            extra_ldflags=list(_LDFLAGS),
+            sources=[str(_CSRC / source) for source in extension.sources],
+            extra_cflags=list(extension.cflags),
+            extra_cuda_cflags=list(extension.cuda_cflags),
+            extra_ldflags=list(extension.ldflags),
             extra_include_paths=[str(_CSRC)],
             build_directory=str(build_dir),
             verbose=verbose,
         )
     # The toolchain raises many types: compiler or ninja missing, compile and link errors.
     except Exception as error:
+        toolchain = "a C++ compiler (g++) and ninja" + (
+            " and the CUDA toolkit (nvcc)" if device_type == "cuda" else ""
+        )
         raise KernelBuildError(
-            f"could not build the lightning_fusedsgd kernel in {build_dir}: {error}. "
-            "Install a C++ compiler (g++) and ninja, or use FusedSGD(..., backend='torch')."
+            f"could not build the lightning_fusedsgd {device_type} kernel in {build_dir}: {error}. "
+            f"Install {toolchain}, or use FusedSGD(..., backend='torch')."
         ) from error
     ready.touch()
     return module
@@ -141,22 +188,25 @@ def _build_and_import(verbose: bool) -> ModuleType:
 @functools.cache
 def _warn_fallback(reason: str) -> None:
     warnings.warn(
-        f"lightning_fusedsgd: the compiled kernel is unavailable ({reason}); running the plain-PyTorch "
-        "reference backend, which is correct but slower. "
-        "Run `python -m lightning_fusedsgd --verbose` to see why.",
+        f"lightning_fusedsgd: the compiled kernel is unavailable ({reason}); running PyTorch ops instead "
+        "(the reference backend; on CUDA torch's fused SGD where its semantics match), which are correct "
+        "but slower. Run `python -m lightning_fusedsgd --verbose` to see why.",
         RuntimeWarning,
         stacklevel=4,
     )
 
 
-def compiled_or_fallback(requested: str) -> str:
-    """Resolves the CPU backend: ``compiled`` when it loads, else ``torch`` with one warning.
+def compiled_or_fallback(requested: str, device_type: str = "cpu") -> str:
+    """Resolves the backend for ``device_type``: ``compiled`` when it loads, else ``torch`` with one
+    warning.
 
     An explicit ``backend="compiled"``, or ``LIGHTNING_FUSEDSGD_REQUIRE_COMPILED=1``, makes a build
-    failure an error instead.
+    failure an error instead. Devices with no kernel of ours (``mps``, ``xpu``, ...) run ``torch``.
     """
+    if requested == "auto" and device_type not in EXTENSIONS:
+        return "torch"
     try:
-        load_extension()
+        load_extension(device_type)
         return "compiled"
     except KernelBuildError as error:
         if requested == "compiled" or os.environ.get(REQUIRE_COMPILED_ENV) == "1":
@@ -166,14 +216,18 @@ def compiled_or_fallback(requested: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Prebuilds the kernel: ``python -m lightning_fusedsgd [--verbose]``."""
-    parser = argparse.ArgumentParser(description="Build and cache the lightning_fusedsgd kernel.")
+    """Prebuilds the kernels: ``python -m lightning_fusedsgd [--verbose]`` (CUDA's where a GPU is seen)."""
+    parser = argparse.ArgumentParser(description="Build and cache the lightning_fusedsgd kernels.")
     parser.add_argument("--verbose", action="store_true", help="show the compiler's output")
     args = parser.parse_args(argv)
-    try:
-        module = _build_and_import(verbose=args.verbose)
-    except KernelBuildError as error:
-        print(error, file=sys.stderr)
-        return 1
-    print(f"lightning_fusedsgd kernel ready: {module.__file__}")
-    return 0
+    device_types = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
+    status = 0
+    for device_type in device_types:
+        try:
+            module = _build_and_import(device_type, verbose=args.verbose)
+        except KernelBuildError as error:
+            print(error, file=sys.stderr)
+            status = 1
+            continue
+        print(f"lightning_fusedsgd {device_type} kernel ready: {module.__file__}")
+    return status

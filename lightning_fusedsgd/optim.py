@@ -203,8 +203,9 @@ class FusedSGD(Optimizer):
         found_inf: Tensor | None = getattr(self, "found_inf", None)
 
         cached = self._cached_plan
-        if cached is not None and cached.matches(self):  # CPU only: reading found_inf costs nothing
-            if found_inf is not None and bool(found_inf.item()):
+        if cached is not None and cached.matches(self):
+            # On CUDA the kernel reads found_inf itself: reading it here would synchronize.
+            if found_inf is not None and found_inf.device.type == "cpu" and bool(found_inf.item()):
                 return loss
             if cached.step.run(self._hparam_table(), grad_scale, found_inf):
                 return loss
@@ -235,14 +236,16 @@ class FusedSGD(Optimizer):
             param.copy_(dense)
         for param, key, value in new_state:
             self.state[param][key] = value
+        device_types = {device.type for device, _, _ in buckets}
+        device_type = device_types.pop() if len(device_types) == 1 else None
         reusable = (
             not new_state
             and not staged
-            and all(device.type == "cpu" for device, _, _ in buckets)
+            and device_type in kernels.EXTENSIONS
             and self.backend in ("auto", "compiled")
-            and kernels.compiled_or_fallback(self.backend) == "compiled"
+            and kernels.compiled_or_fallback(self.backend, device_type) == "compiled"
         )
-        self._cached_plan = _CachedPlan.capture(self, buckets) if reusable else None
+        self._cached_plan = _CachedPlan.capture(self, buckets, device_type) if reusable else None
         return loss
 
     def _hparam_table(self) -> Tensor:
@@ -348,17 +351,17 @@ class FusedSGD(Optimizer):
         groups = [self.param_groups[i] for i in set(bucket.tensor_group)]
         backend = self.backend
         if backend == "auto":
-            if device.type == "cpu":
-                backend = kernels.compiled_or_fallback("auto")
-            else:
-                backend = "torch_fused" if _torch_fused_eligible(groups, bucket) else "torch"
+            backend = kernels.compiled_or_fallback("auto", device.type)
+            if backend == "torch" and device.type == "cuda" and _torch_fused_eligible(groups, bucket):
+                backend = "torch_fused"
         if backend == "compiled":
-            if device.type != "cpu":
+            if device.type not in kernels.EXTENSIONS:
                 raise RuntimeError(
-                    f"backend='compiled' runs on CPU tensors; these are on {device}. Use backend='auto'."
+                    f"backend='compiled' runs on CPU and CUDA tensors; these are on {device}. "
+                    "Use backend='auto'."
                 )
-            kernels.compiled_or_fallback("compiled")
-            return kernels.load_extension().sgd_step
+            kernels.compiled_or_fallback("compiled", device.type)
+            return kernels.load_extension(device.type).sgd_step
         if backend == "torch_fused":
             if not _torch_fused_eligible(groups, bucket):
                 raise ValueError(
@@ -445,12 +448,12 @@ class _CachedPlan:
         ]
 
     @classmethod
-    def capture(cls, optimizer: FusedSGD, buckets: dict[tuple, _Bucket]) -> _CachedPlan:
-        """Keeps the step just planned (CPU buckets, no new state) for the next steps."""
+    def capture(cls, optimizer: FusedSGD, buckets: dict[tuple, _Bucket], device_type: str) -> _CachedPlan:
+        """Keeps the step just planned (buckets of one device type, no new state) for the next steps."""
         params = [p for g in optimizer.param_groups for p in g["params"]]
         stepped = [p for p in params if p.grad is not None]
         position = {id(p): i for i, p in enumerate(stepped)}
-        step = kernels.load_extension().CachedStep(
+        step = kernels.load_extension(device_type).CachedStep(
             params, [p.grad is not None for p in params], [p.detach() for p in stepped]
         )
         for bucket in buckets.values():

@@ -13,7 +13,7 @@ from lightning_fusedsgd import FusedSGD, kernels
 
 @pytest.fixture
 def broken_toolchain(monkeypatch):
-    def fail():
+    def fail(device_type="cpu"):
         raise kernels.KernelBuildError("could not build the lightning_fusedsgd kernel: g++ not found")
 
     monkeypatch.setattr(kernels, "load_extension", fail)
@@ -52,13 +52,24 @@ def test_explicit_compiled_backend_never_falls_back(broken_toolchain, monkeypatc
         kernels.compiled_or_fallback("compiled")
 
 
-def test_build_key_changes_with_the_sources(monkeypatch, tmp_path):
-    key = kernels._build_key()
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+def test_build_key_changes_with_the_sources(monkeypatch, tmp_path, device_type):
+    key = kernels._build_key(device_type)
     source = tmp_path / "csrc"
     source.mkdir()
-    for name in kernels._SOURCES + kernels._HEADERS:
+    for name in kernels.EXTENSIONS[device_type].sources + kernels._HEADERS:
         (source / name).write_bytes((kernels._CSRC / name).read_bytes())
     monkeypatch.setattr(kernels, "_CSRC", source)
-    assert kernels._build_key() == key
+    assert kernels._build_key(device_type) == key
     (source / kernels._HEADERS[0]).write_text("// changed\n", encoding="utf-8")
-    assert kernels._build_key() != key
+    assert kernels._build_key(device_type) != key
+
+
+def test_cpu_and_cuda_kernels_are_built_apart():
+    assert kernels._build_key("cpu") != kernels._build_key("cuda")
+
+
+def test_devices_without_a_kernel_run_the_reference():
+    assert kernels.compiled_or_fallback("auto", "mps") == "torch"
+    with pytest.raises(kernels.KernelBuildError, match="no compiled kernel for mps"):
+        kernels.compiled_or_fallback("compiled", "mps")

@@ -2,8 +2,14 @@
 // lightning_fusedsgd/reference.py (`sgd_element`, `trust_ratio`) is the plain-PyTorch twin.
 #pragma once
 
-#include <algorithm>
 #include <cstdint>
+
+// Compiled for the host (C++ kernel) and, under nvcc, for the device (CUDA kernel) too.
+#ifdef __CUDACC__
+#define LFSGD_HOST_DEVICE __host__ __device__
+#else
+#define LFSGD_HOST_DEVICE
+#endif
 
 namespace lfsgd {
 
@@ -41,7 +47,7 @@ struct Coeffs {
 };
 
 template <typename T>
-inline void sgd_element(T& w, T g, T& b, const Coeffs<T>& c) {
+LFSGD_HOST_DEVICE inline void sgd_element(T& w, T g, T& b, const Coeffs<T>& c) {
   g = g * c.grad_mul;
   g = g + c.wd_coupled * w;
   g = g * c.trust;
@@ -55,12 +61,13 @@ inline void sgd_element(T& w, T g, T& b, const Coeffs<T>& c) {
 
 // LARS trust ratio. `g_norm` is ||g_raw|| for the default denominator and ||g_raw + lambda w|| for
 // the "decayed_grad" variant; both are norms of the unscaled, sign-corrected gradient.
-inline double trust_ratio(double w_norm, double g_norm, double weight_decay, double trust_coefficient,
-                          double eps, bool decayed_grad, bool trust_clip, double lr) {
+LFSGD_HOST_DEVICE inline double trust_ratio(double w_norm, double g_norm, double weight_decay,
+                                            double trust_coefficient, double eps, bool decayed_grad,
+                                            bool trust_clip, double lr) {
   if (w_norm == 0.0 || g_norm == 0.0) return 1.0;
   const double denominator = decayed_grad ? g_norm + eps : g_norm + weight_decay * w_norm + eps;
   double r = trust_coefficient * w_norm / denominator;
-  if (trust_clip) r = std::min(r / lr, 1.0);  // LARC's clip; lr == 0 gives inf -> 1
+  if (trust_clip) r = 1.0 < r / lr ? 1.0 : r / lr;  // LARC's clip, min(r / lr, 1); lr == 0 gives inf -> 1
   return r;
 }
 

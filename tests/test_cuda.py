@@ -1,0 +1,184 @@
+"""The CUDA kernel against the same oracles as the CPU kernel: torch.optim.SGD for plain SGD, the float64
+LARS formula, and the reference backend for low-precision params. Skipped where no GPU is present."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from test_fused_sgd import COMBINATIONS, assert_close_rel, two_groups
+from test_lars import LR, MOMENTUM, SHAPES, WD, grads_for, oracle_step
+from torch import nn
+
+from lightning_fusedsgd import FusedLARS, FusedSGD, kernels
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+CUDA = "cuda"
+# A tensor spanning several 64K-element CUDA chunks with a ragged tail, channels_last, and small ones.
+PLAIN_SHAPES = [(8, 3, 3, 3), (8,), (33, 17), (200_001,), (3, 5, 4, 4)]
+
+
+def cuda_params(shapes, dtype=torch.float32, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    params = []
+    for shape in shapes:
+        p = torch.randn(shape, generator=generator).to(device=CUDA, dtype=dtype)
+        if p.dim() == 4:
+            p = p.contiguous(memory_format=torch.channels_last)
+        params.append(nn.Parameter(p))
+    return params
+
+
+def clone(params):
+    return [nn.Parameter(p.detach().clone(memory_format=torch.preserve_format)) for p in params]
+
+
+def set_grads(params_sets, generator, scale=1.0):
+    for i, p in enumerate(params_sets[0]):
+        grad = (torch.randn(p.shape, generator=generator) * scale).to(device=CUDA, dtype=p.dtype)
+        for params in params_sets:
+            params[i].grad = grad.clone()
+
+
+def test_auto_runs_our_cuda_kernel():
+    p = nn.Parameter(torch.randn(10, device=CUDA))
+    opt = FusedSGD([p], lr=0.1, momentum=0.9)
+    p.grad = torch.ones_like(p)
+    buckets, _, _ = opt._plan()
+    (device, _, _), bucket = next(iter(buckets.items()))
+    assert opt._step_function(device, bucket, opt._hparam_table()) is kernels.load_extension("cuda").sgd_step
+
+
+@pytest.mark.parametrize("hparams", COMBINATIONS, ids=lambda h: "-".join(f"{k}={v}" for k, v in h.items()))
+def test_matches_torch_sgd_over_40_steps(hparams):
+    ours = cuda_params(PLAIN_SHAPES)
+    theirs = clone(ours)
+    opt = FusedSGD(two_groups(ours, **hparams), lr=0.05, backend="compiled", **hparams)
+    ref = torch.optim.SGD(two_groups(theirs, **hparams), lr=0.05, foreach=False, **hparams)
+    generator = torch.Generator().manual_seed(1)
+    for step in range(40):
+        if step == 20:
+            for group in opt.param_groups + ref.param_groups:
+                group["lr"] *= 0.5
+        set_grads([ours, theirs], generator)
+        opt.step()
+        ref.step()
+    assert_close_rel(ours, theirs, 1e-5)
+    for p, q in zip(ours, theirs):
+        if hparams["momentum"]:
+            assert_close_rel([opt.state[p]["momentum_buffer"]], [ref.state[q]["momentum_buffer"]], 1e-5)
+    assert ours[0].is_contiguous(memory_format=torch.channels_last)
+
+
+@pytest.mark.parametrize(
+    "nesterov, trust_clip, decayed_grad, maximize",
+    list(itertools.product((False, True), (False, True), (False, True), (False, True))),
+)
+def test_lars_matches_formula_over_30_steps(nesterov, trust_clip, decayed_grad, maximize):
+    generator = torch.Generator().manual_seed(0)
+    params = [nn.Parameter(torch.randn(s, generator=generator).to(CUDA)) for s in SHAPES]
+    with torch.no_grad():
+        params[4].zero_()  # ||w|| = 0: trust ratio 1
+    lars_mask = [True, True, False, True, True, True]
+    opt = FusedLARS(
+        [
+            {"params": [p for p, m in zip(params, lars_mask) if m]},
+            {"params": [p for p, m in zip(params, lars_mask) if not m], "lars": False},
+        ],
+        lr=LR,
+        momentum=MOMENTUM,
+        weight_decay=WD,
+        nesterov=nesterov,
+        trust_clip=trust_clip,
+        lars_denominator="decayed_grad" if decayed_grad else "grad_plus_decay",
+        maximize=maximize,
+        backend="compiled",
+    )
+    weights = [p.detach().cpu().double() for p in params]
+    buffers = [None] * len(params)
+    for step in range(30):
+        grads = grads_for(step, generator)  # grads[5] is zero: trust ratio 1
+        for p, g in zip(params, grads):
+            p.grad = g.to(CUDA)
+        opt.step()
+        oracle_step(
+            weights,
+            buffers,
+            [g.double() for g in grads],
+            lars_mask=lars_mask,
+            lr=LR,
+            nesterov=nesterov,
+            trust_clip=trust_clip,
+            decayed_grad=decayed_grad,
+            maximize=maximize,
+        )
+    for p, w, b in zip(params, weights, buffers):
+        assert ((p.detach().cpu().double() - w).abs().max() / w.abs().max().clamp_min(1e-12)).item() < 1e-5
+        buffer = opt.state[p]["momentum_buffer"].cpu().double()
+        assert ((buffer - b).abs().max() / b.abs().max().clamp_min(1e-12)).item() < 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("master_weights", [False, True])
+@pytest.mark.parametrize("lars", [False, True])
+def test_dtypes_match_the_reference_backend(dtype, master_weights, lars):
+    ours = cuda_params(PLAIN_SHAPES, dtype=dtype)
+    theirs = clone(ours)
+    hparams = dict(lr=0.05, momentum=0.9, weight_decay=1e-3, master_weights=master_weights, lars=lars)
+    opt = FusedSGD(ours, backend="compiled", **hparams)
+    ref = FusedSGD(theirs, backend="torch", **hparams)
+    generator = torch.Generator().manual_seed(2)
+    for _ in range(10):
+        set_grads([ours, theirs], generator, scale=0.1)
+        opt.step()
+        ref.step()
+    # Same fp32 (fp64) math; a rounding step apart at most where the low-precision param is rounded.
+    rel = 1e-12 if dtype == torch.float64 else 1e-2
+    assert_close_rel(ours, theirs, rel)
+    if master_weights and dtype != torch.float64:
+        masters = [opt.state[p]["master_param"] for p in ours]
+        assert_close_rel(masters, [ref.state[q]["master_param"] for q in theirs], 1e-5)
+        assert all(m.dtype == torch.float32 for m in masters)
+
+
+@pytest.mark.parametrize("lars", [False, True])
+def test_grad_scaler_contract_without_host_syncs(lars):
+    """Unscaling and the found_inf skip happen on the device: a step never synchronizes with the host."""
+    scaled = cuda_params(PLAIN_SHAPES)
+    plain = clone(scaled)
+    hparams = dict(lr=0.05, momentum=0.9, weight_decay=1e-3, lars=lars, backend="compiled")
+    opt, ref = FusedSGD(scaled, **hparams), FusedSGD(plain, **hparams)
+    generator = torch.Generator().manual_seed(3)
+    scale = torch.tensor(1024.0, device=CUDA)
+    for step in range(6):
+        set_grads([scaled, plain], generator)
+        for p in scaled:
+            p.grad.mul_(scale)
+        opt.grad_scale = scale
+        opt.found_inf = torch.tensor(float(step == 4), device=CUDA)
+        before = [p.detach().clone() for p in scaled]
+        if step > 0:  # the first step creates momentum buffers, which checks found_inf on the host
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            opt.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        if step == 4:
+            assert all(torch.equal(p, b) for p, b in zip(scaled, before))
+        else:
+            ref.step()
+    assert_close_rel(scaled, plain, 1e-6)
+
+
+def test_lars_is_deterministic():
+    results = []
+    for _ in range(2):
+        params = cuda_params(PLAIN_SHAPES, seed=4)
+        opt = FusedLARS(params, lr=0.1, momentum=0.9, weight_decay=1e-4, backend="compiled")
+        generator = torch.Generator().manual_seed(5)
+        for _ in range(5):
+            set_grads([params], generator)
+            opt.step()
+        results.append([p.detach().clone() for p in params])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
