@@ -80,12 +80,21 @@ def _cpu_signature() -> str:
     return platform.processor() or platform.machine()
 
 
+def _quiet_cpp_extension() -> None:
+    # cpp_extension logs a CUDA_HOME notice at import on machines without CUDA; it is irrelevant here.
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+
+
 def _cuda_signature() -> str:
-    """The CUDA toolkit torch was built with and the architectures the kernel is compiled for."""
-    capabilities = [torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())]
-    return (
-        f"cuda {torch.version.cuda} {os.environ.get('TORCH_CUDA_ARCH_LIST', '')} {sorted(set(capabilities))}"
-    )
+    """The CUDA toolkit that compiles the kernel (nvcc's path and timestamp), the one torch was built with,
+    and the architectures the kernel is compiled for."""
+    _quiet_cpp_extension()
+    from torch.utils import cpp_extension
+
+    nvcc = Path(cpp_extension.CUDA_HOME or "", "bin", "nvcc")
+    toolkit = f"{nvcc.resolve()} {nvcc.stat().st_mtime_ns}" if nvcc.exists() else "no nvcc"
+    capabilities = sorted({torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())})
+    return f"{toolkit} cuda {torch.version.cuda} {os.environ.get('TORCH_CUDA_ARCH_LIST', '')} {capabilities}"
 
 
 def _build_key(device_type: str) -> str:
@@ -151,8 +160,7 @@ def _build_and_import(device_type: str, verbose: bool) -> ModuleType:
             return module
         except (ImportError, OSError):
             pass  # a damaged cache: go through cpp_extension's locked build below
-    # cpp_extension logs a CUDA_HOME notice at import on machines without CUDA; it is irrelevant here.
-    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+    _quiet_cpp_extension()
     from torch.utils import cpp_extension
 
     build_dir.mkdir(parents=True, exist_ok=True)
@@ -227,7 +235,10 @@ def main(argv: list[str] | None = None) -> int:
             module = _build_and_import(device_type, verbose=args.verbose)
         except KernelBuildError as error:
             print(error, file=sys.stderr)
-            status = 1
+            # Without nvcc, CUDA steps fall back with a warning (as at run time); only the CPU kernel, or
+            # CI's switch, makes a failed build fatal.
+            if device_type == "cpu" or os.environ.get(REQUIRE_COMPILED_ENV) == "1":
+                status = 1
             continue
         print(f"lightning_fusedsgd {device_type} kernel ready: {module.__file__}")
     return status

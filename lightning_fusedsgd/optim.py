@@ -207,7 +207,11 @@ class FusedSGD(Optimizer):
             # On CUDA the kernel reads found_inf itself: reading it here would synchronize.
             if found_inf is not None and found_inf.device.type == "cpu" and bool(found_inf.item()):
                 return loss
-            if cached.step.run(self._hparam_table(), grad_scale, found_inf):
+            if cached.step.run(
+                self._hparam_table(),
+                None if grad_scale is None else grad_scale.to(cached.device),
+                None if found_inf is None else found_inf.to(cached.device),
+            ):
                 return loss
         buckets, new_state, staged = self._plan()
         if found_inf is not None and (found_inf.device.type == "cpu" or new_state) and bool(found_inf.item()):
@@ -236,16 +240,17 @@ class FusedSGD(Optimizer):
             param.copy_(dense)
         for param, key, value in new_state:
             self.state[param][key] = value
-        device_types = {device.type for device, _, _ in buckets}
-        device_type = device_types.pop() if len(device_types) == 1 else None
+        devices = {device for device, _, _ in buckets}
+        device = devices.pop() if len(devices) == 1 else None  # one device: the scalars move once
         reusable = (
-            not new_state
+            device is not None
+            and not new_state
             and not staged
-            and device_type in kernels.EXTENSIONS
+            and device.type in kernels.EXTENSIONS
             and self.backend in ("auto", "compiled")
-            and kernels.compiled_or_fallback(self.backend, device_type) == "compiled"
+            and kernels.compiled_or_fallback(self.backend, device.type) == "compiled"
         )
-        self._cached_plan = _CachedPlan.capture(self, buckets, device_type) if reusable else None
+        self._cached_plan = _CachedPlan.capture(self, buckets, device) if reusable else None
         return loss
 
     def _hparam_table(self) -> Tensor:
@@ -439,6 +444,7 @@ class _CachedPlan:
     stepped_dicts: list[dict[str, Any]]
     buffers: list[Tensor | None]
     masters: list[Tensor | None]  # empty when no bucket keeps master weights
+    device: torch.device
     step: Any  # the extension's CachedStep
 
     @staticmethod
@@ -448,12 +454,12 @@ class _CachedPlan:
         ]
 
     @classmethod
-    def capture(cls, optimizer: FusedSGD, buckets: dict[tuple, _Bucket], device_type: str) -> _CachedPlan:
-        """Keeps the step just planned (buckets of one device type, no new state) for the next steps."""
+    def capture(cls, optimizer: FusedSGD, buckets: dict[tuple, _Bucket], device: torch.device) -> _CachedPlan:
+        """Keeps the step just planned (buckets on one device, no new state) for the next steps."""
         params = [p for g in optimizer.param_groups for p in g["params"]]
         stepped = [p for p in params if p.grad is not None]
         position = {id(p): i for i, p in enumerate(stepped)}
-        step = kernels.load_extension(device_type).CachedStep(
+        step = kernels.load_extension(device.type).CachedStep(
             params, [p.grad is not None for p in params], [p.detach() for p in stepped]
         )
         for bucket in buckets.values():
@@ -473,6 +479,7 @@ class _CachedPlan:
             stepped_dicts=stepped_dicts,
             buffers=list(map(_get_buffer, stepped_dicts)),
             masters=list(map(_get_master, stepped_dicts)) if any(key[2] for key in buckets) else [],
+            device=device,
             step=step,
         )
 

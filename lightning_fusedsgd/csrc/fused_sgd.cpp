@@ -197,8 +197,9 @@ void sgd_bucket(const std::vector<at::Tensor>& params, const std::vector<at::Ten
     g_sq[c] = sum_g;
   };
 
-  // Sums the chunk partials in a fixed order, so the ratio does not depend on the thread count. Every chunk
-  // of a tensor recomputes it (a few hundred adds at most), which saves a barrier per wave.
+  // Sums the chunk partials in a fixed order, so the ratio does not depend on the thread count. Each thread
+  // computes it for the tensors its chunks belong to (update_chunk keeps the last one), which saves a
+  // barrier per wave.
   auto lars_trust = [&](int32_t t) -> O {
     const int64_t g = tensor_group[t];
     double sum_w = 0, sum_g = 0;
@@ -212,10 +213,18 @@ void sgd_bucket(const std::vector<at::Tensor>& params, const std::vector<at::Ten
                                       hp[g][kLarsEps], decayed, hp[g][kTrustClip] != 0.0, hp[g][kLr]));
   };
 
-  auto update_chunk = [&](const Chunk& chunk) {
+  // `trust_tensor` / `trust`: the calling thread's last computed ratio (static schedules give each thread
+  // consecutive chunks, so a tensor's ratio is computed about once per thread).
+  auto update_chunk = [&](const Chunk& chunk, int32_t& trust_tensor, O& trust) {
     const int32_t t = chunk.tensor;
     Coeffs<O> c = coeffs[t];
-    if (lars[t]) c.trust = lars_trust(t);
+    if (lars[t]) {
+      if (trust_tensor != t) {
+        trust = lars_trust(t);
+        trust_tensor = t;
+      }
+      c.trust = trust;
+    }
     P* w = w_ptr[t];
     const P* gr = g_ptr[t];
     B* b = b_ptr[t];
@@ -244,6 +253,8 @@ void sgd_bucket(const std::vector<at::Tensor>& params, const std::vector<at::Ten
 
 #pragma omp parallel num_threads(num_threads_for(work))
   {
+    int32_t trust_tensor = -1;
+    O trust = 1;
     for (const Wave& wave : work.waves) {
       if (wave.needs_norms) {
 #pragma omp for schedule(static)
@@ -252,7 +263,7 @@ void sgd_bucket(const std::vector<at::Tensor>& params, const std::vector<at::Ten
         }
       }
 #pragma omp for schedule(static)
-      for (int64_t c = wave.chunk_begin; c < wave.chunk_end; ++c) update_chunk(work.chunks[c]);
+      for (int64_t c = wave.chunk_begin; c < wave.chunk_end; ++c) update_chunk(work.chunks[c], trust_tensor, trust);
     }
   }
 }
@@ -331,9 +342,9 @@ void sgd_step(const std::vector<at::Tensor>& params, const std::vector<at::Tenso
 // The data-movement floor: the same work list, waves, parallel region and bytes read and written as sgd_step
 // with momentum, and no arithmetic (bit moves only). Benchmarks divide step time by this. With `lars`, each
 // wave that has LARS tensors first reads their w and g, as the norm pass does, XOR-reduced into per-chunk
-// partials so the reads are kept; the values left behind are the plain floor's.
+// partials so the reads are kept (their XOR is returned); the values left behind are the plain floor's.
 template <typename W, typename G, bool kMaster>
-void floor_bucket(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+int64_t floor_bucket(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
                   const std::vector<std::optional<at::Tensor>>& momentum_buffers,
                   const std::vector<at::Tensor>& master_params, const std::vector<bool>& lars) {
   const int32_t n = static_cast<int32_t>(params.size());
@@ -391,21 +402,33 @@ void floor_bucket(const std::vector<at::Tensor>& params, const std::vector<at::T
       for (int64_t c = wave.chunk_begin; c < wave.chunk_end; ++c) move_chunk(work.chunks[c]);
     }
   }
+  W checksum = 0;
+  for (W value : partial) checksum ^= value;
+  return static_cast<int64_t>(checksum);
 }
 
 // `lars`: which tensors get the norm pass's reads (empty: none, the plain floor).
-void floor_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
-                const std::vector<std::optional<at::Tensor>>& momentum_buffers,
-                const std::vector<at::Tensor>& master_params, const std::vector<bool>& lars) {
-  if (params.empty()) return;
+int64_t floor_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                   const std::vector<std::optional<at::Tensor>>& momentum_buffers,
+                   const std::vector<at::Tensor>& master_params, const std::vector<bool>& lars) {
+  if (params.empty()) return 0;
   check_bucket(params, grads, momentum_buffers, master_params);
-  for (const auto& b : momentum_buffers) {
-    TORCH_CHECK(b.has_value(), "lightning_fusedsgd floor kernel: pass a momentum buffer for every param");
+  const bool master = !master_params.empty();
+  for (size_t t = 0; t < params.size(); ++t) {
+    TORCH_CHECK(momentum_buffers[t].has_value(),
+                "lightning_fusedsgd floor kernel: pass a momentum buffer for every param");
+    const at::Tensor& weights = master ? master_params[t] : params[t];
+    check_same_layout(params[t], grads[t], "grad");
+    check_same_layout(params[t], *momentum_buffers[t], "momentum buffer");
+    check_same_layout(params[t], weights, "master param");
+    TORCH_CHECK(grads[t].scalar_type() == params[t].scalar_type() &&
+                    momentum_buffers[t]->scalar_type() == weights.scalar_type() &&
+                    (!master || weights.scalar_type() == at::kFloat),
+                "lightning_fusedsgd floor kernel: grads match their params' dtype, buffers their weights'");
   }
   TORCH_CHECK(lars.empty() || lars.size() == params.size(),
               "lightning_fusedsgd floor kernel: lars must be empty or one flag per param");
   const std::vector<bool> flags = lars.empty() ? std::vector<bool>(params.size(), false) : lars;
-  const bool master = !master_params.empty();
   switch (at::elementSize(params[0].scalar_type())) {
     case 2:
       return master ? floor_bucket<uint32_t, uint16_t, true>(params, grads, momentum_buffers, master_params,
@@ -426,7 +449,8 @@ void floor_step(const std::vector<at::Tensor>& params, const std::vector<at::Ten
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sgd_step", &lfsgd::sgd_step, "Fused SGD/LARS step over one (device, dtype) bucket of CPU tensors");
   m.def("floor_step", &lfsgd::floor_step,
-        "Data-movement floor: sgd_step's memory traffic, no math; lars flags the tensors with a norm pass");
+        "Data-movement floor: sgd_step's memory traffic, no math; lars flags the tensors with a norm pass "
+        "(returns an XOR of what it read)");
   lfsgd::bind_cached_step<&lfsgd::sgd_step>(m);
   m.attr("hparam_columns") = static_cast<int>(lfsgd::kNumHParams);
 }

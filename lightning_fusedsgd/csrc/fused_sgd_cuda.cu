@@ -107,7 +107,7 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// The update: each block steps one chunk. LARS tensors first reduce their chunks' partial sums in chunk
+// The update: each block steps one chunk. LARS tensors first reduce their chunks' partial sums in a fixed
 // order (so every chunk of a tensor gets the same trust ratio) and apply trust_ratio.
 template <typename P, typename B, bool kMaster>
 __global__ void __launch_bounds__(kThreads)
@@ -133,12 +133,15 @@ __global__ void __launch_bounds__(kThreads)
               hp[kNesterov] != 0.0};
   if (t.lars) {
     __shared__ O trust;
+    __shared__ double scratch[kThreads / 32];
+    double part_w = 0, part_g = 0;
+    for (int64_t k = t.first_chunk + threadIdx.x; k < t.first_chunk + t.num_chunks; k += kThreads) {
+      part_w += partials[2 * k];
+      part_g += partials[2 * k + 1];
+    }
+    const double sum_w = block_sum(part_w, scratch);
+    const double sum_g = block_sum(part_g, scratch);
     if (threadIdx.x == 0) {
-      double sum_w = 0, sum_g = 0;
-      for (int64_t k = t.first_chunk; k < t.first_chunk + t.num_chunks; ++k) {
-        sum_w += partials[2 * k];
-        sum_g += partials[2 * k + 1];
-      }
       const bool decayed = hp[kLarsDecayedGrad] != 0.0;
       const double g_norm = decayed ? sqrt(sum_g) : sqrt(sum_g) * fabs(inv_scale);
       trust = static_cast<O>(trust_ratio(sqrt(sum_w), g_norm, hp[kWeightDecay], hp[kTrustCoefficient],
