@@ -9,7 +9,8 @@ import itertools
 import pytest
 import torch
 from test_fused_sgd import COMBINATIONS, assert_close_rel, two_groups
-from test_lars import LR, MOMENTUM, SHAPES, WD, grads_for, oracle_step
+from test_lars import check_mixed_groups_against_oracle
+from test_lars import make_params as make_lars_params
 from torch import nn
 
 from lightning_fusedsgd import FusedLARS, FusedSGD, kernels
@@ -81,47 +82,8 @@ def test_matches_torch_sgd_over_40_steps(hparams):
     list(itertools.product((False, True), (False, True), (False, True), (False, True))),
 )
 def test_lars_matches_formula_over_30_steps(nesterov, trust_clip, decayed_grad, maximize):
-    generator = torch.Generator().manual_seed(0)
-    params = [nn.Parameter(torch.randn(s, generator=generator).to(CUDA)) for s in SHAPES]
-    with torch.no_grad():
-        params[4].zero_()  # ||w|| = 0: trust ratio 1
-    lars_mask = [True, True, False, True, True, True]
-    opt = FusedLARS(
-        [
-            {"params": [p for p, m in zip(params, lars_mask) if m]},
-            {"params": [p for p, m in zip(params, lars_mask) if not m], "lars": False},
-        ],
-        lr=LR,
-        momentum=MOMENTUM,
-        weight_decay=WD,
-        nesterov=nesterov,
-        trust_clip=trust_clip,
-        lars_denominator="decayed_grad" if decayed_grad else "grad_plus_decay",
-        maximize=maximize,
-        backend="compiled",
-    )
-    weights = [p.detach().cpu().double() for p in params]
-    buffers = [None] * len(params)
-    for step in range(30):
-        grads = grads_for(step, generator)  # grads[5] is zero: trust ratio 1
-        for p, g in zip(params, grads):
-            p.grad = g.to(CUDA)
-        opt.step()
-        oracle_step(
-            weights,
-            buffers,
-            [g.double() for g in grads],
-            lars_mask=lars_mask,
-            lr=LR,
-            nesterov=nesterov,
-            trust_clip=trust_clip,
-            decayed_grad=decayed_grad,
-            maximize=maximize,
-        )
-    for p, w, b in zip(params, weights, buffers):
-        assert ((p.detach().cpu().double() - w).abs().max() / w.abs().max().clamp_min(1e-12)).item() < 1e-5
-        buffer = opt.state[p]["momentum_buffer"].cpu().double()
-        assert ((buffer - b).abs().max() / b.abs().max().clamp_min(1e-12)).item() < 1e-4
+    params = make_lars_params(device=CUDA)
+    check_mixed_groups_against_oracle(params, "compiled", nesterov, trust_clip, decayed_grad, maximize)
 
 
 @pytest.mark.parametrize(

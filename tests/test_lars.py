@@ -16,9 +16,13 @@ SHAPES = [(300, 1000), (64, 32, 3, 3), (70_000,), (1_050_000,), (10,), (5, 5)]
 LR, MOMENTUM, WD = 0.2, 0.9, 5e-4
 
 
-def make_params(seed=0):
+# Group 0 uses LARS; group 1 (like biases and norms) stays plain SGD.
+LARS_MASK = [True, True, False, True, True, True]
+
+
+def make_params(seed=0, device="cpu"):
     generator = torch.Generator().manual_seed(seed)
-    params = [nn.Parameter(torch.randn(s, generator=generator)) for s in SHAPES]
+    params = [nn.Parameter(torch.randn(s, generator=generator).to(device)) for s in SHAPES]
     with torch.no_grad():
         params[4].zero_()  # ||w|| = 0: trust ratio 1
     return params
@@ -68,23 +72,31 @@ def oracle_step(
         weights[i] = w - lr * step
 
 
+def mixed_groups(params):
+    return [
+        {"params": [p for p, m in zip(params, LARS_MASK) if m]},
+        {"params": [p for p, m in zip(params, LARS_MASK) if not m], "lars": False},
+    ]
+
+
 def assert_matches_oracle(opt, params, lars_mask, seed, **oracle_kwargs):
-    """Runs 30 steps of `opt` and of the float64 oracle on the same gradients; compares weights, buffers."""
-    weights = [p.detach().double() for p in params]
+    """Runs 30 steps of `opt` and of the float64 oracle (on the CPU) on the same gradients; compares weights
+    and buffers."""
+    weights = [p.detach().cpu().double() for p in params]
     buffers = [None] * len(params)
     generator = torch.Generator().manual_seed(seed)
     for step in range(30):
         grads = grads_for(step, generator)
         for p, g in zip(params, grads):
-            p.grad = g.clone()
+            p.grad = g.to(p.device, copy=True)
         opt.step()
         oracle_step(
             weights, buffers, [g.double() for g in grads], lars_mask=lars_mask, lr=LR, **oracle_kwargs
         )
     for p, w in zip(params, weights):
-        assert ((p.double() - w).abs().max() / w.abs().max().clamp_min(1e-12)).item() < 1e-5
+        assert ((p.detach().cpu().double() - w).abs().max() / w.abs().max().clamp_min(1e-12)).item() < 1e-5
     for p, b in zip(params, buffers):
-        buffer = opt.state[p]["momentum_buffer"].double()
+        buffer = opt.state[p]["momentum_buffer"].cpu().double()
         assert ((buffer - b).abs().max() / b.abs().max().clamp_min(1e-12)).item() < 1e-4
 
 
@@ -94,15 +106,13 @@ def assert_matches_oracle(opt, params, lars_mask, seed, **oracle_kwargs):
     list(itertools.product((False, True), (False, True), (False, True), (False, True))),
 )
 def test_lars_matches_formula_over_30_steps(backend, nesterov, trust_clip, decayed_grad, maximize):
-    params = make_params()
-    # Group 0 uses LARS; group 1 (like biases and norms) stays plain SGD.
-    lars_mask = [True, True, False, True, True, True]
-    groups = [
-        {"params": [p for p, m in zip(params, lars_mask) if m]},
-        {"params": [p for p, m in zip(params, lars_mask) if not m], "lars": False},
-    ]
+    check_mixed_groups_against_oracle(make_params(), backend, nesterov, trust_clip, decayed_grad, maximize)
+
+
+def check_mixed_groups_against_oracle(params, backend, nesterov, trust_clip, decayed_grad, maximize):
+    """FusedLARS over a LARS group and a plain one, against the oracle (also run on CUDA by test_cuda)."""
     opt = FusedLARS(
-        groups,
+        mixed_groups(params),
         lr=LR,
         momentum=MOMENTUM,
         weight_decay=WD,
@@ -115,7 +125,7 @@ def test_lars_matches_formula_over_30_steps(backend, nesterov, trust_clip, decay
     assert_matches_oracle(
         opt,
         params,
-        lars_mask,
+        LARS_MASK,
         seed=1,
         nesterov=nesterov,
         trust_clip=trust_clip,

@@ -24,15 +24,6 @@ constexpr int64_t kWaveElems = int64_t{1} << 20;
 // Below this many elements a bucket runs on one thread: waking the pool costs more than it saves.
 constexpr int64_t kParallelMinElems = 32768;
 
-template <typename P>
-struct OpMath {
-  using type = float;
-};
-template <>
-struct OpMath<double> {
-  using type = double;
-};
-
 // Loads and stores convert to and from opmath. The bf16 versions are bit operations the compiler vectorizes
 // (round to nearest even, NaN kept quiet), identical to c10::BFloat16's conversions.
 inline float load(const float* p, int64_t i) { return p[i]; }

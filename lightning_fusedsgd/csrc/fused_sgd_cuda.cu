@@ -42,15 +42,6 @@ struct ChunkArgs {
   int64_t end;
 };
 
-template <typename P>
-struct OpMath {
-  using type = float;
-};
-template <>
-struct OpMath<double> {
-  using type = double;
-};
-
 // Same rounding as GradScaler.unscale_ and the CPU kernel: the reciprocal in double, rounded to float.
 __device__ inline double inverse_scale(const float* grad_scale) {
   return grad_scale == nullptr ? 1.0 : static_cast<double>(static_cast<float>(1.0 / *grad_scale));

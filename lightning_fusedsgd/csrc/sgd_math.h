@@ -30,6 +30,16 @@ enum HParam : int {
   kNumHParams,
 };
 
+// The type the math runs in for a parameter type P: float for fp32/bf16/fp16 params, double for fp64.
+template <typename P>
+struct OpMath {
+  using type = float;
+};
+template <>
+struct OpMath<double> {
+  using type = double;
+};
+
 // Everything the element update needs, resolved once per tensor. `T` is the opmath type
 // (float for fp32/bf16/fp16 params, double for fp64).
 template <typename T>
