@@ -1,0 +1,62 @@
+"""The benchmarks' data-movement floor (``floor_step``): the bytes it moves, checked bit by bit, and the
+LARS floor's extra reads leaving the same result."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_fusedsgd.kernels import load_extension
+
+# Two tensors larger than a LARS wave (1M elements), so the LARS floor runs several waves.
+SHAPES = [(1_100_000,), (300, 17), (5,), (1_200_000,)]
+
+
+def tensors(seed, dtype=torch.float32, master=False):
+    generator = torch.Generator().manual_seed(seed)
+    params = [torch.randn(s, generator=generator).to(dtype) for s in SHAPES]
+    grads = [torch.randn(s, generator=generator).to(dtype) for s in SHAPES]
+    weights = [p.float() for p in params] if master else params
+    buffers = [torch.randn(s, generator=generator).to(w.dtype) for s, w in zip(SHAPES, weights)]
+    return params, grads, buffers, weights if master else []
+
+
+def bits(t):
+    """A tensor's bit patterns as non-negative int64s (so shifts and XORs compare exactly)."""
+    if t.element_size() == 4:
+        return t.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    return t.view(torch.int16).to(torch.int64) & 0xFFFF
+
+
+@pytest.mark.parametrize("master", [False, True])
+def test_floor_moves_the_bytes_of_a_momentum_step(master):
+    dtype = torch.bfloat16 if master else torch.float32
+    params, grads, buffers, masters = tensors(0, dtype, master)
+    weights = masters if master else params
+    expected_w = [bits(g) << 16 if master else bits(g) for g in grads]
+    expected_b = [bits(w) ^ bits(b) for w, b in zip(weights, buffers)]
+    load_extension().floor_step(params, grads, buffers, masters, [])
+    for w, b, ew, eb in zip(weights, buffers, expected_w, expected_b):
+        assert torch.equal(bits(w), ew)
+        assert torch.equal(bits(b), eb)
+    if master:  # the low-precision param gets the rounded value written back: here, the grad's bits
+        assert all(torch.equal(bits(p), bits(g)) for p, g in zip(params, grads))
+
+
+def test_lars_floor_only_adds_reads():
+    plain, lars = tensors(1), tensors(1)
+    load_extension().floor_step(*plain, [])
+    load_extension().floor_step(*lars, [True, False, True, True])
+    for a, b in zip(plain[0] + plain[2], lars[0] + lars[2]):
+        assert torch.equal(bits(a), bits(b))  # bit patterns: XOR-ed floats include NaNs
+
+
+def test_floor_refuses_mismatched_layouts():
+    params, grads, buffers, _ = tensors(2)
+    grads[1] = grads[1].t().contiguous()  # (17, 300) for a (300, 17) param
+    before = [p.clone() for p in params]
+    with pytest.raises(RuntimeError, match="grad must match"):
+        load_extension().floor_step(params, grads, buffers, [], [])
+    assert all(torch.equal(p, q) for p, q in zip(params, before))
+    with pytest.raises(RuntimeError, match="one flag per param"):
+        load_extension().floor_step(*tensors(3)[:3], [], [True])
