@@ -224,27 +224,23 @@ def test_lars_state_interoperates_with_torch_sgd():
     grads = [grads_for(step, generator) for step in range(8)]
     kwargs = dict(lr=LR, momentum=MOMENTUM, weight_decay=WD)
 
+    def run(opt, params, steps):
+        for step in steps:
+            for p, g in zip(params, grads[step]):
+                p.grad = g.clone()
+            opt.step()
+
     straight = make_params()
-    opt = FusedLARS(straight, **kwargs)
-    for step in range(8):
-        for p, g in zip(straight, grads[step]):
-            p.grad = g.clone()
-        opt.step()
+    run(FusedLARS(straight, **kwargs), straight, range(8))
 
     resumed = make_params()
     first = FusedLARS(resumed, **kwargs)
-    for step in range(4):
-        for p, g in zip(resumed, grads[step]):
-            p.grad = g.clone()
-        first.step()
+    run(first, resumed, range(4))
     via_torch = torch.optim.SGD(resumed, **kwargs)
     via_torch.load_state_dict(copy.deepcopy(first.state_dict()))
     for p in resumed:
         assert torch.equal(via_torch.state[p]["momentum_buffer"], first.state[p]["momentum_buffer"])
     second = FusedLARS(resumed, **kwargs)
     second.load_state_dict(copy.deepcopy(via_torch.state_dict()))
-    for step in range(4, 8):
-        for p, g in zip(resumed, grads[step]):
-            p.grad = g.clone()
-        second.step()
+    run(second, resumed, range(4, 8))
     assert all(torch.equal(p, q) for p, q in zip(resumed, straight))
