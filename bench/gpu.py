@@ -32,10 +32,6 @@ def model_groups(dtype: torch.dtype, seed: int = 0) -> list[dict]:
     return param_groups(model, HPARAMS["weight_decay"])
 
 
-def plain(groups: list[dict]) -> list[dict]:
-    return [{**g, "lars": False} for g in groups]
-
-
 def time_cuda(steps: dict[str, Callable[[], None]], repeats: int, per_repeat: int) -> dict[str, float]:
     for fn in steps.values():
         for _ in range(3):
@@ -63,13 +59,15 @@ def main() -> None:
     copy_src = torch.empty(numel * 5 // 2, device="cuda")  # a copy moves 8 bytes per element: 20 per param
     copy_dst = torch.empty_like(copy_src)
     steps: dict[str, Callable[[], None]] = {
-        "FusedSGD": FusedSGD(plain(model_groups(torch.float32)), backend="compiled", **HPARAMS).step,
-        "torch fused": torch.optim.SGD(plain(model_groups(torch.float32)), fused=True, **HPARAMS).step,
-        "torch foreach": torch.optim.SGD(plain(model_groups(torch.float32)), foreach=True, **HPARAMS).step,
-        "FusedSGD+LARS": FusedSGD(model_groups(torch.float32), backend="compiled", **HPARAMS).step,
-        "LARS, reference backend": FusedSGD(model_groups(torch.float32), backend="torch", **HPARAMS).step,
+        "FusedSGD": FusedSGD(model_groups(torch.float32), backend="compiled", **HPARAMS).step,
+        "torch fused": torch.optim.SGD(model_groups(torch.float32), fused=True, **HPARAMS).step,
+        "torch foreach": torch.optim.SGD(model_groups(torch.float32), foreach=True, **HPARAMS).step,
+        "FusedSGD+LARS": FusedSGD(model_groups(torch.float32), lars=True, backend="compiled", **HPARAMS).step,
+        "LARS, reference backend": FusedSGD(
+            model_groups(torch.float32), lars=True, backend="torch", **HPARAMS
+        ).step,
         "FusedSGD bf16+master": FusedSGD(
-            plain(model_groups(torch.bfloat16)), backend="compiled", master_weights=True, **HPARAMS
+            model_groups(torch.bfloat16), backend="compiled", master_weights=True, **HPARAMS
         ).step,
         "floor (copy)": lambda: copy_dst.copy_(copy_src),
     }

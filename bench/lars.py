@@ -31,11 +31,8 @@ def model_with_grads(seed: int = 0) -> torch.nn.Module:
     return model
 
 
-def groups(model: torch.nn.Module, lars: bool) -> list[dict]:
-    built = param_groups(model, HPARAMS["weight_decay"])
-    for group in built:
-        group["lars"] = group["lars"] and lars
-    return built
+def groups(model: torch.nn.Module) -> list[dict]:
+    return param_groups(model, HPARAMS["weight_decay"])
 
 
 def main() -> None:
@@ -43,7 +40,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=30)
     args = parser.parse_args()
     ext = load_extension()
-    fused_lars = FusedSGD(groups(model_with_grads(), lars=True), backend="compiled", **HPARAMS)
+    fused_lars = FusedSGD(groups(model_with_grads()), lars=True, backend="compiled", **HPARAMS)
     fused_lars.step()  # creates the buffers, so the floors can copy them
     # The kernel's bucket order (groups in order, then their params), so the floors get the step's waves.
     ours = [p for g in fused_lars.param_groups for p in g["params"]]
@@ -53,17 +50,15 @@ def main() -> None:
     floor_bufs = [fused_lars.state[p]["momentum_buffer"].clone() for p in ours]
     steps = {
         "FusedSGD+LARS": fused_lars.step,
-        "FusedSGD plain": FusedSGD(
-            groups(model_with_grads(), lars=False), backend="compiled", **HPARAMS
-        ).step,
-        "torch fused": torch.optim.SGD(groups(model_with_grads(), lars=False), fused=True, **HPARAMS).step,
+        "FusedSGD plain": FusedSGD(groups(model_with_grads()), backend="compiled", **HPARAMS).step,
+        "torch fused": torch.optim.SGD(groups(model_with_grads()), fused=True, **HPARAMS).step,
         "plain floor": lambda: ext.floor_step(floor_params, floor_grads, floor_bufs, [], []),
         "LARS floor": lambda: ext.floor_step(floor_params, floor_grads, floor_bufs, [], lars_flags),
     }
     try:
         from timm.optim import Lars
 
-        steps["timm Lars"] = Lars(groups(model_with_grads(), lars=True), **HPARAMS).step
+        steps["timm Lars"] = Lars(groups(model_with_grads()), **HPARAMS).step
     except ImportError:
         print("timm is not installed (pip install -e .[bench]): skipping timm's Lars")
     times = time_interleaved(steps, repeats=args.repeats)

@@ -69,6 +69,29 @@ def _validate_patterns(extra_no_decay: Iterable[str]) -> tuple[str, ...]:
     return patterns
 
 
+def _declared_no_decay(model: nn.Module) -> tuple[str, ...]:
+    """The names ``model.no_weight_decay()`` declares (timm's convention); ``None`` declares none."""
+    no_weight_decay = getattr(model, "no_weight_decay", None)
+    declared = no_weight_decay() if callable(no_weight_decay) else None
+    if declared is None:
+        return ()
+    if isinstance(declared, str):
+        return (declared,)
+    if not isinstance(declared, Iterable):
+        raise TypeError(
+            f"{type(model).__name__}.no_weight_decay() must return a collection of parameter names, got "
+            f"{type(declared).__name__}: return e.g. {{'pos_embed', 'cls_token'}}"
+        )
+    names = tuple(declared)
+    wrong = [name for name in names if not isinstance(name, str)]
+    if wrong:
+        raise TypeError(
+            f"{type(model).__name__}.no_weight_decay() must return parameter names (strings), got "
+            f"{wrong[:3]!r}: return the names, e.g. {{'pos_embed', 'cls_token'}}"
+        )
+    return names
+
+
 def param_groups(
     model: nn.Module,
     weight_decay: float,
@@ -95,7 +118,12 @@ def param_groups(
       ``no_decay_bias`` and ``no_lars_bias``.
     * other scale: any remaining parameter with ``ndim <= 1`` (layer-scale gains, PReLU slopes,
       scalar gates). These behave like a norm's gamma, so they follow the norm switches.
-    * everything else keeps ``weight_decay`` and ``lars=True``.
+    * everything else keeps ``weight_decay`` and is eligible for LARS.
+
+    Only exclusions are written into the groups: an excluded group says ``lars=False``, an eligible one
+    has no ``lars`` key, so the optimizer's own ``lars`` argument decides whether LARS runs on it
+    (``FusedSGD(param_groups(model, 1e-4), lars=False)`` is plain SGD on every tensor;
+    ``FusedLARS(param_groups(model, 1e-4))`` adapts the eligible ones).
 
     Frozen parameters (``requires_grad=False``) are left out; a parameter shared by several modules
     appears once, under its first name in ``model.named_parameters()``, and counts as a norm or bias
@@ -116,8 +144,9 @@ def param_groups(
         The non-empty groups among (decay, LARS), (decay only), (LARS only), (neither), in that
         order. Each is a dict with ``params`` (a list of ``(name, parameter)`` tuples in
         ``model.named_parameters()`` order, which ``torch.optim.Optimizer`` splits into ``params``
-        and ``param_names``), ``weight_decay``, ``lars`` (bool) and ``name`` (used by Lightning's
-        LearningRateMonitor). A group layout is the same run to run for the same model and flags.
+        and ``param_names``), ``weight_decay``, ``lars=False`` for groups excluded from LARS, and
+        ``name`` (used by Lightning's LearningRateMonitor; ``lars`` in a name means eligible). A group
+        layout is the same run to run for the same model and flags.
 
     Raises:
         TypeError: If ``model`` is not an ``nn.Module`` or ``extra_no_decay`` is not a collection
@@ -132,9 +161,8 @@ def param_groups(
         raise ValueError(f"weight_decay must be a finite number >= 0, got {weight_decay!r}")
     patterns = _validate_patterns(extra_no_decay)
 
-    no_weight_decay = getattr(model, "no_weight_decay", None)
-    declared = no_weight_decay() if callable(no_weight_decay) else ()
-    explicit_patterns = patterns + ((declared,) if isinstance(declared, str) else tuple(declared))
+    declared = _declared_no_decay(model)
+    explicit_patterns = patterns + declared
 
     # Every name under which each tensor is registered, so tied parameters are judged by all aliases.
     aliases: dict[int, list[str]] = {}
@@ -148,14 +176,15 @@ def param_groups(
     }
 
     all_names = [name for names in aliases.values() for name in names]
-    for pattern in patterns:
-        if not any(fnmatch.fnmatchcase(name, pattern) for name in all_names):
-            warnings.warn(
-                f"param_groups: extra_no_decay pattern {pattern!r} matches no parameter of "
-                f"{type(model).__name__}",
-                UserWarning,
-                stacklevel=2,
-            )
+    for source, names in (("extra_no_decay pattern", patterns), ("no_weight_decay() name", declared)):
+        for pattern in names:
+            if not any(fnmatch.fnmatchcase(name, pattern) for name in all_names):
+                warnings.warn(
+                    f"param_groups: {source} {pattern!r} matches no parameter of {type(model).__name__}; "
+                    "check its spelling against model.named_parameters()",
+                    UserWarning,
+                    stacklevel=2,
+                )
 
     members: dict[tuple[bool, bool], list[tuple[str, nn.Parameter]]] = {key: [] for key in _GROUP_ORDER}
     for name, param in model.named_parameters():
@@ -183,7 +212,7 @@ def param_groups(
         {
             "params": named_params,
             "weight_decay": float(weight_decay) if decay else 0.0,
-            "lars": lars,
+            **({} if lars else {"lars": False}),
             "name": _group_name(decay, lars),
         }
         for (decay, lars), named_params in members.items()

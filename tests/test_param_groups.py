@@ -87,7 +87,8 @@ def test_resnet_split(arch: str, decayed: int, excluded: int, request: pytest.Fi
     groups = param_groups(model, 1e-4)
 
     assert [group["name"] for group in groups] == ["decay_lars", "no_decay_no_lars"]
-    assert [(group["weight_decay"], group["lars"]) for group in groups] == [(1e-4, True), (0.0, False)]
+    # Only the exclusion is written: the decayed group leaves LARS to the optimizer's own `lars`.
+    assert [(group["weight_decay"], group.get("lars")) for group in groups] == [(1e-4, None), (0.0, False)]
     by_group = names_by_group(groups)
     assert (len(by_group["decay_lars"]), len(by_group["no_decay_no_lars"])) == (decayed, excluded)
     # Oracle from module types: conv and linear weights decay; BN parameters and biases do not.
@@ -107,7 +108,7 @@ def test_zero_initialized_gammas_are_never_lars_adapted(resnet50: nn.Module) -> 
     assert len(zero_gammas) == 16 and all(not resnet50.get_parameter(n).any() for n in zero_gammas)
     # Even with decay switched back on for norms, they must stay out of LARS.
     for groups in (param_groups(resnet50, 5e-5), param_groups(resnet50, 5e-5, no_decay_norm=False)):
-        lars_names = {name for group in groups if group["lars"] for name, _ in group["params"]}
+        lars_names = {name for group in groups if group.get("lars", True) for name, _ in group["params"]}
         assert lars_names.isdisjoint(zero_gammas)
 
 
@@ -184,7 +185,7 @@ def test_switches_route_bias_and_norm_independently(flags: tuple[bool, ...]) -> 
     assert names_by_group(groups) == expected
     for group in groups:
         assert group["weight_decay"] == (0.1 if group["name"].startswith("decay") else 0.0)
-        assert group["lars"] is not group["name"].endswith("no_lars")
+        assert group.get("lars", True) is not group["name"].endswith("no_lars")
 
 
 def test_frozen_parameters_are_left_out() -> None:
@@ -306,3 +307,52 @@ def test_summary_is_logged_once(resnet50: nn.Module, caplog: pytest.LogCaptureFi
 def test_bad_input(model: object, kwargs: dict, error: type[Exception], message: str) -> None:
     with pytest.raises(error, match=message):
         param_groups(model, **kwargs)
+
+
+def test_the_optimizer_decides_lars_on_the_eligible_groups() -> None:
+    """The README's example: param_groups' groups with FusedSGD(lars=False) are plain SGD everywhere,
+    as with torch.optim.SGD; with lars=True only the eligible group is adapted."""
+    from lightning_fusedsgd import FusedSGD
+
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64)) for _ in range(3)]
+    for model in models[1:]:
+        model.load_state_dict(models[0].state_dict())
+    plain = FusedSGD(param_groups(models[0], weight_decay=1e-4), lr=0.1, momentum=0.9, lars=False)
+    oracle = torch.optim.SGD(param_groups(models[1], weight_decay=1e-4), lr=0.1, momentum=0.9)
+    lars = FusedSGD(param_groups(models[2], weight_decay=1e-4), lr=0.1, momentum=0.9, lars=True)
+    assert [group["lars"] for group in lars.param_groups] == [True, False]
+    x = torch.randn(16, 64)
+    for _ in range(3):
+        for model, optimizer in zip(models, (plain, oracle, lars)):
+            optimizer.zero_grad()
+            model(x).square().mean().backward()
+            optimizer.step()
+    for mine, theirs in zip(models[0].parameters(), models[1].parameters()):
+        torch.testing.assert_close(mine, theirs)
+    # LARS shrinks the weight's update (trust ratio ~ 1e-3 ||w|| / ||g||); the excluded BN params move alike.
+    assert not torch.allclose(models[2][0].weight, models[1][0].weight)
+
+
+@pytest.mark.parametrize(
+    ("declared", "message"),
+    [(lambda: 3, "must return a collection of parameter names, got int"), (lambda: {1}, r"got \[1\]")],
+)
+def test_no_weight_decay_that_is_not_names_is_refused(declared, message: str) -> None:
+    model = TinyViT()
+    model.no_weight_decay = declared
+    with pytest.raises(TypeError, match=message):
+        param_groups(model, 0.05)
+
+
+def test_no_weight_decay_returning_none_declares_nothing() -> None:
+    model = TinyViT()
+    model.no_weight_decay = lambda: None
+    assert "pos_embed" in names_by_group(param_groups(model, 0.05))["decay_lars"]
+
+
+def test_no_weight_decay_name_matching_nothing_warns() -> None:
+    model = TinyViT()
+    model.no_weight_decay = lambda: {"pos_embed", "pos_embedding"}
+    with pytest.warns(UserWarning, match=r"no_weight_decay\(\) name 'pos_embedding' matches no parameter"):
+        param_groups(model, 0.05)

@@ -213,7 +213,6 @@ def configure_fused_sgd(
     )
     if not lars:
         for group in groups:
-            group["lars"] = False
             group["name"] = "decay" if group["weight_decay"] else "no_decay"
     if master_weights is None:
         master_weights = any(p.dtype in (torch.float16, torch.bfloat16) for p in module.parameters())
