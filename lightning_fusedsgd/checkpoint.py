@@ -39,6 +39,8 @@ from torch import nn
 __all__ = [
     "CheckpointError",
     "CheckpointMismatchError",
+    "InvalidOptimizerStateError",
+    "check_optimizer_state_dict",
     "StartState",
     "load_optimizer_state",
     "read_checkpoint_file",
@@ -63,6 +65,10 @@ class CheckpointError(RuntimeError):
 
 class CheckpointMismatchError(CheckpointError, ValueError):
     """A checkpoint does not fit the model or optimizer it is loaded into (parameter names or shapes)."""
+
+
+class InvalidOptimizerStateError(CheckpointError, ValueError):
+    """An optimizer state dict is malformed: not a dict, missing keys, or values that cannot be state."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -261,6 +267,54 @@ def _split_flat(names: Sequence[str], groups: Sequence[Mapping[str, Any]], side:
     return out
 
 
+def check_optimizer_state_dict(state_dict: Any, source: str = "the optimizer state dict") -> None:
+    """Checks that ``state_dict`` is laid out as ``Optimizer.state_dict()`` makes it, with usable tensors.
+
+    Raises:
+        InvalidOptimizerStateError: Naming what is wrong (and the parameter, where it has a name).
+    """
+    fix = (
+        "load what optimizer.state_dict() returned "
+        "(for a Lightning checkpoint: checkpoint['optimizer_states'][0])"
+    )
+    if not isinstance(state_dict, Mapping):
+        raise InvalidOptimizerStateError(f"{source} is a {type(state_dict).__name__}, not a dict: {fix}.")
+    missing = [key for key in ("state", "param_groups") if key not in state_dict]
+    if missing:
+        raise InvalidOptimizerStateError(f"{source} has no {' or '.join(map(repr, missing))} entry: {fix}.")
+    groups, state = state_dict["param_groups"], state_dict["state"]
+    if not isinstance(state, Mapping) or not isinstance(groups, Sequence):
+        raise InvalidOptimizerStateError(
+            f"{source}: 'state' must be a dict and 'param_groups' a list: {fix}."
+        )
+    names = {}
+    for index, group in enumerate(groups):
+        if not isinstance(group, Mapping) or not isinstance(group.get("params"), Sequence):
+            raise InvalidOptimizerStateError(
+                f"{source}: param_groups[{index}] has no 'params' list of parameter ids: {fix}."
+            )
+        names.update(zip(group["params"], group.get("param_names") or ()))
+    for saved_id, entry in state.items():
+        label = f"'{names[saved_id]}'" if saved_id in names else f"parameter {saved_id!r}"
+        if not isinstance(entry, Mapping):
+            raise InvalidOptimizerStateError(
+                f"{source}: the state of {label} is a {type(entry).__name__}, not a dict: {fix}."
+            )
+        for key, value in entry.items():
+            if key == "step" or value is None:  # other optimizers' step counts; torch's absent buffer
+                continue
+            if not isinstance(value, torch.Tensor):
+                raise InvalidOptimizerStateError(
+                    f"{source}: the {key} of {label} is a {type(value).__name__}, not a tensor: the state "
+                    f"is damaged or not an optimizer's; {fix}."
+                )
+            if value.is_meta:
+                raise InvalidOptimizerStateError(
+                    f"{source}: the {key} of {label} is on the meta device and holds no values: load the "
+                    "checkpoint with its data (torch.load(path, map_location='cpu')), not a meta-device copy."
+                )
+
+
 def _state_shapes(state: Mapping[str, Any]) -> list[torch.Size]:
     """Shapes of a parameter's per-element state tensors (0-d ones, like a step count, are skipped)."""
     return [value.shape for value in state.values() if isinstance(value, torch.Tensor) and value.ndim > 0]
@@ -440,6 +494,8 @@ class StartState:
         epoch: The epoch recorded in the file, if any (torchvision: the last completed epoch;
             Lightning: the epoch in progress when saved).
         global_step: Optimizer steps recorded in the file (Lightning checkpoints only).
+        lr_scheduler_states: The saved lr schedulers' states (Lightning checkpoints only; None when the
+            file has no ``lr_schedulers`` entry).
     """
 
     path: str
@@ -448,6 +504,7 @@ class StartState:
     optimizer_state: dict[str, Any] | None
     epoch: int | None = None
     global_step: int | None = None
+    lr_scheduler_states: list[dict[str, Any]] | None = None
 
 
 def _is_state_dict(value: Any) -> bool:
@@ -469,7 +526,11 @@ def _unpack(
                 f"checkpoint {path!r} holds {len(optimizer_states)} optimizers; starting from it supports "
                 "one. Start from its weights only (weights_only=True)."
             )
-        meta = {"epoch": checkpoint.get("epoch"), "global_step": checkpoint.get("global_step")}
+        meta = {
+            "epoch": checkpoint.get("epoch"),
+            "global_step": checkpoint.get("global_step"),
+            "lr_scheduler_states": checkpoint.get("lr_schedulers"),
+        }
         return "lightning", checkpoint["state_dict"], next(iter(optimizer_states), None), meta
     if _is_state_dict(checkpoint.get("model")):
         return (
@@ -595,8 +656,7 @@ def read_start_checkpoint(
     if weights_only or optimizer_state is None:
         optimizer_state = None
     else:
-        if not (isinstance(optimizer_state, Mapping) and {"state", "param_groups"} <= optimizer_state.keys()):
-            raise CheckpointError(f"checkpoint {path!r}: its optimizer entry is not an optimizer state dict")
+        check_optimizer_state_dict(optimizer_state, source=f"the optimizer state in checkpoint {path!r}")
         saved_groups = optimizer_state["param_groups"]
         names = _group_names(saved_groups)
         if names is None:
@@ -643,6 +703,7 @@ def read_start_checkpoint(
         optimizer_state=optimizer_state,
         epoch=meta.get("epoch"),
         global_step=meta.get("global_step"),
+        lr_scheduler_states=meta.get("lr_scheduler_states"),
     )
 
 

@@ -13,11 +13,17 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_fusedsgd import kernels, reference
-from lightning_fusedsgd.checkpoint import remap_optimizer_state_dict, same_param_layout
+from lightning_fusedsgd.checkpoint import (
+    check_optimizer_state_dict,
+    remap_optimizer_state_dict,
+    same_param_layout,
+)
 from lightning_fusedsgd.reference import HPARAM_COLUMNS
 
 LARS_DENOMINATORS = ("grad_plus_decay", "decayed_grad")
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
+# Complex params are stepped as their real views, as torch.optim.SGD does.
+_SUPPORTED_DTYPES = (torch.float32, torch.float64, *_LOW_PRECISION, torch.complex64, torch.complex128)
 _NO_STATE: dict[str, Any] = {}
 
 
@@ -25,7 +31,8 @@ _NO_STATE: dict[str, Any] = {}
 class _Bucket:
     """The tensors of one (device, dtype, master weights) bucket, in the kernel's argument order."""
 
-    params: list[Tensor] = field(default_factory=list)
+    params: list[Tensor] = field(default_factory=list)  # dense views: real views of complex params
+    sources: list[Tensor] = field(default_factory=list)  # the optimizer's params behind them
     grads: list[Tensor] = field(default_factory=list)
     momentum_buffers: list[Tensor | None] = field(default_factory=list)
     master_params: list[Tensor] = field(default_factory=list)
@@ -47,6 +54,79 @@ def _param_label(group: dict[str, Any], group_index: int, param_index: int, para
     if names:
         return f"'{names[param_index]}'"
     return f"parameter {param_index} of group {group_index} (shape {tuple(param.shape)})"
+
+
+def _has_internal_overlap(tensor: Tensor) -> bool:
+    """Whether elements of ``tensor`` share memory (an ``expand()``ed tensor): no step can write it."""
+    return any(stride == 0 and size > 1 for size, stride in zip(tensor.shape, tensor.stride()))
+
+
+def _element_offsets(tensor: Tensor) -> Tensor:
+    """The storage offset of every element of ``tensor``."""
+    offsets = torch.full((), tensor.storage_offset(), dtype=torch.int64)
+    for size, stride in zip(tensor.shape, tensor.stride()):
+        offsets = offsets.unsqueeze(-1) + torch.arange(size, dtype=torch.int64) * stride
+    return offsets.flatten()
+
+
+def _overlap(a: Tensor, b: Tensor) -> bool:
+    """Whether two tensors whose address ranges intersect share an element (exactly, for one dtype)."""
+    if a.dtype != b.dtype or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return True
+    return bool(torch.isin(_element_offsets(a), _element_offsets(b)).any())
+
+
+def _check_no_overlap(stepped: list[tuple[Tensor, str]]) -> None:
+    """Refuses params that are overlapping views of one storage: one fused call would update the shared
+    elements from two threads at once, where torch.optim.SGD updates them one param after the other."""
+    spans = []  # (device, first byte, end byte, label, param), sorted by device and first byte
+    for param, label in stepped:
+        if param.numel():
+            extent = 1 + sum((size - 1) * stride for size, stride in zip(param.shape, param.stride()))
+            start = param.data_ptr()
+            spans.append((str(param.device), start, start + extent * param.element_size(), label, param))
+    spans.sort(key=lambda span: span[:2])
+    for i, (device, _, end, label, param) in enumerate(spans):
+        for next_device, next_start, _, next_label, next_param in spans[i + 1 :]:
+            if next_device != device or next_start >= end:
+                break
+            if not _overlap(param, next_param):
+                continue
+            raise ValueError(
+                f"{label} and {next_label} are overlapping views of one tensor's memory, so one step would "
+                "update the shared elements twice: pass parameters that do not overlap (e.g. the base tensor "
+                "once, or views that split it), or use torch.optim.SGD for this case."
+            )
+
+
+def _real(tensor: Tensor) -> Tensor:
+    return torch.view_as_real(tensor) if tensor.is_complex() else tensor
+
+
+def _check_steppable(param: Tensor, label: str) -> None:
+    """Refuses, before anything is written, a param that no step of ours can update."""
+    if param.grad.is_sparse:
+        raise RuntimeError(
+            f"FusedSGD does not support sparse gradients ({label}): use torch.optim.SparseAdam "
+            "for it, or dense gradients (e.g. nn.Embedding(sparse=False))."
+        )
+    if param.dtype not in _SUPPORTED_DTYPES:
+        raise TypeError(
+            f"FusedSGD cannot step {label}: its dtype is {param.dtype}. Parameters must be floating point "
+            "(float32, float64, bfloat16, float16) or complex64/complex128; convert it, or leave it out of "
+            "the optimizer."
+        )
+    if param.grad.shape != param.shape:
+        raise ValueError(
+            f"The gradient of {label} has shape {tuple(param.grad.shape)} but the parameter has shape "
+            f"{tuple(param.shape)}: assign a gradient of the parameter's shape."
+        )
+    if _has_internal_overlap(param):
+        raise ValueError(
+            f"FusedSGD cannot step {label}: it is an expand()ed view whose elements share memory "
+            f"(strides {param.stride()}), so no in-place update can write it. Make it a real tensor, e.g. "
+            "nn.Parameter(tensor.clone()), or leave it out of the optimizer."
+        )
 
 
 def _check_hyperparameters(group: dict[str, Any]) -> None:
@@ -85,7 +165,8 @@ class FusedSGD(Optimizer):
 
     Args:
         params: Parameters, named parameters, or parameter-group dicts.
-        lr: Learning rate (float or 0-d tensor).
+        lr: Learning rate (float or 0-d tensor). The default, 0.1, is TransformerEngine's FusedSGD's;
+            ``torch.optim.SGD``'s is 1e-3, so pass ``lr`` when replacing it.
         momentum: Momentum factor mu.
         dampening: Dampening tau for momentum.
         weight_decay: Coupled L2 penalty lambda.
@@ -94,10 +175,13 @@ class FusedSGD(Optimizer):
         wd_after_momentum: Add ``lambda * w`` after the momentum update instead of to the gradient, so
             the decay stays out of the buffer (TransformerEngine's option).
         master_weights: Keep an fp32 copy and fp32 momentum for bf16/fp16 params; the kernel updates the
-            copy and writes the rounded value back to the param.
+            copy and writes the rounded value back to the param. A param written outside the optimizer
+            (``load_state_dict``, ``p.data.copy_``, EMA swaps) no longer holds its copy's rounding: the
+            kernel then takes the param's value as the copy, element by element.
         set_grad_none: Default of ``zero_grad(set_to_none=...)``.
         backend: ``"auto"``, ``"compiled"``, ``"torch"`` or ``"torch_fused"`` (see ``kernels``).
-        lars: Apply the LARS trust ratio (a per-group key too, so excluded groups stay plain SGD).
+        lars: Apply the LARS trust ratio (a per-group key too: ``param_groups`` sets ``lars=False`` on the
+            groups it excludes, and this argument decides for the others).
         trust_coefficient: LARS eta.
         lars_eps: LARS epsilon in the denominator.
         trust_clip: LARC's clip, ``r <- min(r / lr, 1)``.
@@ -154,6 +238,7 @@ class FusedSGD(Optimizer):
         self.set_grad_none = set_grad_none
         self.backend = backend
         self._cached_plan: _CachedPlan | None = None
+        self._checked_hparams: list[tuple[Any, ...]] | None = None
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -183,6 +268,20 @@ class FusedSGD(Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self._cached_plan = None
+        self._checked_hparams = None
+
+    def _check_groups(self) -> None:
+        """Validates the groups' hyperparameters when they changed since the last check: a group dict can
+        be edited at any time, and a bad value must fail before anything is written."""
+        values = [tuple(map(group.get, self.defaults)) for group in self.param_groups]
+        if values == self._checked_hparams:
+            return
+        for index, group in enumerate(self.param_groups):
+            try:
+                _check_hyperparameters(group)
+            except ValueError as error:
+                raise ValueError(f"param_groups[{index}]: {error}") from None
+        self._checked_hparams = values
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
         """Clears gradients; ``set_to_none`` defaults to the constructor's ``set_grad_none``."""
@@ -199,6 +298,7 @@ class FusedSGD(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_groups()
         grad_scale: Tensor | None = getattr(self, "grad_scale", None)
         found_inf: Tensor | None = getattr(self, "found_inf", None)
 
@@ -239,7 +339,10 @@ class FusedSGD(Optimizer):
         for param, dense in staged:
             param.copy_(dense)
         for param, key, value in new_state:
-            self.state[param][key] = value
+            if value is None:
+                del self.state[param][key]
+            else:
+                self.state[param][key] = value
         devices = {device for device, _, _ in buckets}
         device = devices.pop() if len(devices) == 1 else None  # one device: the scalars move once
         reusable = (
@@ -266,77 +369,90 @@ class FusedSGD(Optimizer):
 
     def _plan(
         self,
-    ) -> tuple[dict[tuple, _Bucket], list[tuple[Tensor, str, Tensor]], list[tuple[Tensor, Tensor]]]:
+    ) -> tuple[dict[tuple, _Bucket], list[tuple[Tensor, str, Tensor | None]], list[tuple[Tensor, Tensor]]]:
         """Validates every parameter and gathers the kernel inputs, changing nothing.
 
         Returns the buckets, the state entries to store once the kernels ran (new buffers and masters,
-        and buffers converted to the param's layout or to fp32), and the (param, dense copy) pairs of
-        params that are not dense and are updated through a copy.
+        buffers converted to the param's layout or to fp32, and ``None`` for a master to drop because its
+        group turned master weights off), and the (param, dense copy) pairs of params that are not dense
+        and are updated through a copy.
         """
         buckets: dict[tuple, _Bucket] = {}
-        new_state: list[tuple[Tensor, str, Tensor]] = []
+        new_state: list[tuple[Tensor, str, Tensor | None]] = []
         staged: list[tuple[Tensor, Tensor]] = []
+        stepped: list[tuple[Tensor, str]] = []
         for group_index, group in enumerate(self.param_groups):
-            has_momentum = group["momentum"] != 0
-            use_master_group = bool(group["master_weights"])
             for param_index, param in enumerate(group["params"]):
-                grad = param.grad
-                if grad is None:
+                if param.grad is None:
                     continue
-                if grad.is_sparse:
-                    label = _param_label(group, group_index, param_index, param)
-                    raise RuntimeError(
-                        f"FusedSGD does not support sparse gradients ({label}): use torch.optim.SparseAdam "
-                        "for it, or dense gradients (e.g. nn.Embedding(sparse=False))."
-                    )
-                state = self.state.get(param, _NO_STATE)
-                use_master = use_master_group and param.dtype in _LOW_PRECISION
-                work = param if _is_dense(param) else param.contiguous()
-                if work is not param:
-                    staged.append((param, work))
-                stride = work.stride()
-                if grad.dtype != param.dtype or grad.stride() != stride:
-                    grad = torch.empty_like(work).copy_(grad)
-
-                key = (param.device, param.dtype, use_master)
-                bucket = buckets.get(key)
-                if bucket is None:
-                    bucket = buckets[key] = _Bucket()
-                bucket.params.append(work)
-                bucket.grads.append(grad)
-                bucket.tensor_group.append(group_index)
-                buffer = state.get("momentum_buffer") if has_momentum else None
-                bucket.first_step.append(has_momentum and buffer is None)
-                if has_momentum:
-                    buffer_dtype = torch.float32 if use_master else param.dtype
-                    if buffer is None:
-                        buffer = torch.empty_like(work, dtype=buffer_dtype)
-                        new_state.append((param, "momentum_buffer", buffer))
-                    elif (
-                        buffer.shape != param.shape
-                        or buffer.dtype != buffer_dtype
-                        or buffer.stride() != stride
-                        or buffer.device != param.device
-                    ):
-                        self._check_state_shapes(state, group, group_index, param_index, param)
-                        buffer = torch.empty_like(work, dtype=buffer_dtype).copy_(buffer)
-                        new_state.append((param, "momentum_buffer", buffer))
-                bucket.momentum_buffers.append(buffer)
-                if use_master:
-                    master = state.get("master_param")
-                    if (
-                        master is None
-                        or master.shape != param.shape
-                        or master.dtype != torch.float32
-                        or master.stride() != stride
-                    ):
-                        self._check_state_shapes(state, group, group_index, param_index, param)
-                        master = torch.empty_like(work, dtype=torch.float32).copy_(
-                            work if master is None else master
-                        )
-                        new_state.append((param, "master_param", master))
-                    bucket.master_params.append(master)
+                label = _param_label(group, group_index, param_index, param)
+                _check_steppable(param, label)
+                stepped.append((param, label))
+                self._plan_param(param, group, group_index, param_index, buckets, new_state, staged)
+        _check_no_overlap(stepped)
         return buckets, new_state, staged
+
+    def _plan_param(
+        self,
+        param: Tensor,
+        group: dict[str, Any],
+        group_index: int,
+        param_index: int,
+        buckets: dict[tuple, _Bucket],
+        new_state: list[tuple[Tensor, str, Tensor | None]],
+        staged: list[tuple[Tensor, Tensor]],
+    ) -> None:
+        """Adds one param to its bucket: dense views of param and grad (real views of complex ones), and
+        its momentum buffer and master, converted to the param's layout where needed."""
+        state = self.state.get(param, _NO_STATE)
+        has_momentum = group["momentum"] != 0
+        use_master = bool(group["master_weights"]) and param.dtype in _LOW_PRECISION
+        dense = param if _is_dense(param) else param.contiguous()
+        if dense is not param:
+            staged.append((param, dense))
+        stride = dense.stride()
+        grad = param.grad
+        if grad.dtype != param.dtype or grad.stride() != stride:
+            grad = torch.empty_like(dense).copy_(grad)
+
+        bucket = buckets.setdefault((param.device, param.dtype, use_master), _Bucket())
+        bucket.params.append(_real(dense))
+        bucket.sources.append(param)
+        bucket.grads.append(_real(grad))
+        bucket.tensor_group.append(group_index)
+        buffer = state.get("momentum_buffer") if has_momentum else None
+        bucket.first_step.append(has_momentum and buffer is None)
+        if has_momentum:
+            buffer_dtype = torch.float32 if use_master else param.dtype
+            if buffer is None:
+                buffer = torch.empty_like(dense, dtype=buffer_dtype)
+                new_state.append((param, "momentum_buffer", buffer))
+            elif (
+                buffer.shape != param.shape
+                or buffer.dtype != buffer_dtype
+                or buffer.stride() != stride
+                or buffer.device != param.device
+            ):
+                self._check_state_shapes(state, group, group_index, param_index, param)
+                buffer = torch.empty_like(dense, dtype=buffer_dtype).copy_(buffer)
+                new_state.append((param, "momentum_buffer", buffer))
+            buffer = _real(buffer)
+        bucket.momentum_buffers.append(buffer)
+        master = state.get("master_param")
+        if not use_master:
+            if master is not None:  # stale once the param steps without it: seeded anew if turned back on
+                new_state.append((param, "master_param", None))
+            return
+        if (
+            master is None
+            or master.shape != param.shape
+            or master.dtype != torch.float32
+            or master.stride() != stride
+        ):
+            self._check_state_shapes(state, group, group_index, param_index, param)
+            master = torch.empty_like(dense, dtype=torch.float32).copy_(dense if master is None else master)
+            new_state.append((param, "master_param", master))
+        bucket.master_params.append(master)
 
     @staticmethod
     def _check_state_shapes(
@@ -387,6 +503,7 @@ class FusedSGD(Optimizer):
         would cast them to the param's dtype), and fills hyperparameters that a ``torch.optim.SGD``
         checkpoint lacks (``lars``, ``master_weights``, ...) from the current groups.
         """
+        self._check_loadable(state_dict)
         if not same_param_layout(state_dict, self.param_groups):
             # A different grouping (e.g. torch.optim.SGD's one group for our two): move state by name.
             state_dict = remap_optimizer_state_dict(state_dict, self.param_groups, source="optimizer state")
@@ -422,6 +539,19 @@ class FusedSGD(Optimizer):
                 group.setdefault(key, value)
         for param, values in keep_fp32.items():
             self.state[param].update(values)
+        self._checked_hparams = None
+
+    def _check_loadable(self, state_dict: Any) -> None:
+        """Refuses, before anything changes, a state dict that is not an optimizer's, holds values that
+        cannot be optimizer state, or whose groups have hyperparameters FusedSGD refuses."""
+        check_optimizer_state_dict(state_dict)
+        for index, group in enumerate(state_dict["param_groups"]):
+            try:
+                _check_hyperparameters(
+                    {**self.defaults, **{k: v for k, v in group.items() if k in self.defaults}}
+                )
+            except ValueError as error:
+                raise ValueError(f"saved param_groups[{index}]: {error}") from None
 
 
 @dataclass
@@ -468,9 +598,9 @@ class _CachedPlan:
                 bucket.momentum_buffers,
                 bucket.master_params,
                 bucket.tensor_group,
-                [position[id(p)] for p in bucket.params],
+                [position[id(p)] for p in bucket.sources],
             )
-        stepped_dicts = [optimizer.state[p] for p in stepped]
+        stepped_dicts = [optimizer.state.get(p, _NO_STATE) for p in stepped]  # momentum 0: no state, as torch
         return cls(
             group_key=cls._group_key(optimizer),
             params=params,

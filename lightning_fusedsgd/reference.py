@@ -1,7 +1,7 @@
 """The kernel's math in plain PyTorch: the oracle in tests and the fallback where nothing compiles.
 
-``sgd_element`` and ``trust_ratio`` mirror ``csrc/sgd_math.h`` line for line, and ``sgd_step`` has
-the compiled kernel's signature, so the two backends are interchangeable.
+``sgd_element``, ``trust_ratio`` and ``synced_master`` mirror ``csrc/sgd_math.h`` line for line, and
+``sgd_step`` has the compiled kernel's signature, so the two backends are interchangeable.
 """
 
 from __future__ import annotations
@@ -76,6 +76,13 @@ def trust_ratio(
     return torch.where((w_norm == 0) | (g_norm == 0), torch.ones_like(r), r)
 
 
+def synced_master(master: Tensor, param: Tensor) -> Tensor:
+    """The fp32 master, taking the param's value wherever the param no longer holds the master's rounding
+    (it was written outside the optimizer). Compared bit for bit, as ``synced_master`` in sgd_math.h."""
+    same = master.to(param.dtype).view(torch.int16) == param.view(torch.int16)
+    return torch.where(same, master, param.float())
+
+
 def _opmath(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -107,7 +114,7 @@ def sgd_step(
         h = dict(zip(HPARAM_COLUMNS, hparams[tensor_group[i]]))
         opmath = _opmath(param.dtype)
         master = master_params[i] if master_params else None
-        w = master if master is not None else param.to(opmath)
+        w = synced_master(master, param) if master is not None else param.to(opmath)
         g = grads[i].to(opmath)
         b = momentum_buffers[i]
         b_op = None if b is None or first_step[i] else b.to(opmath)

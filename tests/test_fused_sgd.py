@@ -463,3 +463,147 @@ def test_a_parameter_listed_twice_is_refused():
     p = nn.Parameter(torch.randn(3))
     with pytest.raises(ValueError, match="same parameter twice"):
         FusedSGD([p, p], lr=0.1)
+
+
+def _outside_write(kind, param, model_state=None):
+    """Writes 7.0 into the first row of `param` from outside the optimizer, in one of the ways users do."""
+    with torch.no_grad():
+        if kind == "fill_":
+            param.fill_(7.0)
+        elif kind == "data":  # bumps no version counter
+            param.data.fill_(7.0)
+        elif kind == "partial":
+            param[0] = 7.0
+        else:  # load_state_dict after the optimizer was built
+            param.copy_(torch.full_like(param, 7.0))
+
+
+@pytest.mark.parametrize("backend", ["compiled", "torch"])
+@pytest.mark.parametrize("kind", ["fill_", "data", "partial", "load_state_dict"])
+def test_master_weights_follow_writes_from_outside_the_optimizer(backend, kind):
+    """A write to a master-weighted param (EMA swap, load_state_dict, p.data) is what the next step starts
+    from, as it is for torch.optim.SGD on fp32 params: the master is re-synced, not reverted to."""
+    fp32 = [nn.Parameter(torch.randn(33, 17)), nn.Parameter(torch.randn(70_000))]
+    bf16 = [nn.Parameter(p.detach().to(torch.bfloat16)) for p in fp32]
+    fp32 = [nn.Parameter(p.detach().float()) for p in bf16]  # the same starting values
+    ours = FusedSGD(bf16, lr=0.1, momentum=0.9, master_weights=True, backend=backend)
+    ref = torch.optim.SGD(fp32, lr=0.1, momentum=0.9)
+    generator = torch.Generator().manual_seed(0)
+    for step in range(6):
+        if step == 3:  # after the cached step took over
+            if kind == "load_state_dict":
+                model = nn.ParameterList(bf16)
+                model.load_state_dict({str(i): torch.full_like(p, 7.0) for i, p in enumerate(bf16)})
+                for p in fp32:
+                    _outside_write("fill_", p)
+            else:
+                for p in bf16 + fp32:
+                    _outside_write(kind, p)
+        zero = step >= 3  # zero grads after the write: the update is momentum alone
+        for p, q in zip(bf16, fp32):
+            g = torch.zeros(p.shape) if zero else torch.randn(p.shape, generator=generator).bfloat16().float()
+            p.grad, q.grad = g.bfloat16(), g.clone()
+        ours.step()
+        ref.step()
+    for p, q in zip(bf16, fp32):
+        torch.testing.assert_close(ours.state[p]["master_param"], q.detach(), rtol=1e-6, atol=1e-6)
+        assert torch.equal(p.detach(), ours.state[p]["master_param"].bfloat16())
+
+
+def test_master_weights_turned_off_and_on_again_start_from_the_param():
+    torch.manual_seed(0)
+    p = nn.Parameter(torch.randn(1000).bfloat16())
+    opt = FusedSGD([p], lr=0.1, master_weights=True)
+    p.grad = torch.randn(1000).bfloat16()
+    opt.step()
+    opt.param_groups[0]["master_weights"] = False
+    opt.step()  # steps the bf16 param directly: a kept master would now be stale
+    assert "master_param" not in opt.state[p]
+    opt.param_groups[0]["master_weights"] = True
+    expected = p.detach().float() - 0.1 * p.grad.float()  # momentum 0: one update from the param as it is
+    opt.step()
+    torch.testing.assert_close(opt.state[p]["master_param"], expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_complex_params_match_torch_sgd(backend):
+    """torch.optim.SGD steps complex params as real views; so do we, on every backend."""
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(2,), (4, 3, 5, 5), (33, 17)]
+    ours = [nn.Parameter(torch.randn(s, generator=generator, dtype=torch.complex64)) for s in shapes]
+    with torch.no_grad():
+        ours[0].copy_(torch.tensor([1 + 2j, 3 - 1j]))
+    ours[1] = nn.Parameter(ours[1].detach().contiguous(memory_format=torch.channels_last))
+    ours.append(nn.Parameter(torch.randn(8, generator=generator)))  # a real param beside them
+    theirs = clone(ours)
+    hparams = dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-2)
+    opt = FusedSGD(ours, backend=backend, **hparams)
+    ref = torch.optim.SGD(theirs, foreach=False, **hparams)
+    for step in range(5):
+        for p, q in zip(ours, theirs):
+            g = torch.randn(p.shape, generator=generator, dtype=p.dtype)
+            if step == 0 and p.dim() == 1 and p.is_complex():
+                g = torch.full_like(g, 0.5j)  # the review's case: an imaginary gradient must move the param
+            p.grad, q.grad = g.clone(), g.clone()
+        opt.step()
+        ref.step()
+    assert opt.state[ours[0]]["momentum_buffer"].dtype == torch.complex64
+    for p, q in zip(ours, theirs):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(opt.state[p]["momentum_buffer"], ref.state[q]["momentum_buffer"])
+
+
+def test_buffer_dtype_changed_behind_the_cached_step_steps_like_torch():
+    """A buffer whose dtype changed through .data keeps its identity, so only the recorded layouts show
+    it: the cached step must fall back to a full plan (which converts it) before any bucket runs."""
+    ours = [nn.Parameter(torch.randn(70_000)), nn.Parameter(torch.randn(33, 17, dtype=torch.float64))]
+    theirs = clone(ours)
+    opt = FusedSGD(ours, lr=0.05, momentum=0.9)
+    ref = torch.optim.SGD(theirs, lr=0.05, momentum=0.9, foreach=False)
+    generator = torch.Generator().manual_seed(1)
+    for step in range(6):
+        if step == 3:
+            for optimizer, params in ((opt, ours), (ref, theirs)):
+                buffer = optimizer.state[params[1]]["momentum_buffer"]
+                buffer.data = buffer.float()
+        for p, q in zip(ours, theirs):
+            g = torch.randn(p.shape, generator=generator, dtype=p.dtype)
+            p.grad, q.grad = g.clone(), g.clone()
+        opt.step()
+        ref.step()
+    assert_close_rel(ours, theirs, 1e-6)
+
+
+def test_interleaved_views_of_one_tensor_are_not_overlapping_params():
+    """Columns of one matrix share its memory range but no element: they step like torch.optim.SGD."""
+    base = torch.randn(6, 4)
+    ours = [nn.Parameter(base[:, 0]), nn.Parameter(base[:, 1]), nn.Parameter(base[:, 2:])]
+    theirs_base = base.clone()
+    theirs = [
+        nn.Parameter(theirs_base[:, 0]),
+        nn.Parameter(theirs_base[:, 1]),
+        nn.Parameter(theirs_base[:, 2:]),
+    ]
+    opt = FusedSGD(ours, lr=0.1, momentum=0.9)
+    ref = torch.optim.SGD(theirs, lr=0.1, momentum=0.9)
+    for _ in range(3):
+        for p, q in zip(ours, theirs):
+            p.grad = torch.ones_like(p)
+            q.grad = torch.ones_like(q)
+        opt.step()
+        ref.step()
+    assert_close_rel(ours, theirs, 1e-6)
+
+
+def test_momentum_zero_keeps_no_state_like_torch():
+    params = make_params()
+    opt = FusedSGD(params, lr=0.1)
+    for _ in range(3):  # the cached step too
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt.step()
+    ref = torch.optim.SGD(clone(params), lr=0.1)
+    for p in ref.param_groups[0]["params"]:
+        p.grad = torch.ones_like(p)
+    ref.step()
+    assert opt.state_dict()["state"] == ref.state_dict()["state"] == {}

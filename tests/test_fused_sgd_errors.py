@@ -113,3 +113,109 @@ def test_torch_fused_backend_refuses_what_it_cannot_do():
     with pytest.raises(ValueError, match="torch_fused"):
         opt.step()
     assert not opt.state[p]
+
+
+def stepped_pair(*params, **hparams):
+    """An optimizer over `params` that has taken three steps (the cached step is in use)."""
+    opt = FusedSGD(list(params), **{"lr": 0.1, "momentum": 0.9, **hparams})
+    for _ in range(3):
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt.step()
+    return opt
+
+
+@pytest.mark.parametrize("backend", ["compiled", "torch"])
+def test_overlapping_param_views_are_refused_before_any_update(backend):
+    base = torch.randn(10)
+    first, second = nn.Parameter(base[:6]), nn.Parameter(base[4:])
+    other = nn.Parameter(torch.randn(70_000))
+    groups = [{"params": [("other", other)]}, {"params": [("a", first), ("b", second)]}]
+    opt = FusedSGD(groups, lr=0.1, momentum=0.9, backend=backend)
+    params = [other, first, second]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    before = snapshot(opt, params)
+    with pytest.raises(ValueError, match="'a' and 'b' are overlapping views"):
+        opt.step()
+    assert_unchanged(opt, params, before)
+
+
+def test_unsupported_dtype_is_refused_before_any_update():
+    good = nn.Parameter(torch.randn(5))
+    odd = nn.Parameter(torch.zeros(3, dtype=torch.float8_e4m3fn), requires_grad=False)
+    opt = stepped_pair(good)
+    opt.add_param_group({"params": [odd]})
+    good.grad = torch.ones(5)
+    odd.grad = torch.zeros(3, dtype=torch.float8_e4m3fn)
+    before = snapshot(opt, [good])
+    with pytest.raises(TypeError, match=r"parameter 0 of group 1 .*float8_e4m3fn.*convert it"):
+        opt.step()
+    assert_unchanged(opt, [good], before)
+
+
+def test_expanded_param_is_refused_before_any_update():
+    good = nn.Parameter(torch.randn(70_000))
+    expanded = nn.Parameter(torch.randn(1, 3).expand(4, 3))
+    opt = FusedSGD([good, expanded], lr=0.1, momentum=0.9)
+    good.grad, expanded.grad = torch.ones_like(good), torch.ones(4, 3)
+    before = snapshot(opt, [good])
+    with pytest.raises(ValueError, match=r"parameter 1 of group 0 .*expand\(\)ed view"):
+        opt.step()
+    assert_unchanged(opt, [good], before)
+
+
+def test_unknown_lars_denominator_set_after_construction_is_refused_at_step():
+    params = [nn.Parameter(torch.randn(5)), nn.Parameter(torch.randn(3))]
+    opt = stepped_pair(*params)
+    opt.param_groups[0]["lars_denominator"] = "decayed"
+    before = snapshot(opt, params)
+    with pytest.raises(ValueError, match=r"param_groups\[0\]: Unknown lars_denominator 'decayed'"):
+        opt.step()
+    assert_unchanged(opt, params, before)
+    opt.param_groups[0]["lars_denominator"] = "decayed_grad"
+    opt.step()  # fixed: steps again
+
+
+def _bad_state_dicts(opt):
+    good = opt.state_dict()
+
+    def edited(edit):
+        state = copy.deepcopy(good)
+        edit(state)
+        return state
+
+    def set_buffer(value):
+        return lambda s: s["state"][1].__setitem__("momentum_buffer", value)
+
+    def set_denominator(s):
+        s["param_groups"][0]["lars_denominator"] = "decayed"
+
+    return [
+        pytest.param(edited(set_buffer(torch.empty(3, device="meta"))), "meta device", id="meta-buffer"),
+        pytest.param(edited(set_buffer(3)), "momentum_buffer of 'b' is a int, not a tensor", id="int-buffer"),
+        pytest.param(edited(set_buffer([1.0, 2.0])), "is a list, not a tensor", id="list-buffer"),
+        pytest.param({"param_groups": good["param_groups"]}, "no 'state' entry", id="no-state"),
+        pytest.param(edited(set_denominator), r"saved param_groups\[0\]: Unknown", id="bad-group"),
+        pytest.param([1, 2], "is a list, not a dict", id="not-a-dict"),
+    ]
+
+
+def _named_stepped():
+    params = [nn.Parameter(torch.randn(5)), nn.Parameter(torch.randn(3))]
+    opt = FusedSGD(zip(["a", "b"], params), lr=0.1, momentum=0.9)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    return opt, params
+
+
+@pytest.mark.parametrize("index", range(6))
+def test_bad_state_dict_is_refused_with_a_clear_error_and_changes_nothing(index):
+    opt, params = _named_stepped()
+    case = _bad_state_dicts(opt)[index]
+    state_dict, message = case.values
+    before = snapshot(opt, params)
+    with pytest.raises(ValueError, match=message):
+        opt.load_state_dict(state_dict)
+    assert_unchanged(opt, params, before)

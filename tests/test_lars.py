@@ -244,3 +244,31 @@ def test_lars_state_interoperates_with_torch_sgd():
     second.load_state_dict(copy.deepcopy(via_torch.state_dict()))
     run(second, resumed, range(4, 8))
     assert all(torch.equal(p, q) for p, q in zip(resumed, straight))
+
+
+@pytest.mark.parametrize("backend", ["compiled", "torch"])
+@pytest.mark.parametrize("scale", [1e-25, 1e20], ids=["tiny", "huge"])
+@pytest.mark.parametrize("decayed_grad", [False, True])
+def test_lars_norms_hold_over_the_whole_float_range(backend, scale, decayed_grad):
+    """fp32 squares underflow at 1e-25 and overflow at 1e20; the trust ratio must still be the formula's."""
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(300, 1000), (1_050_000,), (64, 32, 3, 3)]
+    params = [nn.Parameter(torch.randn(s, generator=generator) * scale) for s in shapes]
+    opt = FusedSGD(
+        params, lr=LR, momentum=MOMENTUM, weight_decay=WD, lars=True, backend=backend,
+        lars_denominator="decayed_grad" if decayed_grad else "grad_plus_decay",
+    )  # fmt: skip
+    weights = [p.detach().double() for p in params]
+    buffers = [None] * len(params)
+    for _ in range(2):
+        grads = [torch.randn(s, generator=generator) * (scale * 0.01) for s in shapes]
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt.step()
+        oracle_step(
+            weights, buffers, [g.double() for g in grads], lars_mask=[True] * 3, lr=LR,
+            nesterov=False, trust_clip=False, decayed_grad=decayed_grad, maximize=False,
+        )  # fmt: skip
+    for p, w in zip(params, weights):
+        assert p.isfinite().all()
+        assert ((p.detach().double() - w).abs().max() / w.abs().max()).item() < 1e-5

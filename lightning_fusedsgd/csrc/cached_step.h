@@ -1,7 +1,8 @@
 // A validated step kept in C++ for reuse, shared by the CPU and CUDA modules: every param, whether it had a
 // grad, views of the stepped params taken when the plan was made (their layouts), and each bucket's kernel
-// arguments. A step then converts no tensor lists from Python: run() gathers this step's grads, checks
-// them, and runs every bucket through `kStep` (the module's sgd_step).
+// arguments with views of its buffers and masters (their layouts). A step then converts no tensor lists from
+// Python: run() gathers this step's grads, checks them and every bucket's state tensors, and only then runs
+// the buckets through `kStep` (the module's sgd_step), so a plan that no longer holds changes nothing.
 #pragma once
 
 #include <torch/extension.h>
@@ -32,12 +33,19 @@ class CachedStep {
                   std::vector<at::Tensor> master_params, std::vector<int64_t> tensor_group,
                   std::vector<int64_t> slots) {
     for (int64_t slot : slots) TORCH_CHECK(slot >= 0 && slot < static_cast<int64_t>(layouts_.size()));
+    // Detached views keep the layouts as they are now; `.data = ...` later changes the live tensors only.
+    std::vector<at::Tensor> state_layouts;
+    for (const auto& buffer : momentum_buffers) {
+      if (buffer.has_value()) state_layouts.push_back(buffer->detach());
+    }
+    for (const auto& master : master_params) state_layouts.push_back(master.detach());
     buckets_.push_back({std::move(params), std::move(momentum_buffers), std::move(master_params),
-                        std::move(tensor_group), std::move(slots)});
+                        std::move(tensor_group), std::move(slots), std::move(state_layouts)});
   }
 
   // Runs the step and returns true, or returns false having changed nothing when the plan no longer holds:
-  // a param gained or lost its grad, or a param or grad is laid out differently from what was recorded.
+  // a param gained or lost its grad or moved to other memory, or a param, grad, momentum buffer or master
+  // is laid out differently from what was recorded.
   bool run(const at::Tensor& group_hparams, const std::optional<at::Tensor>& grad_scale,
            const std::optional<at::Tensor>& found_inf) const {
     std::vector<at::Tensor> grads;
@@ -48,10 +56,18 @@ class CachedStep {
       if (!grad.defined()) continue;
       if (grads.size() >= layouts_.size()) return false;
       const at::Tensor& layout = layouts_[grads.size()];
-      if (!same_layout(layout, params_[i]) || !same_layout(layout, grad)) return false;
-      grads.push_back(grad);
+      // A param moved to other memory (`p.data = ...`) is planned again: its overlap check must rerun.
+      if (!same_layout(layout, params_[i]) || params_[i].data_ptr() != layout.data_ptr() ||
+          !same_layout(layout, grad)) {
+        return false;
+      }
+      // Complex params are stepped as their real views (as torch.optim.SGD does).
+      grads.push_back(grad.is_complex() ? at::view_as_real(grad) : grad);
     }
     if (grads.size() != layouts_.size()) return false;
+    for (const Bucket& bucket : buckets_) {
+      if (!state_unchanged(bucket)) return false;
+    }
     for (const Bucket& bucket : buckets_) {
       std::vector<at::Tensor> bucket_grads;
       bucket_grads.reserve(bucket.slots.size());
@@ -69,7 +85,19 @@ class CachedStep {
     std::vector<at::Tensor> master_params;
     std::vector<int64_t> tensor_group;
     std::vector<int64_t> slots;
+    std::vector<at::Tensor> state_layouts;  // buffers, then masters, as recorded
   };
+
+  static bool state_unchanged(const Bucket& bucket) {
+    size_t k = 0;
+    for (const auto& buffer : bucket.momentum_buffers) {
+      if (buffer.has_value() && !same_layout(bucket.state_layouts[k++], *buffer)) return false;
+    }
+    for (const auto& master : bucket.master_params) {
+      if (!same_layout(bucket.state_layouts[k++], master)) return false;
+    }
+    return true;
+  }
 
   static bool same_layout(const at::Tensor& a, const at::Tensor& b) {
     return b.layout() == at::kStrided && b.scalar_type() == a.scalar_type() && b.device() == a.device() &&

@@ -36,14 +36,34 @@ inline float load(const c10::BFloat16* p, int64_t i) {
   return value;
 }
 
+// The bits of v rounded to the param type, and the bits a param element holds.
+inline uint16_t rounded_bits(float v, const c10::Half*) { return c10::Half(v).x; }
+inline uint16_t rounded_bits(float v, const c10::BFloat16*) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  return static_cast<uint16_t>(v != v ? 0x7FC0u : rounded);
+}
+template <typename P>
+inline uint16_t param_bits(const P* p, int64_t i) {
+  return reinterpret_cast<const uint16_t*>(p)[i];
+}
+
 inline void store(float* p, int64_t i, float v) { p[i] = v; }
 inline void store(double* p, int64_t i, double v) { p[i] = v; }
 inline void store(c10::Half* p, int64_t i, float v) { p[i] = c10::Half(v); }
 inline void store(c10::BFloat16* p, int64_t i, float v) {
-  uint32_t bits;
-  std::memcpy(&bits, &v, sizeof(bits));
-  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-  reinterpret_cast<uint16_t*>(p)[i] = static_cast<uint16_t>(v != v ? 0x7FC0u : rounded);
+  reinterpret_cast<uint16_t*>(p)[i] = rounded_bits(v, p);
+}
+
+// The weight of element i in opmath: the param, or its master re-synced with the param (sgd_math.h).
+template <bool kMaster, typename P>
+inline typename OpMath<P>::type load_weight(const P* w, const float* m, int64_t i) {
+  if constexpr (kMaster) {
+    return synced_master(m[i], rounded_bits(m[i], w), param_bits(w, i), load(w, i));
+  } else {
+    return load(w, i);
+  }
 }
 
 struct Chunk {
@@ -166,20 +186,22 @@ void sgd_bucket(const std::vector<at::Tensor>& params, const std::vector<at::Ten
     const bool decayed = hp[g][kLarsDecayedGrad] != 0.0;
     const O grad_mul = coeffs[t].grad_mul;
     const O weight_decay = static_cast<O>(hp[g][kWeightDecay]);
-    O sum_w = 0, sum_g = 0;
+    // Squares are summed in double, as torch's CPU norm does for fp32: fp32 squares underflow below about
+    // 1e-23 and overflow above about 1e19.
+    double sum_w = 0, sum_g = 0;
     if (decayed) {
 #pragma omp simd reduction(+ : sum_w, sum_g)
       for (int64_t i = chunk.begin; i < chunk.end; ++i) {
-        const O wi = kMaster ? static_cast<O>(m[i]) : load(w, i);
-        const O gi = load(gr, i) * grad_mul + weight_decay * wi;
-        sum_w += wi * wi;
+        const O wi = load_weight<kMaster>(w, m, i);
+        const double gi = load(gr, i) * grad_mul + weight_decay * wi;
+        sum_w += static_cast<double>(wi) * wi;
         sum_g += gi * gi;
       }
     } else {
 #pragma omp simd reduction(+ : sum_w, sum_g)
       for (int64_t i = chunk.begin; i < chunk.end; ++i) {
-        const O wi = kMaster ? static_cast<O>(m[i]) : load(w, i);
-        const O gi = load(gr, i);
+        const double wi = load_weight<kMaster>(w, m, i);
+        const double gi = load(gr, i);
         sum_w += wi * wi;
         sum_g += gi * gi;
       }
@@ -223,7 +245,7 @@ void sgd_bucket(const std::vector<at::Tensor>& params, const std::vector<at::Ten
     if (c.has_momentum) {
 #pragma omp simd
       for (int64_t i = chunk.begin; i < chunk.end; ++i) {
-        O wi = kMaster ? static_cast<O>(m[i]) : load(w, i);
+        O wi = load_weight<kMaster>(w, m, i);
         O bi = c.first ? O(0) : static_cast<O>(load(b, i));
         sgd_element(wi, static_cast<O>(load(gr, i)), bi, c);
         if (kMaster) m[i] = static_cast<float>(wi);
@@ -233,7 +255,7 @@ void sgd_bucket(const std::vector<at::Tensor>& params, const std::vector<at::Ten
     } else {
 #pragma omp simd
       for (int64_t i = chunk.begin; i < chunk.end; ++i) {
-        O wi = kMaster ? static_cast<O>(m[i]) : load(w, i);
+        O wi = load_weight<kMaster>(w, m, i);
         O bi = 0;
         sgd_element(wi, static_cast<O>(load(gr, i)), bi, c);
         if (kMaster) m[i] = static_cast<float>(wi);

@@ -49,6 +49,17 @@ __device__ inline double inverse_scale(const float* grad_scale) {
 
 __device__ inline bool skipped(const float* found_inf) { return found_inf != nullptr && *found_inf != 0.0f; }
 
+// The weight of element i in opmath: the param, or its master re-synced with the param (sgd_math.h).
+template <bool kMaster, typename P>
+__device__ inline typename OpMath<P>::type load_weight(const P* w, const float* m, int64_t i) {
+  if constexpr (kMaster) {
+    const P param = w[i];
+    return synced_master(m[i], static_cast<P>(m[i]).x, param.x, static_cast<float>(param));
+  } else {
+    return static_cast<typename OpMath<P>::type>(w[i]);
+  }
+}
+
 // Block-wide sum in a fixed order (warp shuffles, then warp 0 over the warps), so results do not vary
 // from run to run. The total is returned to thread 0.
 __device__ inline double block_sum(double value, double* scratch) {
@@ -82,12 +93,13 @@ __global__ void __launch_bounds__(kThreads)
   const O weight_decay = static_cast<O>(hp[kWeightDecay]);
   const P* w = static_cast<const P*>(t.param);
   const P* g = static_cast<const P*>(t.grad);
-  O sum_w = 0, sum_g = 0;
+  // Squares are summed in double (fp32 squares underflow below about 1e-23 and overflow above 1e19).
+  double sum_w = 0, sum_g = 0;
   for (int64_t i = chunk.begin + threadIdx.x; i < chunk.end; i += kThreads) {
-    const O wi = kMaster ? static_cast<O>(t.master[i]) : static_cast<O>(w[i]);
+    const O wi = load_weight<kMaster>(w, t.master, i);
     const O gi = decayed ? static_cast<O>(g[i]) * grad_mul + weight_decay * wi : static_cast<O>(g[i]);
-    sum_w += wi * wi;
-    sum_g += gi * gi;
+    sum_w += static_cast<double>(wi) * wi;
+    sum_g += static_cast<double>(gi) * gi;
   }
   __shared__ double scratch[kThreads / 32];
   const double total_w = block_sum(sum_w, scratch);
@@ -150,7 +162,7 @@ __global__ void __launch_bounds__(kThreads)
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t i = base + u * kThreads;
       if (i < chunk.end) {
-        wi[u] = kMaster ? static_cast<O>(t.master[i]) : static_cast<O>(w[i]);
+        wi[u] = load_weight<kMaster>(w, t.master, i);
         gi[u] = static_cast<O>(g[i]);
         bi[u] = has_momentum && !c.first ? static_cast<O>(b[i]) : O(0);
       }

@@ -69,6 +69,15 @@ LFSGD_HOST_DEVICE inline void sgd_element(T& w, T g, T& b, const Coeffs<T>& c) {
   w = w - c.lr * g;
 }
 
+// Master weights follow outside writes. The param must hold its master's rounding; where it does not, it
+// was written outside the optimizer (load_state_dict, p.data.copy_, an EMA swap) and its value becomes the
+// master from this step on. Compared bit for bit, element by element, at the cost of reading the param
+// (2 bytes per element) in the pass that already reads the master.
+template <typename Bits>
+LFSGD_HOST_DEVICE inline float synced_master(float master, Bits master_rounded, Bits param_bits, float param) {
+  return master_rounded == param_bits ? master : param;
+}
+
 // LARS trust ratio. `g_norm` is ||g_raw|| for the default denominator and ||g_raw + lambda w|| for
 // the "decayed_grad" variant; both are norms of the unscaled, sign-corrected gradient.
 LFSGD_HOST_DEVICE inline double trust_ratio(double w_norm, double g_norm, double weight_decay,
