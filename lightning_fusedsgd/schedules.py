@@ -21,6 +21,8 @@ import torch
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
+from lightning_fusedsgd.checkpoint import CheckpointMismatchError
+
 __all__ = ["DECAYS", "WarmupLR", "WarmupSchedule", "scaled_lr"]
 
 #: Decay shapes applied after warmup.
@@ -334,13 +336,16 @@ class WarmupLR(LRScheduler):
         """Restore the step counter and set every group's lr to f(step).
 
         Raises:
-            ValueError: If the checkpoint was saved with a different number of parameter groups.
+            CheckpointMismatchError: (a ValueError) If the checkpoint was saved with a different number of
+                parameter groups.
         """
         saved_peaks = state_dict.get("base_lrs", [])
         if len(saved_peaks) != len(self.base_lrs):
-            raise ValueError(
-                f"scheduler checkpoint has {len(saved_peaks)} parameter groups, this optimizer has "
-                f"{len(self.base_lrs)}; build the parameter groups the same way as the saved run"
+            raise CheckpointMismatchError(
+                f"the lr scheduler checkpoint has {len(saved_peaks)} parameter groups, this optimizer has "
+                f"{len(self.base_lrs)}: the saved run grouped its parameters differently (other no_decay_* / "
+                "no_lars_* / lars settings). Resume with the saved run's settings, or start a new run from "
+                "its weights and momentum (train.py: init.path=<checkpoint> instead of ckpt_path)"
             )
         # Resuming with another schedule (a longer run, for one) is fine as long as the steps already
         # taken had the lrs the new schedule gives them: then the resumed run is exactly the new run.

@@ -70,7 +70,10 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     save_torchvision_checkpoint(root / "torchvision.pth")
     save_torchvision_checkpoint(root / "torchvision_5_classes.pth", num_classes=5)
     train(compose_train([*SHORT, "trainer.max_epochs=1"], root / "run"))
+    three_groups = ["optim=fused_lars", "optim.no_lars_bias=false", "trainer.max_epochs=1"]
+    train(compose_train([*SHORT, *three_groups], root / "lars_run"))
     return {
+        "lightning_three_groups": last_checkpoint(root / "lars_run"),
         "torchvision": root / "torchvision.pth",
         "other_model": root / "torchvision_5_classes.pth",
         "lightning": last_checkpoint(root / "run"),
@@ -121,6 +124,32 @@ def test_weights_only_start_warns_that_momentum_restarts(source: str, files, tmp
     assert start["lr"] == [0.0, 0.0]  # warmup from 0, as a new run
 
 
+def _drop_group_params(checkpoint: dict) -> None:
+    del checkpoint["optimizer_states"][0]["param_groups"][0]["params"]
+
+
+def _state_as_lists(checkpoint: dict) -> None:
+    state = checkpoint["optimizer_states"][0]["state"]
+    for entry in state.values():
+        entry["momentum_buffer"] = entry["momentum_buffer"].tolist()
+
+
+# Edits of a Lightning checkpoint that a resume must refuse, with the message fragments naming the fix.
+EDITS = {
+    "group_without_params": (_drop_group_params, "param_groups[0] has no 'params' list"),
+    "state_holds_lists": (_state_as_lists, "momentum_buffer of 'net.conv1.weight' is a list, not a tensor"),
+    "no_lr_schedulers": (
+        lambda checkpoint: checkpoint.pop("lr_schedulers"),
+        "holds no lr scheduler state",
+        "init.path=",
+    ),
+    "empty_lr_schedulers": (
+        lambda checkpoint: checkpoint.__setitem__("lr_schedulers", []),
+        "would restart the lr schedule from step 0",
+    ),
+}
+
+
 def bad_start(case: str, files: dict[str, Path], tmp_path: Path) -> tuple[list[str], type, list[str]]:
     """Overrides, expected error type and message fragments for each way a start is refused."""
     damaged = tmp_path / "damaged.ckpt"
@@ -142,6 +171,12 @@ def bad_start(case: str, files: dict[str, Path], tmp_path: Path) -> tuple[list[s
     if case == "init_start_epoch_past_the_run":
         fragments = ["init.start_epoch=1 must be >= 0 and below trainer.max_epochs=1"]
         return [f"init.path={files['torchvision']}", "init.start_epoch=1"], ConfigError, fragments
+    if case.startswith("ckpt_path_edited_"):
+        checkpoint = torch.load(files["lightning"], weights_only=False)
+        edit, *fragments = EDITS[case.removeprefix("ckpt_path_edited_")]
+        edit(checkpoint)
+        torch.save(checkpoint, damaged)
+        return [f"ckpt_path={damaged}"], CheckpointError, [str(damaged), *fragments]
     assert case == "ckpt_path_torchvision"
     fragments = ["is a torchvision checkpoint", f"init.path={files['torchvision']}"]
     return [f"ckpt_path={files['torchvision']}"], CheckpointError, fragments
@@ -156,6 +191,7 @@ def bad_start(case: str, files: dict[str, Path], tmp_path: Path) -> tuple[list[s
         "ckpt_path_other_model",
         "ckpt_path_torchvision",
         "init_start_epoch_past_the_run",
+        *(f"ckpt_path_edited_{edit}" for edit in EDITS),
     ],
 )
 def test_refused_start_fails_before_training_and_overwrites_nothing(case: str, files, tmp_path: Path) -> None:
@@ -181,3 +217,20 @@ def test_cli_reports_a_checkpoint_of_another_model_without_a_traceback(files, tm
     assert result.stderr.startswith(f"error: {files['other_model']}: model weights do not match the model")
     assert "net.fc.weight (checkpoint [5, 512], model [10, 512])" in result.stderr
     assert last_checkpoint(tmp_path).read_bytes() == b"previous run"
+
+
+def test_resuming_with_another_grouping_is_an_error_without_a_traceback(files, tmp_path: Path) -> None:
+    """A run saved with three groups (LARS on biases too) resumed with the default two: the lr schedule
+    cannot be matched group by group, and the CLI says so and how to start from the file instead."""
+    result = run_train_py(
+        [
+            *SHORT,
+            "trainer.max_epochs=2",
+            f"ckpt_path={files['lightning_three_groups']}",
+            f"hydra.run.dir={tmp_path}",
+        ]
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stdout + result.stderr
+    assert "error: the lr scheduler checkpoint has 3 parameter groups, this optimizer has 2" in result.stderr
+    assert "init.path=<checkpoint> instead of ckpt_path" in result.stderr

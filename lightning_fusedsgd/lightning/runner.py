@@ -106,6 +106,15 @@ def _check_resume_checkpoint(ckpt_path: str, model: pl.LightningModule) -> None:
             f"ckpt_path={ckpt_path} holds no optimizer state (saved weights-only), so it cannot resume "
             f"momentum; start from its weights with init.path={ckpt_path} init.weights_only=true"
         )
+    if not state.lr_scheduler_states:
+        # Lightning would raise a KeyError for a missing entry and silently restart the schedule (warmup
+        # included) from step 0 for an empty one.
+        raise CheckpointError(
+            f"ckpt_path={ckpt_path} holds no lr scheduler state, so resuming would restart the lr schedule "
+            f"from step 0; resume from a checkpoint this CLI wrote, or start from this one with "
+            f"init.path={ckpt_path} init.start_epoch=<the epoch to continue at>, which replays the schedule "
+            "to that epoch"
+        )
 
 
 def _check_model_fits_data(cfg: DictConfig, datamodule: pl.LightningDataModule) -> None:
