@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstring>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #include "cached_step.h"
@@ -36,9 +37,8 @@ inline float load(const c10::BFloat16* p, int64_t i) {
   return value;
 }
 
-// The bits of v rounded to the param type, and the bits a param element holds.
-inline uint16_t rounded_bits(float v, const c10::Half*) { return c10::Half(v).x; }
-inline uint16_t rounded_bits(float v, const c10::BFloat16*) {
+// The bits of v rounded to bf16, and the bits a 16-bit param element holds.
+inline uint16_t rounded_bits(float v) {
   uint32_t bits;
   std::memcpy(&bits, &v, sizeof(bits));
   const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
@@ -53,16 +53,27 @@ inline void store(float* p, int64_t i, float v) { p[i] = v; }
 inline void store(double* p, int64_t i, double v) { p[i] = v; }
 inline void store(c10::Half* p, int64_t i, float v) { p[i] = c10::Half(v); }
 inline void store(c10::BFloat16* p, int64_t i, float v) {
-  reinterpret_cast<uint16_t*>(p)[i] = rounded_bits(v, p);
+  reinterpret_cast<uint16_t*>(p)[i] = rounded_bits(v);
 }
 
-// The weight of element i in opmath: the param, or its master re-synced with the param (sgd_math.h).
+// The weight of element i in opmath: the param, or its master re-synced with the param (synced_master in
+// sgd_math.h). The bf16 comparison is integer work the compiler vectorizes (a NaN master may compare unequal
+// and take the param's NaN: NaN either way).
 template <bool kMaster, typename P>
 inline typename OpMath<P>::type load_weight(const P* w, const float* m, int64_t i) {
-  if constexpr (kMaster) {
-    return synced_master(m[i], rounded_bits(m[i], w), param_bits(w, i), load(w, i));
-  } else {
+  if constexpr (!kMaster) {
     return load(w, i);
+  } else if constexpr (std::is_same_v<P, c10::BFloat16>) {
+    uint32_t master;
+    std::memcpy(&master, &m[i], sizeof(master));
+    const uint32_t rounded = ((master + 0x7FFFu + ((master >> 16) & 1u)) >> 16) & 0xFFFFu;
+    const uint32_t param = param_bits(w, i);
+    const uint32_t bits = synced_master(master, rounded, param, param << 16);
+    float value;
+    std::memcpy(&value, &bits, sizeof(value));
+    return value;
+  } else {
+    return synced_master(m[i], c10::Half(m[i]).x, param_bits(w, i), load(w, i));
   }
 }
 

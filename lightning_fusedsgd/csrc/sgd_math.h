@@ -73,8 +73,8 @@ LFSGD_HOST_DEVICE inline void sgd_element(T& w, T g, T& b, const Coeffs<T>& c) {
 // was written outside the optimizer (load_state_dict, p.data.copy_, an EMA swap) and its value becomes the
 // master from this step on. Compared bit for bit, element by element, at the cost of reading the param
 // (2 bytes per element) in the pass that already reads the master.
-template <typename Bits>
-LFSGD_HOST_DEVICE inline float synced_master(float master, Bits master_rounded, Bits param_bits, float param) {
+template <typename Bits, typename T>
+LFSGD_HOST_DEVICE inline T synced_master(T master, Bits master_rounded, Bits param_bits, T param) {
   return master_rounded == param_bits ? master : param;
 }
 
