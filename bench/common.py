@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import platform
 import statistics
@@ -12,6 +13,30 @@ from pathlib import Path
 import torch
 
 RESULTS_DIR = Path(__file__).parent / "results"
+FLOOR_SOURCE = Path(__file__).parent / "csrc" / "floor.cpp"
+
+
+@functools.cache
+def floor_ops():
+    """``torch.ops.lightning_fusedsgd_bench`` (``floor_step``: the data-movement floor, csrc/floor.cpp), built
+    on first use beside the product kernels with the CPU kernel's flags and work list."""
+    from torch.utils import cpp_extension
+
+    from lightning_fusedsgd import kernels
+
+    extension = kernels.EXTENSIONS["cpu"]
+    build_dir = kernels.cache_dir() / "bench"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    cpp_extension.load(
+        name="lightning_fusedsgd_bench",
+        sources=[str(FLOOR_SOURCE)],
+        extra_cflags=list(extension.cflags),
+        extra_ldflags=list(extension.ldflags),
+        extra_include_paths=[str(kernels._CSRC)],
+        build_directory=str(build_dir),
+        is_python_module=False,
+    )
+    return torch.ops.lightning_fusedsgd_bench
 
 
 def resnet50_shapes() -> list[torch.Size]:

@@ -14,11 +14,10 @@ import argparse
 
 import torch
 import torchvision
-from common import print_table, time_interleaved, write_json
+from common import floor_ops, print_table, time_interleaved, write_json
 from step import clone_params
 
 from lightning_fusedsgd import FusedSGD, param_groups
-from lightning_fusedsgd.kernels import load_extension
 
 HPARAMS = dict(lr=10.5, momentum=0.9, weight_decay=5e-5)
 
@@ -39,7 +38,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=30)
     args = parser.parse_args()
-    ext = load_extension()
+    floor = floor_ops()
     fused_lars = FusedSGD(groups(model_with_grads()), lars=True, backend="compiled", **HPARAMS)
     fused_lars.step()  # creates the buffers, so the floors can copy them
     # The kernel's bucket order (groups in order, then their params), so the floors get the step's waves.
@@ -52,8 +51,8 @@ def main() -> None:
         "FusedSGD+LARS": fused_lars.step,
         "FusedSGD plain": FusedSGD(groups(model_with_grads()), backend="compiled", **HPARAMS).step,
         "torch fused": torch.optim.SGD(groups(model_with_grads()), fused=True, **HPARAMS).step,
-        "plain floor": lambda: ext.floor_step(floor_params, floor_grads, floor_bufs, [], []),
-        "LARS floor": lambda: ext.floor_step(floor_params, floor_grads, floor_bufs, [], lars_flags),
+        "plain floor": lambda: floor.floor_step(floor_params, floor_grads, floor_bufs, [], []),
+        "LARS floor": lambda: floor.floor_step(floor_params, floor_grads, floor_bufs, [], lars_flags),
     }
     try:
         from timm.optim import Lars

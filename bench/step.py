@@ -10,10 +10,9 @@ from __future__ import annotations
 import argparse
 
 import torch
-from common import make_params, print_table, resnet50_shapes, time_interleaved, write_json
+from common import floor_ops, make_params, print_table, resnet50_shapes, time_interleaved, write_json
 
 from lightning_fusedsgd import FusedSGD
-from lightning_fusedsgd.kernels import load_extension
 
 HPARAMS = dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-4)
 
@@ -29,7 +28,7 @@ def clone_params(params: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def contenders(params: list[torch.Tensor], master_weights: bool) -> dict[str, object]:
     """One step function per contender, each on its own copy of the parameters (state already seeded)."""
-    ext = load_extension()
+    floor = floor_ops()
     fused_ours = FusedSGD(clone_params(params), master_weights=master_weights, backend="compiled", **HPARAMS)
     foreach = torch.optim.SGD(clone_params(params), foreach=True, **HPARAMS)
     fused_torch = torch.optim.SGD(clone_params(params), fused=True, **HPARAMS)
@@ -43,7 +42,7 @@ def contenders(params: list[torch.Tensor], master_weights: bool) -> dict[str, ob
         "FusedSGD": fused_ours.step,
         "torch foreach": foreach.step,
         "torch fused": fused_torch.step,
-        "floor": lambda: ext.floor_step(floor_params, floor_grads, floor_bufs, floor_masters, []),
+        "floor": lambda: floor.floor_step(floor_params, floor_grads, floor_bufs, floor_masters, []),
     }
 
 

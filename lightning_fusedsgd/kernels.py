@@ -1,6 +1,12 @@
-"""Builds and loads the compiled kernels, and chooses the backend that runs a bucket.
+"""Builds and loads the compiled kernels: the ``torch.ops.lightning_fusedsgd`` operator library.
 
-The extensions in ``csrc/`` are compiled on first use with ninja through ``torch.utils.cpp_extension``
+The ops are registered with ``TORCH_LIBRARY`` (schemas in ``csrc/fused_sgd.cpp``): ``sgd_step`` with its CPU
+kernel, its CUDA kernel (``csrc/fused_sgd_cuda.cu``, a second library that registers for the same schema)
+and a fake kernel for tracing (``torch.compile``), ``hparam_names``, and the ``CachedStep`` class
+(``torch.classes.lightning_fusedsgd.CachedStep``). No pybind module: the dispatcher calls them, and dynamo
+can trace a call into ``sgd_step``.
+
+The libraries in ``csrc/`` are compiled on first use with ninja through ``torch.utils.cpp_extension``
 and cached under ``$LIGHTNING_FUSEDSGD_CACHE`` (default ``~/.cache/lightning_fusedsgd``), keyed by a
 hash of the sources, the flags, the torch version and the machine: the CPU's instruction set for the
 CPU kernel (built with ``-march=native``), the CUDA version and the GPUs' compute capabilities for the
@@ -24,7 +30,6 @@ from __future__ import annotations
 import argparse
 import functools
 import hashlib
-import importlib.util
 import logging
 import os
 import platform
@@ -32,14 +37,14 @@ import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
+from typing import Any
 
 import torch
 
 BACKENDS = ("auto", "compiled", "torch", "torch_fused")
 REQUIRE_COMPILED_ENV = "LIGHTNING_FUSEDSGD_REQUIRE_COMPILED"
 _CSRC = Path(__file__).parent / "csrc"
-_HEADERS = ("sgd_math.h", "cached_step.h")
+_HEADERS = ("sgd_math.h", "bucket.h", "cached_step.h", "work_list.h")
 
 
 @dataclass(frozen=True)
@@ -57,9 +62,7 @@ EXTENSIONS = {
     "cpu": _Extension(
         "lightning_fusedsgd_C", ("fused_sgd.cpp",), ("-O3", "-march=native", "-fopenmp"), ("-fopenmp",)
     ),
-    "cuda": _Extension(
-        "lightning_fusedsgd_cuda", ("fused_sgd_cuda.cu", "fused_sgd_cuda_module.cpp"), ("-O3",), (), ("-O3",)
-    ),
+    "cuda": _Extension("lightning_fusedsgd_cuda", ("fused_sgd_cuda.cu",), ("-O3",), (), ("-O3",)),
 }
 """The kernels by device type."""
 
@@ -123,43 +126,70 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-def load_extension(device_type: str = "cpu") -> ModuleType:
-    """The compiled kernel for ``device_type`` ("cpu" or "cuda"), built on first use; the outcome
-    (module or failure) is cached per process.
+def load_extension(device_type: str = "cpu") -> Any:
+    """The ``torch.ops.lightning_fusedsgd`` namespace with the kernel for ``device_type`` ("cpu" or
+    "cuda") registered, built on first use; the outcome (loaded or failure) is cached per process. The CUDA
+    kernel registers for the op the CPU library defines, so it loads that first.
 
     Raises:
         KernelBuildError: no working toolchain (C++ compiler, ninja; nvcc for CUDA), or the build failed.
     """
     if device_type not in EXTENSIONS:
         raise KernelBuildError(f"lightning_fusedsgd has no compiled kernel for {device_type} tensors")
-    outcome = _load_once(device_type)
-    if isinstance(outcome, KernelBuildError):
-        raise outcome
-    return outcome
+    for needed in ("cpu", device_type) if device_type != "cpu" else ("cpu",):
+        outcome = _load_once(needed)
+        if isinstance(outcome, KernelBuildError):
+            raise outcome
+    return torch.ops.lightning_fusedsgd
 
 
-@functools.cache
-def _load_once(device_type: str) -> ModuleType | KernelBuildError:
-    try:
-        return _build_and_import(device_type, verbose=False)
-    except KernelBuildError as error:
-        return error
+# The outcome of loading each device type's library (its path, or why it failed), once per process. A plain
+# dict, so that a step traced by torch.compile reads it without a graph break once the library is loaded.
+_OUTCOMES: dict[str, Path | KernelBuildError] = {}
 
 
-def _build_and_import(device_type: str, verbose: bool) -> ModuleType:
+def _load_once(device_type: str) -> Path | KernelBuildError:
+    if device_type not in _OUTCOMES:
+        try:
+            _OUTCOMES[device_type] = _build_and_load(device_type, verbose=False)
+        except KernelBuildError as error:
+            _OUTCOMES[device_type] = error
+    return _OUTCOMES[device_type]
+
+
+def _check_interface() -> None:
+    """The hyperparameter table's columns, as the kernels read them, must be reference.HPARAM_COLUMNS."""
+    from lightning_fusedsgd.reference import HPARAM_COLUMNS
+
+    names = tuple(torch.ops.lightning_fusedsgd.hparam_names())
+    if names != HPARAM_COLUMNS:
+        raise KernelBuildError(
+            f"the compiled kernel reads hyperparameters {names}, reference.HPARAM_COLUMNS lists "
+            f"{HPARAM_COLUMNS}: keep LFSGD_HPARAMS in csrc/sgd_math.h and HPARAM_COLUMNS in the same order"
+        )
+    torch.library.register_fake("lightning_fusedsgd::sgd_step")(_sgd_step_fake)
+
+
+def _sgd_step_fake(*args: Any) -> None:
+    """sgd_step writes its inputs in place and returns nothing: tracing needs no output metadata."""
+    del args
+
+
+@torch.compiler.disable  # building and loading is never traced (a graph break, before the first load only)
+def _build_and_load(device_type: str, verbose: bool) -> Path:
     extension = EXTENSIONS[device_type]
     key = _build_key(device_type)
     name = f"{extension.name}_{key}"
     build_dir = cache_dir() / key
-    ready = build_dir / "ready"  # written after a complete build: a half-linked .so is never imported
+    library = build_dir / f"{name}.so"
+    ready = build_dir / "ready"  # written after a complete build: a half-linked .so is never loaded
     if ready.exists():
-        try:  # import directly: skips the toolchain check that load() runs in every process
-            spec = importlib.util.spec_from_file_location(name, build_dir / f"{name}.so")
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-            return module
-        except (ImportError, OSError):
+        try:  # load directly: skips the toolchain check that load() runs in every process
+            torch.ops.load_library(str(library))
+        except OSError:
             pass  # a damaged cache: go through cpp_extension's locked build below
+        else:
+            return _registered(device_type, library)
     _quiet_cpp_extension()
     from torch.utils import cpp_extension
 
@@ -170,7 +200,7 @@ def _build_and_import(device_type: str, verbose: bool) -> ModuleType:
         file=sys.stderr,
     )
     try:
-        module = cpp_extension.load(
+        cpp_extension.load(
             name=name,
             sources=[str(_CSRC / source) for source in extension.sources],
             extra_cflags=list(extension.cflags),
@@ -179,6 +209,7 @@ def _build_and_import(device_type: str, verbose: bool) -> ModuleType:
             extra_include_paths=[str(_CSRC)],
             build_directory=str(build_dir),
             verbose=verbose,
+            is_python_module=False,
         )
     # The toolchain raises many types: compiler or ninja missing, compile and link errors.
     except Exception as error:
@@ -190,7 +221,13 @@ def _build_and_import(device_type: str, verbose: bool) -> ModuleType:
             f"Install {toolchain}, or use FusedSGD(..., backend='torch')."
         ) from error
     ready.touch()
-    return module
+    return _registered(device_type, library)
+
+
+def _registered(device_type: str, library: Path) -> Path:
+    if device_type == "cpu":
+        _check_interface()
+    return library
 
 
 @functools.cache
@@ -232,7 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     status = 0
     for device_type in device_types:
         try:
-            module = _build_and_import(device_type, verbose=args.verbose)
+            if device_type != "cpu":
+                load_extension("cpu")  # defines the op the CUDA kernel registers for
+            library = _build_and_load(device_type, verbose=args.verbose)
         except KernelBuildError as error:
             print(error, file=sys.stderr)
             # Without nvcc, CUDA steps fall back with a warning (as at run time); only the CPU kernel, or
@@ -240,5 +279,5 @@ def main(argv: list[str] | None = None) -> int:
             if device_type == "cpu" or os.environ.get(REQUIRE_COMPILED_ENV) == "1":
                 status = 1
             continue
-        print(f"lightning_fusedsgd {device_type} kernel ready: {module.__file__}")
+        print(f"lightning_fusedsgd {device_type} kernel ready: {library}")
     return status

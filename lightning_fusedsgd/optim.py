@@ -2,131 +2,25 @@
 
 from __future__ import annotations
 
-import itertools
-import operator
+import inspect
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_fusedsgd import kernels, reference
+from lightning_fusedsgd import kernels
+from lightning_fusedsgd.backends import step_function
 from lightning_fusedsgd.checkpoint import (
     check_optimizer_state_dict,
     remap_optimizer_state_dict,
     same_param_layout,
 )
+from lightning_fusedsgd.plan import LOW_PRECISION, CachedPlan, bucket_name, check_state_shapes, plan_step
 from lightning_fusedsgd.reference import HPARAM_COLUMNS
 
 LARS_DENOMINATORS = ("grad_plus_decay", "decayed_grad")
-_LOW_PRECISION = (torch.bfloat16, torch.float16)
-# Complex params are stepped as their real views, as torch.optim.SGD does.
-_SUPPORTED_DTYPES = (torch.float32, torch.float64, *_LOW_PRECISION, torch.complex64, torch.complex128)
-_NO_STATE: dict[str, Any] = {}
-
-
-@dataclass
-class _Bucket:
-    """The tensors of one (device, dtype, master weights) bucket, in the kernel's argument order."""
-
-    params: list[Tensor] = field(default_factory=list)  # dense views: real views of complex params
-    sources: list[Tensor] = field(default_factory=list)  # the optimizer's params behind them
-    grads: list[Tensor] = field(default_factory=list)
-    momentum_buffers: list[Tensor | None] = field(default_factory=list)
-    master_params: list[Tensor] = field(default_factory=list)
-    tensor_group: list[int] = field(default_factory=list)
-    first_step: list[bool] = field(default_factory=list)
-
-
-def _is_dense(tensor: Tensor) -> bool:
-    """Whether the kernel can walk the tensor's storage as a flat array (contiguous or channels_last)."""
-    return (
-        tensor.is_contiguous()
-        or (tensor.dim() == 4 and tensor.is_contiguous(memory_format=torch.channels_last))
-        or (tensor.dim() == 5 and tensor.is_contiguous(memory_format=torch.channels_last_3d))
-    )
-
-
-def _param_label(group: dict[str, Any], group_index: int, param_index: int, param: Tensor) -> str:
-    names = group.get("param_names")
-    if names:
-        return f"'{names[param_index]}'"
-    return f"parameter {param_index} of group {group_index} (shape {tuple(param.shape)})"
-
-
-def _has_internal_overlap(tensor: Tensor) -> bool:
-    """Whether elements of ``tensor`` share memory (an ``expand()``ed tensor): no step can write it."""
-    return any(stride == 0 and size > 1 for size, stride in zip(tensor.shape, tensor.stride()))
-
-
-def _element_offsets(tensor: Tensor) -> Tensor:
-    """The storage offset of every element of ``tensor``."""
-    offsets = torch.full((), tensor.storage_offset(), dtype=torch.int64)
-    for size, stride in zip(tensor.shape, tensor.stride()):
-        offsets = offsets.unsqueeze(-1) + torch.arange(size, dtype=torch.int64) * stride
-    return offsets.flatten()
-
-
-def _overlap(a: Tensor, b: Tensor) -> bool:
-    """Whether two tensors whose address ranges intersect share an element (exactly, for one dtype)."""
-    if a.dtype != b.dtype or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
-        return True
-    return bool(torch.isin(_element_offsets(a), _element_offsets(b)).any())
-
-
-def _check_no_overlap(stepped: list[tuple[Tensor, str]]) -> None:
-    """Refuses params that are overlapping views of one storage: one fused call would update the shared
-    elements from two threads at once, where torch.optim.SGD updates them one param after the other."""
-    spans = []  # (device, first byte, end byte, label, param), sorted by device and first byte
-    for param, label in stepped:
-        if param.numel():
-            extent = 1 + sum((size - 1) * stride for size, stride in zip(param.shape, param.stride()))
-            start = param.data_ptr()
-            spans.append((str(param.device), start, start + extent * param.element_size(), label, param))
-    spans.sort(key=lambda span: span[:2])
-    for i, (device, _, end, label, param) in enumerate(spans):
-        for next_device, next_start, _, next_label, next_param in spans[i + 1 :]:
-            if next_device != device or next_start >= end:
-                break
-            if not _overlap(param, next_param):
-                continue
-            raise ValueError(
-                f"{label} and {next_label} are overlapping views of one tensor's memory, so one step would "
-                "update the shared elements twice: pass parameters that do not overlap (e.g. the base tensor "
-                "once, or views that split it), or use torch.optim.SGD for this case."
-            )
-
-
-def _real(tensor: Tensor) -> Tensor:
-    return torch.view_as_real(tensor) if tensor.is_complex() else tensor
-
-
-def _check_steppable(param: Tensor, label: str) -> None:
-    """Refuses, before anything is written, a param that no step of ours can update."""
-    if param.grad.is_sparse:
-        raise RuntimeError(
-            f"FusedSGD does not support sparse gradients ({label}): use torch.optim.SparseAdam "
-            "for it, or dense gradients (e.g. nn.Embedding(sparse=False))."
-        )
-    if param.dtype not in _SUPPORTED_DTYPES:
-        raise TypeError(
-            f"FusedSGD cannot step {label}: its dtype is {param.dtype}. Parameters must be floating point "
-            "(float32, float64, bfloat16, float16) or complex64/complex128; convert it, or leave it out of "
-            "the optimizer."
-        )
-    if param.grad.shape != param.shape:
-        raise ValueError(
-            f"The gradient of {label} has shape {tuple(param.grad.shape)} but the parameter has shape "
-            f"{tuple(param.shape)}: assign a gradient of the parameter's shape."
-        )
-    if _has_internal_overlap(param):
-        raise ValueError(
-            f"FusedSGD cannot step {label}: it is an expand()ed view whose elements share memory "
-            f"(strides {param.stride()}), so no in-place update can write it. Make it a real tensor, e.g. "
-            "nn.Parameter(tensor.clone()), or leave it out of the optimizer."
-        )
 
 
 def _check_hyperparameters(group: dict[str, Any]) -> None:
@@ -237,8 +131,12 @@ class FusedSGD(Optimizer):
         _check_hyperparameters(defaults)
         self.set_grad_none = set_grad_none
         self.backend = backend
-        self._cached_plan: _CachedPlan | None = None
+        self._cached_plan: CachedPlan | None = None
         self._checked_hparams: list[tuple[Any, ...]] | None = None
+        #: Which implementation ran each bucket of the last step, by "device/dtype": "compiled" (our
+        #: kernel), "compiled (cached step)" (through the validated step kept in C++), "torch" (the
+        #: reference) or "torch_fused".
+        self.last_backends: dict[str, str] = {}
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -269,6 +167,7 @@ class FusedSGD(Optimizer):
         super().__setstate__(state)
         self._cached_plan = None
         self._checked_hparams = None
+        self.last_backends = {}
 
     def _check_groups(self) -> None:
         """Validates the groups' hyperparameters when they changed since the last check: a group dict can
@@ -301,30 +200,32 @@ class FusedSGD(Optimizer):
         self._check_groups()
         grad_scale: Tensor | None = getattr(self, "grad_scale", None)
         found_inf: Tensor | None = getattr(self, "found_inf", None)
-
-        cached = self._cached_plan
-        if cached is not None and cached.matches(self):
-            # On CUDA the kernel reads found_inf itself: reading it here would synchronize.
-            if found_inf is not None and found_inf.device.type == "cpu" and bool(found_inf.item()):
-                return loss
-            if cached.step.run(
-                self._hparam_table(),
-                None if grad_scale is None else grad_scale.to(cached.device),
-                None if found_inf is None else found_inf.to(cached.device),
-            ):
-                return loss
-        buckets, new_state, staged = self._plan()
-        if found_inf is not None and (found_inf.device.type == "cpu" or new_state) and bool(found_inf.item()):
+        # Under torch.compile the step is traced from the plan (no cached C++ step, no address checks).
+        tracing = torch.compiler.is_compiling()
+        if not tracing and self._run_cached(grad_scale, found_inf):
+            return loss
+        plan = plan_step(self, tracing=tracing)
+        if (
+            not tracing
+            and found_inf is not None
+            and (found_inf.device.type == "cpu" or plan.new_state)
+            and bool(found_inf.item())
+        ):
             # Skipped step: nothing is written, and no (uninitialized) buffer is stored. On CUDA this syncs
             # only on steps that would create state; otherwise the kernels skip on found_inf themselves.
             return loss
         table = self._hparam_table()
         # Resolve every backend before running any, so a refusal leaves all buckets untouched.
-        step_functions = [
-            (device, bucket, self._step_function(device, bucket, table))
-            for (device, _, _), bucket in buckets.items()
-        ]
-        for device, bucket, step_fn in step_functions:
+        groups = self.param_groups
+        backends = {
+            key: step_function(self.backend, key[0], bucket, [groups[i] for i in set(bucket.tensor_group)])
+            for key, bucket in plan.buckets.items()
+        }
+        # Updated in place: dynamo replays in-place dict updates of a traced step, not attribute stores.
+        self.last_backends.clear()
+        self.last_backends.update({bucket_name(key): name for key, (name, _) in backends.items()})
+        for key, bucket in plan.buckets.items():
+            device, step_fn = key[0], backends[key][1]
             step_fn(
                 bucket.params,
                 bucket.grads,
@@ -336,25 +237,33 @@ class FusedSGD(Optimizer):
                 None if grad_scale is None else grad_scale.to(device),
                 None if found_inf is None else found_inf.to(device),
             )
-        for param, dense in staged:
+        for param, dense in plan.staged:
             param.copy_(dense)
-        for param, key, value in new_state:
+        for param, key, value in plan.new_state:
             if value is None:
                 del self.state[param][key]
             else:
                 self.state[param][key] = value
-        devices = {device for device, _, _ in buckets}
-        device = devices.pop() if len(devices) == 1 else None  # one device: the scalars move once
-        reusable = (
-            device is not None
-            and not new_state
-            and not staged
-            and device.type in kernels.EXTENSIONS
-            and self.backend in ("auto", "compiled")
-            and kernels.compiled_or_fallback(self.backend, device.type) == "compiled"
-        )
-        self._cached_plan = _CachedPlan.capture(self, buckets, device) if reusable else None
+        if not tracing:
+            self._cached_plan = CachedPlan.capture_if_reusable(self, plan)
         return loss
+
+    def _run_cached(self, grad_scale: Tensor | None, found_inf: Tensor | None) -> bool:
+        """Runs the cached C++ step if the plan still holds; False (nothing changed) otherwise."""
+        cached = self._cached_plan
+        if cached is None or not cached.matches(self):
+            return False
+        # On CUDA the kernel reads found_inf itself: reading it here would synchronize.
+        skipped = found_inf is not None and found_inf.device.type == "cpu" and bool(found_inf.item())
+        if not skipped and not cached.step.run(
+            self._hparam_table(),
+            None if grad_scale is None else grad_scale.to(cached.device),
+            None if found_inf is None else found_inf.to(cached.device),
+        ):
+            return False
+        self.last_backends.clear()
+        self.last_backends.update(cached.backends)
+        return True
 
     def _hparam_table(self) -> Tensor:
         rows = []
@@ -366,131 +275,6 @@ class FusedSGD(Optimizer):
             }
             rows.append([float(values[name]) for name in HPARAM_COLUMNS])
         return torch.tensor(rows, dtype=torch.float64)
-
-    def _plan(
-        self,
-    ) -> tuple[dict[tuple, _Bucket], list[tuple[Tensor, str, Tensor | None]], list[tuple[Tensor, Tensor]]]:
-        """Validates every parameter and gathers the kernel inputs, changing nothing.
-
-        Returns the buckets, the state entries to store once the kernels ran (new buffers and masters,
-        buffers converted to the param's layout or to fp32, and ``None`` for a master to drop because its
-        group turned master weights off), and the (param, dense copy) pairs of params that are not dense
-        and are updated through a copy.
-        """
-        buckets: dict[tuple, _Bucket] = {}
-        new_state: list[tuple[Tensor, str, Tensor | None]] = []
-        staged: list[tuple[Tensor, Tensor]] = []
-        stepped: list[tuple[Tensor, str]] = []
-        for group_index, group in enumerate(self.param_groups):
-            for param_index, param in enumerate(group["params"]):
-                if param.grad is None:
-                    continue
-                label = _param_label(group, group_index, param_index, param)
-                _check_steppable(param, label)
-                stepped.append((param, label))
-                self._plan_param(param, group, group_index, param_index, buckets, new_state, staged)
-        _check_no_overlap(stepped)
-        return buckets, new_state, staged
-
-    def _plan_param(
-        self,
-        param: Tensor,
-        group: dict[str, Any],
-        group_index: int,
-        param_index: int,
-        buckets: dict[tuple, _Bucket],
-        new_state: list[tuple[Tensor, str, Tensor | None]],
-        staged: list[tuple[Tensor, Tensor]],
-    ) -> None:
-        """Adds one param to its bucket: dense views of param and grad (real views of complex ones), and
-        its momentum buffer and master, converted to the param's layout where needed."""
-        state = self.state.get(param, _NO_STATE)
-        has_momentum = group["momentum"] != 0
-        use_master = bool(group["master_weights"]) and param.dtype in _LOW_PRECISION
-        dense = param if _is_dense(param) else param.contiguous()
-        if dense is not param:
-            staged.append((param, dense))
-        stride = dense.stride()
-        grad = param.grad
-        if grad.dtype != param.dtype or grad.stride() != stride:
-            grad = torch.empty_like(dense).copy_(grad)
-
-        bucket = buckets.setdefault((param.device, param.dtype, use_master), _Bucket())
-        bucket.params.append(_real(dense))
-        bucket.sources.append(param)
-        bucket.grads.append(_real(grad))
-        bucket.tensor_group.append(group_index)
-        buffer = state.get("momentum_buffer") if has_momentum else None
-        bucket.first_step.append(has_momentum and buffer is None)
-        if has_momentum:
-            buffer_dtype = torch.float32 if use_master else param.dtype
-            if buffer is None:
-                buffer = torch.empty_like(dense, dtype=buffer_dtype)
-                new_state.append((param, "momentum_buffer", buffer))
-            elif (
-                buffer.shape != param.shape
-                or buffer.dtype != buffer_dtype
-                or buffer.stride() != stride
-                or buffer.device != param.device
-            ):
-                self._check_state_shapes(state, group, group_index, param_index, param)
-                buffer = torch.empty_like(dense, dtype=buffer_dtype).copy_(buffer)
-                new_state.append((param, "momentum_buffer", buffer))
-            buffer = _real(buffer)
-        bucket.momentum_buffers.append(buffer)
-        master = state.get("master_param")
-        if not use_master:
-            if master is not None:  # stale once the param steps without it: seeded anew if turned back on
-                new_state.append((param, "master_param", None))
-            return
-        if (
-            master is None
-            or master.shape != param.shape
-            or master.dtype != torch.float32
-            or master.stride() != stride
-        ):
-            self._check_state_shapes(state, group, group_index, param_index, param)
-            master = torch.empty_like(dense, dtype=torch.float32).copy_(dense if master is None else master)
-            new_state.append((param, "master_param", master))
-        bucket.master_params.append(master)
-
-    @staticmethod
-    def _check_state_shapes(
-        state: dict[str, Any], group: dict[str, Any], group_index: int, param_index: int, param: Tensor
-    ) -> None:
-        for key in ("momentum_buffer", "master_param"):
-            value = state.get(key)
-            if value is not None and value.shape != param.shape:
-                raise ValueError(
-                    f"The {key} of {_param_label(group, group_index, param_index, param)} has shape "
-                    f"{tuple(value.shape)} but the parameter has shape {tuple(param.shape)}: the optimizer "
-                    "state belongs to a different model. Load a matching checkpoint, or drop the optimizer "
-                    "state to restart momentum from zero."
-                )
-
-    def _step_function(self, device: torch.device, bucket: _Bucket, table: Tensor) -> Callable[..., None]:
-        groups = [self.param_groups[i] for i in set(bucket.tensor_group)]
-        backend = self.backend
-        if backend == "auto":
-            backend = kernels.compiled_or_fallback("auto", device.type)
-            if backend == "torch" and device.type == "cuda" and _torch_fused_eligible(groups, bucket):
-                backend = "torch_fused"
-        if backend == "compiled":
-            if device.type not in kernels.EXTENSIONS:
-                raise RuntimeError(
-                    f"backend='compiled' runs on CPU and CUDA tensors; these are on {device}. "
-                    "Use backend='auto'."
-                )
-            kernels.compiled_or_fallback("compiled", device.type)
-            return kernels.load_extension(device.type).sgd_step
-        if backend == "torch_fused":
-            if not _torch_fused_eligible(groups, bucket):
-                raise ValueError(
-                    "backend='torch_fused' cannot run master weights, wd_after_momentum or LARS: "
-                    "use backend='auto'."
-                )
-            return _torch_fused_step
-        return reference.sgd_step
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads optimizer state, validating shapes first (nothing changes on error).
@@ -522,8 +306,8 @@ class FusedSGD(Optimizer):
                 if saved_id not in id_to_param:
                     continue
                 group_index, param_index, param = id_to_param[saved_id]
-                self._check_state_shapes(saved_state, groups[group_index], group_index, param_index, param)
-                if groups[group_index]["master_weights"] and param.dtype in _LOW_PRECISION:
+                check_state_shapes(saved_state, groups[group_index], group_index, param_index, param)
+                if groups[group_index]["master_weights"] and param.dtype in LOW_PRECISION:
                     keep_fp32[param] = {
                         key: saved_state[key].to(device=param.device, dtype=torch.float32, copy=True)
                         for key in ("momentum_buffer", "master_param")
@@ -554,174 +338,27 @@ class FusedSGD(Optimizer):
                 raise ValueError(f"saved param_groups[{index}]: {error}") from None
 
 
-@dataclass
-class _CachedPlan:
-    """A validated step, reused while the parameters, their state and the group structure are unchanged.
-
-    Building a plan costs a few microseconds of Python per parameter, which on models with thousands of
-    small tensors is as much as the update itself. Reuse is checked in bulk: here, with C-level ``map``
-    only, the same params (by identity) and momentum/master-weights switches, the same state mapping
-    (keys and per-param dicts by identity, in order) and the same state tensors (by identity); in C++
-    (``CachedStep.run``), the same grad/no-grad pattern and params and grads laid out as recorded
-    (dtype, device, shape, strides). The C++ side keeps the kernel arguments, so a step converts no
-    tensor lists.
-    """
-
-    group_key: list[tuple[int, bool, bool]]
-    params: list[Tensor]
-    state_keys: list[Tensor]
-    state_dicts: list[dict[str, Any]]
-    stepped_dicts: list[dict[str, Any]]
-    buffers: list[Tensor | None]
-    masters: list[Tensor | None]  # empty when no bucket keeps master weights
-    device: torch.device
-    step: Any  # the extension's CachedStep
-
-    @staticmethod
-    def _group_key(optimizer: FusedSGD) -> list[tuple[int, bool, bool]]:
-        return [
-            (len(g["params"]), g["momentum"] != 0, bool(g["master_weights"])) for g in optimizer.param_groups
-        ]
-
-    @classmethod
-    def capture(cls, optimizer: FusedSGD, buckets: dict[tuple, _Bucket], device: torch.device) -> _CachedPlan:
-        """Keeps the step just planned (buckets on one device, no new state) for the next steps."""
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        stepped = [p for p in params if p.grad is not None]
-        position = {id(p): i for i, p in enumerate(stepped)}
-        step = kernels.load_extension(device.type).CachedStep(
-            params, [p.grad is not None for p in params], [p.detach() for p in stepped]
-        )
-        for bucket in buckets.values():
-            step.add_bucket(
-                bucket.params,
-                bucket.momentum_buffers,
-                bucket.master_params,
-                bucket.tensor_group,
-                [position[id(p)] for p in bucket.sources],
-            )
-        stepped_dicts = [optimizer.state.get(p, _NO_STATE) for p in stepped]  # momentum 0: no state, as torch
-        return cls(
-            group_key=cls._group_key(optimizer),
-            params=params,
-            state_keys=list(optimizer.state),
-            state_dicts=list(optimizer.state.values()),
-            stepped_dicts=stepped_dicts,
-            buffers=list(map(_get_buffer, stepped_dicts)),
-            masters=list(map(_get_master, stepped_dicts)) if any(key[2] for key in buckets) else [],
-            device=device,
-            step=step,
-        )
-
-    def matches(self, optimizer: FusedSGD) -> bool:
-        """Whether params, groups and state are those the cached step was validated for."""
-        state = optimizer.state
-        return (
-            self._group_key(optimizer) == self.group_key
-            and all(
-                map(
-                    operator.is_,
-                    itertools.chain.from_iterable(g["params"] for g in optimizer.param_groups),
-                    self.params,
-                )
-            )
-            and len(state) == len(self.state_keys)
-            and all(map(operator.is_, state, self.state_keys))
-            and all(map(operator.is_, state.values(), self.state_dicts))
-            and all(map(operator.is_, map(_get_buffer, self.stepped_dicts), self.buffers))
-            and all(map(operator.is_, map(_get_master, self.stepped_dicts), self.masters))
-        )
-
-
-_get_buffer = operator.methodcaller("get", "momentum_buffer")
-_get_master = operator.methodcaller("get", "master_param")
-
-
 class FusedLARS(FusedSGD):
     """FusedSGD with LARS on by default, for configs that name an optimizer class.
 
-    The signature is spelled out (not ``**kwargs``) because LightningCLI and Hydra read it.
-
-    Groups can still turn it off per group (``lars=False``), as ``param_groups`` does for biases and
-    normalization parameters. Arguments are those of :class:`FusedSGD`.
+    Its signature is FusedSGD's with ``lars=True`` (set as ``__signature__``, which LightningCLI, Hydra and
+    ``inspect`` read), so the two cannot drift. Groups can still turn LARS off per group (``lars=False``), as
+    ``param_groups`` does for biases and normalization parameters.
     """
 
-    def __init__(
-        self,
-        params: Iterable[Any],
-        lr: float | Tensor = 0.1,
-        momentum: float = 0.0,
-        dampening: float = 0.0,
-        weight_decay: float = 0.0,
-        nesterov: bool = False,
-        *,
-        maximize: bool = False,
-        wd_after_momentum: bool = False,
-        master_weights: bool = False,
-        set_grad_none: bool = True,
-        backend: str = "auto",
-        lars: bool = True,
-        trust_coefficient: float = 0.001,
-        lars_eps: float = 0.0,
-        trust_clip: bool = False,
-        lars_denominator: str = "grad_plus_decay",
-    ) -> None:
-        super().__init__(
-            params,
-            lr,
-            momentum,
-            dampening,
-            weight_decay,
-            nesterov,
-            maximize=maximize,
-            wd_after_momentum=wd_after_momentum,
-            master_weights=master_weights,
-            set_grad_none=set_grad_none,
-            backend=backend,
-            lars=lars,
-            trust_coefficient=trust_coefficient,
-            lars_eps=lars_eps,
-            trust_clip=trust_clip,
-            lars_denominator=lars_denominator,
-        )
+    def __init__(self, params: Iterable[Any], *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("lars", True)
+        super().__init__(params, *args, **kwargs)
 
 
-def _torch_fused_eligible(groups: list[dict[str, Any]], bucket: _Bucket) -> bool:
-    """torch's fused SGD has our semantics when no master weights, wd_after_momentum or LARS are used."""
-    return not bucket.master_params and not any(g["wd_after_momentum"] or g["lars"] for g in groups)
+def _with_default(function: Callable[..., Any], **defaults: Any) -> inspect.Signature:
+    signature = inspect.signature(function)
+    return signature.replace(
+        parameters=[
+            parameter.replace(default=defaults[name]) if name in defaults else parameter
+            for name, parameter in signature.parameters.items()
+        ]
+    )
 
 
-def _torch_fused_step(
-    params: list[Tensor],
-    grads: list[Tensor],
-    momentum_buffers: list[Tensor | None],
-    master_params: list[Tensor],
-    group_hparams: Tensor,
-    tensor_group: list[int],
-    first_step: list[bool],
-    grad_scale: Tensor | None,
-    found_inf: Tensor | None,
-) -> None:
-    """Runs a bucket through ``torch._fused_sgd_``, one call per (group, first step) subset."""
-    del master_params  # never present: see _torch_fused_eligible
-    rows = group_hparams.tolist()
-    h = {name: i for i, name in enumerate(HPARAM_COLUMNS)}
-    subsets: dict[tuple[int, bool], list[int]] = {}
-    for i, (group, first) in enumerate(zip(tensor_group, first_step)):
-        subsets.setdefault((group, first), []).append(i)
-    for (group, first), indices in subsets.items():
-        row = rows[group]
-        torch._fused_sgd_(
-            [params[i] for i in indices],
-            [grads[i] for i in indices],
-            [momentum_buffers[i] for i in indices] if row[h["momentum"]] != 0 else [],
-            weight_decay=row[h["weight_decay"]],
-            momentum=row[h["momentum"]],
-            lr=row[h["lr"]],
-            dampening=row[h["dampening"]],
-            nesterov=bool(row[h["nesterov"]]),
-            maximize=bool(row[h["maximize"]]),
-            is_first_step=first,
-            grad_scale=grad_scale,
-            found_inf=found_inf,
-        )
+FusedLARS.__init__.__signature__ = _with_default(FusedSGD.__init__, lars=True)

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-# Columns of the per-group hyperparameter table (``HParam`` in csrc/sgd_math.h).
+# Columns of the per-group hyperparameter table: ``LFSGD_HPARAMS`` in csrc/sgd_math.h, in its order (checked
+# when the compiled kernel loads).
 HPARAM_COLUMNS = (
     "lr",
     "momentum",
@@ -26,7 +27,6 @@ HPARAM_COLUMNS = (
     "trust_clip",
     "lars_decayed_grad",
 )
-_COL = {name: i for i, name in enumerate(HPARAM_COLUMNS)}
 
 
 @dataclass
@@ -97,7 +97,7 @@ def inverse_scale(grad_scale: Tensor | None) -> float | Tensor:
 def sgd_step(
     params: list[Tensor],
     grads: list[Tensor],
-    momentum_buffers: list[Tensor | None],
+    momentum_buffers: list[Tensor],
     master_params: list[Tensor],
     group_hparams: Tensor,
     tensor_group: list[int],
@@ -105,18 +105,20 @@ def sgd_step(
     grad_scale: Tensor | None,
     found_inf: Tensor | None,
 ) -> None:
-    """Same contract as the compiled ``sgd_step``: updates params, buffers and masters in place."""
+    """Same contract as ``torch.ops.lightning_fusedsgd.sgd_step`` (argument slots in csrc/bucket.h): updates
+    params, momentum buffers (one per param whose group has momentum) and masters in place."""
     if not params or (found_inf is not None and bool(found_inf.item())):
         return
     hparams = group_hparams.tolist()
     inv_scale = inverse_scale(grad_scale)
+    buffers = iter(momentum_buffers)
     for i, param in enumerate(params):
         h = dict(zip(HPARAM_COLUMNS, hparams[tensor_group[i]]))
         opmath = _opmath(param.dtype)
         master = master_params[i] if master_params else None
         w = synced_master(master, param) if master is not None else param.to(opmath)
         g = grads[i].to(opmath)
-        b = momentum_buffers[i]
+        b = next(buffers) if h["momentum"] != 0 else None
         b_op = None if b is None or first_step[i] else b.to(opmath)
         wd_after = bool(h["wd_after_momentum"])
         sign = -1.0 if h["maximize"] else 1.0

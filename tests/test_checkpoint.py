@@ -599,3 +599,42 @@ def test_next_save_removes_temp_file_of_a_killed_writer(tmp_path: Path) -> None:
     save_checkpoint_file({"step": 3}, tmp_path / "last.ckpt")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
     assert read_checkpoint_file(tmp_path / "last.ckpt") == {"step": 3}
+
+
+def test_optimizer_state_written_before_the_custom_ops_refactor_still_loads():
+    """tests/fixtures/fusedsgd_state_f79bf57.pt: FusedSGD's state dict as main wrote it at f79bf57 (LARS
+    and excluded groups, bf16 params with fp32 masters). It loads bit for bit, and the steps that follow
+    match torch.optim.SGD on the fp32 params outside LARS (the independent oracle there)."""
+    from lightning_fusedsgd import FusedSGD, param_groups
+
+    saved = torch.load(Path(__file__).parent / "fixtures" / "fusedsgd_state_f79bf57.pt", weights_only=True)
+    model = nn.Sequential(nn.Linear(16, 8), nn.BatchNorm1d(8), nn.Linear(8, 4))
+    model[2].to(torch.bfloat16)
+    model.load_state_dict(saved["model"])
+    opt = FusedSGD(
+        param_groups(model, 1e-4), lr=0.1, momentum=0.9, nesterov=True, master_weights=True, lars=True
+    )
+    opt.load_state_dict(saved["optimizer"])
+    params = [p for group in opt.param_groups for p in group["params"]]
+    for index, p in enumerate(params):
+        for key, tensor in saved["optimizer"]["state"][index].items():
+            assert opt.state[p][key].dtype == torch.float32 and torch.equal(opt.state[p][key], tensor)
+
+    plain = [p for p in opt.param_groups[1]["params"] if p.dtype == torch.float32]
+    oracle_params = [nn.Parameter(p.detach().clone()) for p in plain]
+    oracle = torch.optim.SGD(oracle_params, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.0)
+    for p, q in zip(plain, oracle_params):
+        oracle.state[q]["momentum_buffer"] = opt.state[p]["momentum_buffer"].clone()
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=generator).to(p.dtype)
+        for p, q in zip(plain, oracle_params):
+            q.grad = p.grad.clone()
+        opt.step()
+        oracle.step()
+    for p, q in zip(plain, oracle_params):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-6)
+    for p in params:
+        if p.dtype == torch.bfloat16:
+            assert torch.equal(p.detach(), opt.state[p]["master_param"].bfloat16())

@@ -3,10 +3,14 @@ LARS floor's extra reads leaving the same result."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
-from lightning_fusedsgd.kernels import load_extension
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from common import floor_ops  # noqa: E402  (bench/ builds the floor; it is not in the product extension)
 
 # Two tensors larger than a LARS wave (1M elements), so the LARS floor runs several waves.
 SHAPES = [(1_100_000,), (300, 17), (5,), (1_200_000,)]
@@ -35,7 +39,7 @@ def test_floor_moves_the_bytes_of_a_momentum_step(master):
     weights = masters if master else params
     expected_w = [bits(g) << 16 if master else bits(g) for g in grads]
     expected_b = [bits(w) ^ bits(b) for w, b in zip(weights, buffers)]
-    load_extension().floor_step(params, grads, buffers, masters, [])
+    floor_ops().floor_step(params, grads, buffers, masters, [])
     for w, b, ew, eb in zip(weights, buffers, expected_w, expected_b):
         assert torch.equal(bits(w), ew)
         assert torch.equal(bits(b), eb)
@@ -45,8 +49,8 @@ def test_floor_moves_the_bytes_of_a_momentum_step(master):
 
 def test_lars_floor_only_adds_reads():
     plain, lars = tensors(1), tensors(1)
-    load_extension().floor_step(*plain, [])
-    load_extension().floor_step(*lars, [True, False, True, True])
+    floor_ops().floor_step(*plain, [])
+    floor_ops().floor_step(*lars, [True, False, True, True])
     for a, b in zip(plain[0] + plain[2], lars[0] + lars[2]):
         assert torch.equal(bits(a), bits(b))  # bit patterns: XOR-ed floats include NaNs
 
@@ -56,7 +60,7 @@ def test_floor_refuses_mismatched_layouts():
     grads[1] = grads[1].t().contiguous()  # (17, 300) for a (300, 17) param
     before = [p.clone() for p in params]
     with pytest.raises(RuntimeError, match="grad must match"):
-        load_extension().floor_step(params, grads, buffers, [], [])
+        floor_ops().floor_step(params, grads, buffers, [], [])
     assert all(torch.equal(p, q) for p, q in zip(params, before))
     with pytest.raises(RuntimeError, match="one flag per param"):
-        load_extension().floor_step(*tensors(3)[:3], [], [True])
+        floor_ops().floor_step(*tensors(3)[:3], [], [True])

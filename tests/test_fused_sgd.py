@@ -343,10 +343,11 @@ def test_compiled_kernel_is_what_runs_on_cpu():
     assert hasattr(load_extension(), "sgd_step")
     p = nn.Parameter(torch.randn(10))
     opt = FusedSGD([p])
-    p.grad = torch.ones(10)
-    buckets, _, _ = opt._plan()  # the from-scratch plan; later steps reuse it through CachedStep
-    (device, _, _), bucket = next(iter(buckets.items()))
-    assert opt._step_function(device, bucket, opt._hparam_table()) is load_extension().sgd_step
+    expected = ["compiled", "compiled (cached step)", "compiled (cached step)"]  # later steps reuse the plan
+    for backend in expected:
+        p.grad = torch.ones(10)
+        opt.step()
+        assert opt.last_backends == {"cpu/float32": backend}
 
 
 @pytest.mark.parametrize("replaced", ["buffer", "state dict"])
@@ -376,7 +377,7 @@ def test_state_replaced_between_steps_is_used(replaced):
 def test_kernel_and_reference_share_the_hyperparameter_table():
     from lightning_fusedsgd.reference import HPARAM_COLUMNS
 
-    assert load_extension().hparam_columns == len(HPARAM_COLUMNS)
+    assert tuple(load_extension().hparam_names()) == HPARAM_COLUMNS
 
 
 def test_torch_sgd_state_with_one_group_loads_into_two_groups_by_name():

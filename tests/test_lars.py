@@ -49,7 +49,7 @@ def oracle_step(
     eps=0.0,
     dampening=0.0,
 ):
-    """The LARS formula of You et al. (DESIGN.md) in float64, written independently of the package."""
+    """The LARS formula of You et al. (docs/design.md) in float64, written independently of the package."""
     for i, (w, g) in enumerate(zip(weights, grads)):
         g = -g if maximize else g
         if lars_mask[i]:

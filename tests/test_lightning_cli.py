@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import time
 
@@ -9,7 +10,7 @@ import pytest
 from lightning.pytorch.cli import LightningCLI
 from lightning_helpers import run_train_py
 
-from lightning_fusedsgd import FusedLARS
+from lightning_fusedsgd import FusedLARS, FusedSGD
 from lightning_fusedsgd.lightning import DigitsDataModule, ImageClassifier
 
 SHORT_RUN = [
@@ -82,6 +83,7 @@ def test_lightning_cli_takes_the_optimizer_by_class_name(class_path, tmp_path, m
             "--optimizer.lr=0.05",
             "--optimizer.momentum=0.9",
             "--optimizer.weight_decay=1e-4",
+            "--optimizer.trust_coefficient=0.002",
             "--trainer.accelerator=cpu",
             "--trainer.fast_dev_run=2",
             f"--trainer.default_root_dir={tmp_path}",
@@ -91,5 +93,15 @@ def test_lightning_cli_takes_the_optimizer_by_class_name(class_path, tmp_path, m
     optimizer = cli.trainer.optimizers[0]
     assert isinstance(optimizer, FusedLARS)
     assert optimizer.param_groups[0]["lars"] is True and optimizer.param_groups[0]["lr"] == 0.05
+    assert optimizer.defaults["trust_coefficient"] == 0.002
     assert cli.trainer.global_step == 2
     assert all(state["momentum_buffer"] is not None for state in optimizer.state.values())
+
+
+def test_fused_lars_has_fused_sgds_signature_with_lars_on():
+    """FusedLARS restates nothing: its signature, which LightningCLI and Hydra read, is FusedSGD's with one
+    default changed."""
+    sgd, lars = (inspect.signature(cls) for cls in (FusedSGD, FusedLARS))
+    assert list(lars.parameters) == list(sgd.parameters)
+    differing = [name for name in sgd.parameters if sgd.parameters[name] != lars.parameters[name]]
+    assert differing == ["lars"] and lars.parameters["lars"].default is True

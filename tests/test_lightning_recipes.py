@@ -18,7 +18,7 @@ from lightning_fusedsgd.lightning.runner import train
 
 RECIPES = sorted(path.stem for path in (ROOT / "recipes").glob("*.yaml"))
 
-# The published hyperparameters each recipe must carry (sources in the recipe files and DESIGN.md).
+# The published hyperparameters each recipe must carry (sources in the recipe files and docs/design.md).
 PUBLISHED = {
     "quickstart": {
         "data._target_": "DigitsDataModule",

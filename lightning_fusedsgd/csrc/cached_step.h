@@ -1,11 +1,15 @@
-// A validated step kept in C++ for reuse, shared by the CPU and CUDA modules: every param, whether it had a
-// grad, views of the stepped params taken when the plan was made (their layouts), and each bucket's kernel
-// arguments with views of its buffers and masters (their layouts). A step then converts no tensor lists from
-// Python: run() gathers this step's grads, checks them and every bucket's state tensors, and only then runs
-// the buckets through `kStep` (the module's sgd_step), so a plan that no longer holds changes nothing.
+// A validated step kept in C++ for reuse (torch.classes.lightning_fusedsgd.CachedStep): every param, whether
+// it had a grad, views of the stepped params taken when the plan was made (their layouts and addresses), and
+// each bucket's op arguments with views of its buffers and masters (their layouts). A step then converts no
+// tensor lists from Python: run() gathers this step's grads, checks them and every bucket's state tensors,
+// and only then calls lightning_fusedsgd::sgd_step per bucket (the dispatcher picks the CPU or CUDA kernel),
+// so a plan that no longer holds changes nothing.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
 
 #include <optional>
 #include <utility>
@@ -13,41 +17,33 @@
 
 namespace lfsgd {
 
-using StepFunction = void (*)(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
-                              const std::vector<std::optional<at::Tensor>>& momentum_buffers,
-                              const std::vector<at::Tensor>& master_params, const at::Tensor& group_hparams,
-                              const std::vector<int64_t>& tensor_group, const std::vector<bool>& first_step,
-                              const std::optional<at::Tensor>& grad_scale,
-                              const std::optional<at::Tensor>& found_inf);
-
-template <StepFunction kStep>
-class CachedStep {
+class CachedStep : public torch::CustomClassHolder {
  public:
-  CachedStep(std::vector<at::Tensor> params, std::vector<bool> has_grad, std::vector<at::Tensor> layouts)
-      : params_(std::move(params)), has_grad_(std::move(has_grad)), layouts_(std::move(layouts)) {
+  CachedStep(std::vector<at::Tensor> params, c10::List<bool> has_grad, std::vector<at::Tensor> layouts)
+      : params_(std::move(params)), has_grad_(has_grad.vec()), layouts_(std::move(layouts)) {
     TORCH_CHECK(params_.size() == has_grad_.size(), "CachedStep: one has_grad entry per param");
   }
 
   // `slots`: each tensor's position among the stepped params (the order of `layouts`).
-  void add_bucket(std::vector<at::Tensor> params, std::vector<std::optional<at::Tensor>> momentum_buffers,
+  void add_bucket(std::vector<at::Tensor> params, std::vector<at::Tensor> momentum_buffers,
                   std::vector<at::Tensor> master_params, std::vector<int64_t> tensor_group,
                   std::vector<int64_t> slots) {
     for (int64_t slot : slots) TORCH_CHECK(slot >= 0 && slot < static_cast<int64_t>(layouts_.size()));
     // Detached views keep the layouts as they are now; `.data = ...` later changes the live tensors only.
     std::vector<at::Tensor> state_layouts;
-    for (const auto& buffer : momentum_buffers) {
-      if (buffer.has_value()) state_layouts.push_back(buffer->detach());
-    }
+    for (const auto& buffer : momentum_buffers) state_layouts.push_back(buffer.detach());
     for (const auto& master : master_params) state_layouts.push_back(master.detach());
+    c10::List<bool> first_step;
+    for (size_t i = 0; i < params.size(); ++i) first_step.push_back(false);
     buckets_.push_back({std::move(params), std::move(momentum_buffers), std::move(master_params),
-                        std::move(tensor_group), std::move(slots), std::move(state_layouts)});
+                        std::move(tensor_group), std::move(slots), std::move(state_layouts), first_step});
   }
 
   // Runs the step and returns true, or returns false having changed nothing when the plan no longer holds:
   // a param gained or lost its grad or moved to other memory, or a param, grad, momentum buffer or master
   // is laid out differently from what was recorded.
   bool run(const at::Tensor& group_hparams, const std::optional<at::Tensor>& grad_scale,
-           const std::optional<at::Tensor>& found_inf) const {
+           const std::optional<at::Tensor>& found_inf) {
     std::vector<at::Tensor> grads;
     grads.reserve(layouts_.size());
     for (size_t i = 0; i < params_.size(); ++i) {
@@ -68,12 +64,17 @@ class CachedStep {
     for (const Bucket& bucket : buckets_) {
       if (!state_unchanged(bucket)) return false;
     }
+    static const auto op = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("lightning_fusedsgd::sgd_step", "")
+                               .typed<void(at::TensorList, at::TensorList, at::TensorList, at::TensorList,
+                                           const at::Tensor&, at::IntArrayRef, const c10::List<bool>&,
+                                           const std::optional<at::Tensor>&, const std::optional<at::Tensor>&)>();
     for (const Bucket& bucket : buckets_) {
       std::vector<at::Tensor> bucket_grads;
       bucket_grads.reserve(bucket.slots.size());
       for (int64_t slot : bucket.slots) bucket_grads.push_back(grads[slot]);
-      kStep(bucket.params, bucket_grads, bucket.momentum_buffers, bucket.master_params, group_hparams,
-            bucket.tensor_group, std::vector<bool>(bucket.params.size(), false), grad_scale, found_inf);
+      op.call(bucket.params, bucket_grads, bucket.momentum_buffers, bucket.master_params, group_hparams,
+              bucket.tensor_group, bucket.first_step, grad_scale, found_inf);
     }
     return true;
   }
@@ -81,27 +82,28 @@ class CachedStep {
  private:
   struct Bucket {
     std::vector<at::Tensor> params;
-    std::vector<std::optional<at::Tensor>> momentum_buffers;
+    std::vector<at::Tensor> momentum_buffers;
     std::vector<at::Tensor> master_params;
     std::vector<int64_t> tensor_group;
     std::vector<int64_t> slots;
     std::vector<at::Tensor> state_layouts;  // buffers, then masters, as recorded
+    c10::List<bool> first_step;             // all false: a cached step creates no buffer
   };
+
+  static bool same_layout(const at::Tensor& a, const at::Tensor& b) {
+    return b.layout() == at::kStrided && b.scalar_type() == a.scalar_type() && b.device() == a.device() &&
+           b.sizes() == a.sizes() && b.strides() == a.strides();
+  }
 
   static bool state_unchanged(const Bucket& bucket) {
     size_t k = 0;
     for (const auto& buffer : bucket.momentum_buffers) {
-      if (buffer.has_value() && !same_layout(bucket.state_layouts[k++], *buffer)) return false;
+      if (!same_layout(bucket.state_layouts[k++], buffer)) return false;
     }
     for (const auto& master : bucket.master_params) {
       if (!same_layout(bucket.state_layouts[k++], master)) return false;
     }
     return true;
-  }
-
-  static bool same_layout(const at::Tensor& a, const at::Tensor& b) {
-    return b.layout() == at::kStrided && b.scalar_type() == a.scalar_type() && b.device() == a.device() &&
-           b.sizes() == a.sizes() && b.strides() == a.strides();
   }
 
   std::vector<at::Tensor> params_;
@@ -110,14 +112,11 @@ class CachedStep {
   std::vector<Bucket> buckets_;
 };
 
-// Binds CachedStep<kStep> as the module's `CachedStep`.
-template <StepFunction kStep, typename Module>
-void bind_cached_step(Module& m) {
-  using Step = CachedStep<kStep>;
-  pybind11::class_<Step>(m, "CachedStep")
-      .def(pybind11::init<std::vector<at::Tensor>, std::vector<bool>, std::vector<at::Tensor>>())
-      .def("add_bucket", &Step::add_bucket)
-      .def("run", &Step::run, "Run the cached step; false (nothing changed) if it no longer holds");
+inline void register_cached_step(torch::Library& m) {
+  m.class_<CachedStep>("CachedStep")
+      .def(torch::init<std::vector<at::Tensor>, c10::List<bool>, std::vector<at::Tensor>>())
+      .def("add_bucket", &CachedStep::add_bucket)
+      .def("run", &CachedStep::run);
 }
 
 }  // namespace lfsgd

@@ -1,17 +1,20 @@
-// Multi-tensor SGD/LARS for CUDA tensors: one launch per (device, dtype) bucket over a work list of
-// fixed-size chunks across all tensors (two launches with LARS: norms, then update). The math lives in
-// sgd_math.h; the CPU twin is fused_sgd.cpp. Nothing here reads device memory from the host: the grad
-// scale, found_inf and the LARS norms stay on the device, so a step never synchronizes.
+// The CUDA kernel of lightning_fusedsgd::sgd_step (the op is defined in fused_sgd.cpp): one launch per
+// (device, dtype) bucket over a work list of fixed-size chunks across all tensors (two launches with LARS:
+// norms, then update). The math lives in sgd_math.h, the argument checks in bucket.h. Nothing here reads
+// device memory from the host: the grad scale, found_inf and the LARS norms stay on the device, so a step
+// never synchronizes.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <cstring>
 #include <optional>
 #include <vector>
 
+#include "bucket.h"
 #include "sgd_math.h"
 
 namespace lfsgd {
@@ -42,9 +45,8 @@ struct ChunkArgs {
   int64_t end;
 };
 
-// Same rounding as GradScaler.unscale_ and the CPU kernel: the reciprocal in double, rounded to float.
-__device__ inline double inverse_scale(const float* grad_scale) {
-  return grad_scale == nullptr ? 1.0 : static_cast<double>(static_cast<float>(1.0 / *grad_scale));
+__device__ inline double inverse_scale_of(const float* grad_scale) {
+  return grad_scale == nullptr ? 1.0 : inverse_scale(*grad_scale);
 }
 
 __device__ inline bool skipped(const float* found_inf) { return found_inf != nullptr && *found_inf != 0.0f; }
@@ -79,25 +81,24 @@ __device__ inline double block_sum(double value, double* scratch) {
 // LARS pass 1: each chunk of a LARS tensor writes its partial sums of w^2 and g^2.
 template <typename P, bool kMaster>
 __global__ void __launch_bounds__(kThreads)
-    norm_kernel(const TensorArgs* tensors, const ChunkArgs* chunks, const double* hparams, double* partials,
+    norm_kernel(const TensorArgs* tensors, const ChunkArgs* chunks, const GroupHParams* groups, double* partials,
                 const float* grad_scale, const float* found_inf) {
   using O = typename OpMath<P>::type;
   if (skipped(found_inf)) return;
   const ChunkArgs chunk = chunks[blockIdx.x];
   const TensorArgs t = tensors[chunk.tensor];
   if (!t.lars) return;
-  const double* hp = hparams + t.group * kNumHParams;
-  const bool decayed = hp[kLarsDecayedGrad] != 0.0;
-  const double inv_scale = inverse_scale(grad_scale);
-  const O grad_mul = static_cast<O>(hp[kMaximize] != 0.0 ? -inv_scale : inv_scale);
-  const O weight_decay = static_cast<O>(hp[kWeightDecay]);
+  const GroupHParams& h = groups[t.group];
+  const double inv_scale = inverse_scale_of(grad_scale);
+  const O grad_mul = static_cast<O>(h.maximize ? -inv_scale : inv_scale);
+  const O weight_decay = static_cast<O>(h.weight_decay);
   const P* w = static_cast<const P*>(t.param);
   const P* g = static_cast<const P*>(t.grad);
   // Squares are summed in double (fp32 squares underflow below about 1e-23 and overflow above 1e19).
   double sum_w = 0, sum_g = 0;
   for (int64_t i = chunk.begin + threadIdx.x; i < chunk.end; i += kThreads) {
     const O wi = load_weight<kMaster>(w, t.master, i);
-    const O gi = decayed ? static_cast<O>(g[i]) * grad_mul + weight_decay * wi : static_cast<O>(g[i]);
+    const O gi = lars_norm_term<O>(wi, static_cast<O>(g[i]), grad_mul, weight_decay, h.lars_decayed_grad);
     sum_w += static_cast<double>(wi) * wi;
     sum_g += static_cast<double>(gi) * gi;
   }
@@ -114,26 +115,16 @@ __global__ void __launch_bounds__(kThreads)
 // order (so every chunk of a tensor gets the same trust ratio) and apply trust_ratio.
 template <typename P, typename B, bool kMaster>
 __global__ void __launch_bounds__(kThreads)
-    update_kernel(const TensorArgs* tensors, const ChunkArgs* chunks, const double* hparams,
+    update_kernel(const TensorArgs* tensors, const ChunkArgs* chunks, const GroupHParams* groups,
                   const double* partials, const float* grad_scale, const float* found_inf) {
   using O = typename OpMath<P>::type;
   if (skipped(found_inf)) return;
   const ChunkArgs chunk = chunks[blockIdx.x];
   const TensorArgs t = tensors[chunk.tensor];
-  const double* hp = hparams + t.group * kNumHParams;
-  const double inv_scale = inverse_scale(grad_scale);
-  const bool wd_after = hp[kWdAfterMomentum] != 0.0;
-  const bool has_momentum = hp[kMomentum] != 0.0;
-  Coeffs<O> c{static_cast<O>(hp[kMaximize] != 0.0 ? -inv_scale : inv_scale),
-              static_cast<O>(wd_after ? 0.0 : hp[kWeightDecay]),
-              O(1),
-              static_cast<O>(hp[kMomentum]),
-              static_cast<O>(1.0 - hp[kDampening]),
-              static_cast<O>(wd_after ? hp[kWeightDecay] : 0.0),
-              static_cast<O>(hp[kLr]),
-              has_momentum,
-              t.first != 0,
-              hp[kNesterov] != 0.0};
+  const GroupHParams& h = groups[t.group];
+  const double inv_scale = inverse_scale_of(grad_scale);
+  const bool has_momentum = h.momentum != 0.0;
+  Coeffs<O> c = make_coeffs<O>(h, inv_scale, t.first != 0);
   if (t.lars) {
     __shared__ O trust;
     __shared__ double scratch[kThreads / 32];
@@ -144,12 +135,7 @@ __global__ void __launch_bounds__(kThreads)
     }
     const double sum_w = block_sum(part_w, scratch);
     const double sum_g = block_sum(part_g, scratch);
-    if (threadIdx.x == 0) {
-      const bool decayed = hp[kLarsDecayedGrad] != 0.0;
-      const double g_norm = decayed ? sqrt(sum_g) : sqrt(sum_g) * fabs(inv_scale);
-      trust = static_cast<O>(trust_ratio(sqrt(sum_w), g_norm, hp[kWeightDecay], hp[kTrustCoefficient],
-                                         hp[kLarsEps], decayed, hp[kTrustClip] != 0.0, hp[kLr]));
-    }
+    if (threadIdx.x == 0) trust = static_cast<O>(lars_trust(sum_w, sum_g, h, inv_scale));
     __syncthreads();
     c.trust = trust;
   }
@@ -180,92 +166,44 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-void check_same_layout(const at::Tensor& param, const at::Tensor& other, const char* what) {
-  TORCH_CHECK(other.device() == param.device() && other.sizes() == param.sizes() &&
-                  other.strides() == param.strides(),
-              "lightning_fusedsgd CUDA kernel: ", what, " must match its parameter's device, shape and strides");
-}
-
-const float* scalar_arg(const std::optional<at::Tensor>& value, const at::Device& device, const char* what) {
-  if (!value.has_value()) return nullptr;
-  TORCH_CHECK(value->device() == device && value->scalar_type() == at::kFloat && value->numel() == 1,
-              "lightning_fusedsgd CUDA kernel: ", what, " must be a one-element float32 tensor on ", device);
-  return value->data_ptr<float>();
-}
-
 template <typename P, typename B, bool kMaster>
-void launch(const TensorArgs* tensors, const ChunkArgs* chunks, const double* hparams, double* partials,
+void launch(const TensorArgs* tensors, const ChunkArgs* chunks, const GroupHParams* groups, double* partials,
             int64_t num_chunks, bool any_lars, const float* grad_scale, const float* found_inf,
             cudaStream_t stream) {
   if (any_lars) {
     norm_kernel<P, kMaster>
-        <<<num_chunks, kThreads, 0, stream>>>(tensors, chunks, hparams, partials, grad_scale, found_inf);
+        <<<num_chunks, kThreads, 0, stream>>>(tensors, chunks, groups, partials, grad_scale, found_inf);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   update_kernel<P, B, kMaster>
-      <<<num_chunks, kThreads, 0, stream>>>(tensors, chunks, hparams, partials, grad_scale, found_inf);
+      <<<num_chunks, kThreads, 0, stream>>>(tensors, chunks, groups, partials, grad_scale, found_inf);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-}  // namespace
-
-void sgd_step_cuda(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
-                   const std::vector<std::optional<at::Tensor>>& momentum_buffers,
-                   const std::vector<at::Tensor>& master_params, const at::Tensor& group_hparams,
-                   const std::vector<int64_t>& tensor_group, const std::vector<bool>& first_step,
-                   const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
+// lightning_fusedsgd::sgd_step for CUDA tensors (argument slots in bucket.h).
+void sgd_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
+                   at::TensorList master_params, const at::Tensor& group_hparams, at::IntArrayRef tensor_group,
+                   const c10::List<bool>& first_step, const std::optional<at::Tensor>& grad_scale,
+                   const std::optional<at::Tensor>& found_inf) {
+  const BucketArgs bucket = check_bucket(params, grads, momentum_buffers, master_params, group_hparams,
+                                         tensor_group, first_step, grad_scale, found_inf);
   if (params.empty()) return;
   const int64_t n = static_cast<int64_t>(params.size());
   const at::Device device = params[0].device();
-  const bool master = !master_params.empty();
-  TORCH_CHECK(device.is_cuda(), "lightning_fusedsgd CUDA kernel: CUDA tensors only");
-  TORCH_CHECK(static_cast<int64_t>(grads.size()) == n && static_cast<int64_t>(momentum_buffers.size()) == n &&
-                  static_cast<int64_t>(tensor_group.size()) == n && static_cast<int64_t>(first_step.size()) == n,
-              "lightning_fusedsgd CUDA kernel: one grad, buffer slot, group and first flag per param");
-  TORCH_CHECK(!master || static_cast<int64_t>(master_params.size()) == n,
-              "lightning_fusedsgd CUDA kernel: master_params must be empty or one per param");
-  TORCH_CHECK(group_hparams.device().is_cpu() && group_hparams.scalar_type() == at::kDouble &&
-                  group_hparams.dim() == 2 && group_hparams.size(1) == kNumHParams && group_hparams.is_contiguous(),
-              "lightning_fusedsgd CUDA kernel: group_hparams must be a contiguous CPU float64 [groups, ",
-              kNumHParams, "] table");
-  const int64_t num_groups = group_hparams.size(0);
-  const double* hp = group_hparams.data_ptr<double>();
+  TORCH_CHECK(device.is_cuda(), "lightning_fusedsgd::sgd_step (CUDA): CUDA tensors only");
 
   std::vector<TensorArgs> tensors(n);
   std::vector<ChunkArgs> chunks;
-  bool any_lars = false;
   for (int64_t t = 0; t < n; ++t) {
     const at::Tensor& p = params[t];
-    const int64_t group = tensor_group[t];
-    TORCH_CHECK(group >= 0 && group < num_groups, "lightning_fusedsgd CUDA kernel: tensor_group out of range");
-    TORCH_CHECK(p.device() == device && p.scalar_type() == params[0].scalar_type(),
-                "lightning_fusedsgd CUDA kernel: one device and dtype per call");
-    TORCH_CHECK(p.is_non_overlapping_and_dense(), "lightning_fusedsgd CUDA kernel: params must be dense");
-    check_same_layout(p, grads[t], "grad");
-    TORCH_CHECK(grads[t].scalar_type() == p.scalar_type(), "lightning_fusedsgd CUDA kernel: grad dtype");
-    const bool has_momentum = hp[group * kNumHParams + kMomentum] != 0.0;
-    TORCH_CHECK(momentum_buffers[t].has_value() == has_momentum,
-                "lightning_fusedsgd CUDA kernel: a momentum buffer is passed exactly when momentum != 0");
     TensorArgs& args = tensors[t];
     args.param = p.data_ptr();
     args.grad = grads[t].data_ptr();
-    args.buffer = nullptr;
-    if (has_momentum) {
-      check_same_layout(p, *momentum_buffers[t], "momentum buffer");
-      TORCH_CHECK(momentum_buffers[t]->scalar_type() == (master ? at::kFloat : p.scalar_type()),
-                  "lightning_fusedsgd CUDA kernel: momentum buffer dtype");
-      args.buffer = momentum_buffers[t]->data_ptr();
-    }
-    args.master = nullptr;
-    if (master) {
-      check_same_layout(p, master_params[t], "master param");
-      TORCH_CHECK(master_params[t].scalar_type() == at::kFloat, "lightning_fusedsgd CUDA kernel: fp32 masters");
-      args.master = master_params[t].data_ptr<float>();
-    }
-    args.group = group;
+    args.buffer = bucket.buffer_slot[t] >= 0 ? momentum_buffers[bucket.buffer_slot[t]].data_ptr() : nullptr;
+    args.master = bucket.master ? master_params[t].data_ptr<float>() : nullptr;
+    args.group = tensor_group[t];
     args.first = first_step[t] ? 1 : 0;
-    args.lars = hp[group * kNumHParams + kLars] != 0.0 ? 1 : 0;
-    any_lars = any_lars || args.lars;
+    args.lars = bucket.groups[tensor_group[t]].lars ? 1 : 0;
     args.first_chunk = static_cast<int64_t>(chunks.size());
     for (int64_t begin = 0; begin < p.numel(); begin += kChunkElems) {
       chunks.push_back({t, begin, std::min(begin + kChunkElems, p.numel())});
@@ -273,20 +211,20 @@ void sgd_step_cuda(const std::vector<at::Tensor>& params, const std::vector<at::
     args.num_chunks = static_cast<int64_t>(chunks.size()) - args.first_chunk;
   }
   if (chunks.empty()) return;
-  const float* scale_ptr = scalar_arg(grad_scale, device, "grad_scale");
-  const float* found_inf_ptr = scalar_arg(found_inf, device, "found_inf");
+  const float* scale_ptr = grad_scale.has_value() ? grad_scale->data_ptr<float>() : nullptr;
+  const float* found_inf_ptr = found_inf.has_value() ? found_inf->data_ptr<float>() : nullptr;
 
-  // Tensor table, chunk list and hyperparameters travel in one pinned buffer and one asynchronous copy;
-  // the caching host allocator keeps the buffer alive until the copy has run.
+  // Tensor table, chunk list and group hyperparameters travel in one pinned buffer and one asynchronous
+  // copy; the caching host allocator keeps the buffer alive until the copy has run.
   const size_t tensor_bytes = tensors.size() * sizeof(TensorArgs);
   const size_t chunk_bytes = chunks.size() * sizeof(ChunkArgs);
-  const size_t hparam_bytes = static_cast<size_t>(num_groups) * kNumHParams * sizeof(double);
-  at::Tensor host = at::empty({static_cast<int64_t>(tensor_bytes + chunk_bytes + hparam_bytes)},
+  const size_t group_bytes = bucket.groups.size() * sizeof(GroupHParams);
+  at::Tensor host = at::empty({static_cast<int64_t>(tensor_bytes + chunk_bytes + group_bytes)},
                               at::TensorOptions().dtype(at::kByte).pinned_memory(true));
   uint8_t* bytes = host.data_ptr<uint8_t>();
   std::memcpy(bytes, tensors.data(), tensor_bytes);
   std::memcpy(bytes + tensor_bytes, chunks.data(), chunk_bytes);
-  std::memcpy(bytes + tensor_bytes + chunk_bytes, hp, hparam_bytes);
+  std::memcpy(bytes + tensor_bytes + chunk_bytes, bucket.groups.data(), group_bytes);
 
   const c10::cuda::CUDAGuard guard(device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
@@ -295,34 +233,21 @@ void sgd_step_cuda(const std::vector<at::Tensor>& params, const std::vector<at::
   const uint8_t* dev = args.data_ptr<uint8_t>();
   const auto* tensor_args = reinterpret_cast<const TensorArgs*>(dev);
   const auto* chunk_args = reinterpret_cast<const ChunkArgs*>(dev + tensor_bytes);
-  const auto* hparam_args = reinterpret_cast<const double*>(dev + tensor_bytes + chunk_bytes);
+  const auto* group_args = reinterpret_cast<const GroupHParams*>(dev + tensor_bytes + chunk_bytes);
   const int64_t num_chunks = static_cast<int64_t>(chunks.size());
-  at::Tensor partials = any_lars ? at::empty({2 * num_chunks}, at::TensorOptions().dtype(at::kDouble).device(device))
-                                 : at::Tensor();
-  double* partial_ptr = any_lars ? partials.data_ptr<double>() : nullptr;
+  at::Tensor partials = bucket.any_lars
+                            ? at::empty({2 * num_chunks}, at::TensorOptions().dtype(at::kDouble).device(device))
+                            : at::Tensor();
+  double* partial_ptr = bucket.any_lars ? partials.data_ptr<double>() : nullptr;
 
-  auto run = [&](auto param_tag, auto buffer_tag, auto master_tag) {
-    using P = decltype(param_tag);
-    using B = decltype(buffer_tag);
-    launch<P, B, decltype(master_tag)::value>(tensor_args, chunk_args, hparam_args, partial_ptr, num_chunks,
-                                              any_lars, scale_ptr, found_inf_ptr, stream);
-  };
-  using NoMaster = std::false_type;
-  using Master = std::true_type;
-  switch (params[0].scalar_type()) {
-    case at::kFloat:
-      TORCH_CHECK(!master, "lightning_fusedsgd CUDA kernel: master weights are for bf16/fp16 params");
-      return run(float{}, float{}, NoMaster{});
-    case at::kDouble:
-      TORCH_CHECK(!master, "lightning_fusedsgd CUDA kernel: master weights are for bf16/fp16 params");
-      return run(double{}, double{}, NoMaster{});
-    case at::kBFloat16:
-      return master ? run(c10::BFloat16{}, float{}, Master{}) : run(c10::BFloat16{}, c10::BFloat16{}, NoMaster{});
-    case at::kHalf:
-      return master ? run(c10::Half{}, float{}, Master{}) : run(c10::Half{}, c10::Half{}, NoMaster{});
-    default:
-      TORCH_CHECK(false, "lightning_fusedsgd CUDA kernel: unsupported dtype ", params[0].scalar_type());
-  }
+  dispatch_bucket_types(params[0].scalar_type(), bucket.master, [&](auto param, auto buffer, auto master) {
+    launch<decltype(param), decltype(buffer), decltype(master)::value>(tensor_args, chunk_args, group_args,
+                                                                        partial_ptr, num_chunks, bucket.any_lars,
+                                                                        scale_ptr, found_inf_ptr, stream);
+  });
 }
 
+}  // namespace
 }  // namespace lfsgd
+
+TORCH_LIBRARY_IMPL(lightning_fusedsgd, CUDA, m) { m.impl("sgd_step", &lfsgd::sgd_step_cuda); }

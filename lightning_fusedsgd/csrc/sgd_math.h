@@ -1,7 +1,9 @@
-// The per-element SGD/LARS math, written once. Every backend mirrors these functions line for line:
-// lightning_fusedsgd/reference.py (`sgd_element`, `trust_ratio`) is the plain-PyTorch twin.
+// The per-group hyperparameters and the per-element SGD/LARS math, written once for the CPU kernel and
+// (under nvcc) the CUDA kernel. lightning_fusedsgd/reference.py mirrors every function here, and its
+// HPARAM_COLUMNS lists LFSGD_HPARAMS's names in order (checked when the extension loads).
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 // Compiled for the host (C++ kernel) and, under nvcc, for the device (CUDA kernel) too.
@@ -13,22 +15,42 @@
 
 namespace lfsgd {
 
-// Columns of the per-group hyperparameter table built by optim.py (`HPARAM_COLUMNS` there).
-enum HParam : int {
-  kLr = 0,
-  kMomentum,
-  kDampening,
-  kWeightDecay,
-  kNesterov,
-  kMaximize,
-  kWdAfterMomentum,
-  kLars,
-  kTrustCoefficient,
-  kLarsEps,
-  kTrustClip,
-  kLarsDecayedGrad,
-  kNumHParams,
+// One parameter group's hyperparameters: (type, name) in the order of the rows optim.py sends, a float64
+// [groups, kNumHParams] table. Adding one: here, its use below, and reference.py.
+#define LFSGD_HPARAMS(X)        \
+  X(double, lr)                 \
+  X(double, momentum)           \
+  X(double, dampening)          \
+  X(double, weight_decay)       \
+  X(bool, nesterov)             \
+  X(bool, maximize)             \
+  X(bool, wd_after_momentum)    \
+  X(bool, lars)                 \
+  X(double, trust_coefficient)  \
+  X(double, lars_eps)           \
+  X(bool, trust_clip)           \
+  X(bool, lars_decayed_grad)
+
+struct GroupHParams {
+#define LFSGD_FIELD(type, name) type name;
+  LFSGD_HPARAMS(LFSGD_FIELD)
+#undef LFSGD_FIELD
 };
+
+#define LFSGD_NAME(type, name) #name,
+constexpr const char* kHParamNames[] = {LFSGD_HPARAMS(LFSGD_NAME)};
+#undef LFSGD_NAME
+constexpr int kNumHParams = sizeof(kHParamNames) / sizeof(kHParamNames[0]);
+
+// One row of the table as the typed struct (a flag is set where its value is not 0).
+inline GroupHParams hparams_from_row(const double* row) {
+  GroupHParams h;
+  int column = 0;
+#define LFSGD_READ(type, name) h.name = static_cast<type>(row[column++]);
+  LFSGD_HPARAMS(LFSGD_READ)
+#undef LFSGD_READ
+  return h;
+}
 
 // The type the math runs in for a parameter type P: float for fp32/bf16/fp16 params, double for fp64.
 template <typename P>
@@ -40,8 +62,12 @@ struct OpMath<double> {
   using type = double;
 };
 
-// Everything the element update needs, resolved once per tensor. `T` is the opmath type
-// (float for fp32/bf16/fp16 params, double for fp64).
+// 1 / grad_scale rounded as GradScaler.unscale_ rounds it: the reciprocal in double, then to float.
+LFSGD_HOST_DEVICE inline double inverse_scale(float grad_scale) {
+  return static_cast<double>(static_cast<float>(1.0 / grad_scale));
+}
+
+// Everything the element update needs, resolved once per tensor. `T` is the opmath type.
 template <typename T>
 struct Coeffs {
   T grad_mul;             // sign / grad_scale: unscale and maximize in one exact multiply
@@ -57,6 +83,21 @@ struct Coeffs {
 };
 
 template <typename T>
+LFSGD_HOST_DEVICE inline Coeffs<T> make_coeffs(const GroupHParams& h, double inv_scale, bool first) {
+  const double weight_decay = h.weight_decay;
+  return Coeffs<T>{static_cast<T>(h.maximize ? -inv_scale : inv_scale),
+                   static_cast<T>(h.wd_after_momentum ? 0.0 : weight_decay),
+                   T(1),
+                   static_cast<T>(h.momentum),
+                   static_cast<T>(1.0 - h.dampening),
+                   static_cast<T>(h.wd_after_momentum ? weight_decay : 0.0),
+                   static_cast<T>(h.lr),
+                   h.momentum != 0.0,
+                   first,
+                   h.nesterov};
+}
+
+template <typename T>
 LFSGD_HOST_DEVICE inline void sgd_element(T& w, T g, T& b, const Coeffs<T>& c) {
   g = g * c.grad_mul;
   g = g + c.wd_coupled * w;
@@ -67,6 +108,13 @@ LFSGD_HOST_DEVICE inline void sgd_element(T& w, T g, T& b, const Coeffs<T>& c) {
   }
   g = g + c.wd_after * w;
   w = w - c.lr * g;
+}
+
+// The gradient term whose squares the LARS norm pass sums: g_raw for the default denominator, the
+// unscaled, sign-corrected g_raw + lambda w for "decayed_grad".
+template <typename T>
+LFSGD_HOST_DEVICE inline T lars_norm_term(T w, T g, T grad_mul, T weight_decay, bool decayed_grad) {
+  return decayed_grad ? g * grad_mul + weight_decay * w : g;
 }
 
 // Master weights follow outside writes. The param must hold its master's rounding; where it does not, it
@@ -88,6 +136,14 @@ LFSGD_HOST_DEVICE inline double trust_ratio(double w_norm, double g_norm, double
   double r = trust_coefficient * w_norm / denominator;
   if (trust_clip) r = 1.0 < r / lr ? 1.0 : r / lr;  // LARC's clip, min(r / lr, 1); lr == 0 gives inf -> 1
   return r;
+}
+
+// The trust ratio from a tensor's sums of squares (of w and of lars_norm_term). The default denominator
+// sums the raw, still scaled gradient, so its norm is unscaled here.
+LFSGD_HOST_DEVICE inline double lars_trust(double sum_w, double sum_g, const GroupHParams& h, double inv_scale) {
+  const double g_norm = h.lars_decayed_grad ? sqrt(sum_g) : sqrt(sum_g) * fabs(inv_scale);
+  return trust_ratio(sqrt(sum_w), g_norm, h.weight_decay, h.trust_coefficient, h.lars_eps, h.lars_decayed_grad,
+                     h.trust_clip, h.lr);
 }
 
 }  // namespace lfsgd

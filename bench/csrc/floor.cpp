@@ -1,0 +1,128 @@
+// The benchmarks' data-movement floor, built by bench/common.py (not part of the product extension): the
+// step's memory traffic with no math, over lightning_fusedsgd's own work list (csrc/work_list.h).
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <vector>
+
+#include "bucket.h"
+#include "work_list.h"
+
+namespace lfsgd {
+namespace {
+
+// The data-movement floor: the same work list, waves, parallel region and bytes read and written as sgd_step
+// with momentum, and no arithmetic (bit moves only). Benchmarks divide step time by this. With `lars`, each
+// wave that has LARS tensors first reads their w and g, as the norm pass does, XOR-reduced into per-chunk
+// partials so the reads are kept (their XOR is returned); the values left behind are the plain floor's.
+template <typename W, typename G, bool kMaster>
+int64_t floor_bucket(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
+                     at::TensorList master_params, const std::vector<bool>& lars) {
+  const int32_t n = static_cast<int32_t>(params.size());
+  std::vector<W*> w_ptr(n), b_ptr(n);
+  std::vector<const G*> g_ptr(n);
+  std::vector<G*> p_ptr(n);
+  for (int32_t t = 0; t < n; ++t) {
+    const at::Tensor& weights = kMaster ? master_params[t] : params[t];
+    w_ptr[t] = static_cast<W*>(weights.data_ptr());
+    b_ptr[t] = static_cast<W*>(momentum_buffers[t].data_ptr());
+    g_ptr[t] = static_cast<const G*>(grads[t].data_ptr());
+    p_ptr[t] = static_cast<G*>(params[t].data_ptr());
+  }
+  const WorkList work = make_work_list(params, lars);
+  std::vector<W> partial(work.chunks.size());
+
+  auto read_chunk = [&](const Chunk& chunk) {
+    const W* w = w_ptr[chunk.tensor];
+    const G* g = g_ptr[chunk.tensor];
+    W sum = 0;
+#pragma omp simd reduction(^ : sum)
+    for (int64_t i = chunk.begin; i < chunk.end; ++i) sum ^= w[i] ^ static_cast<W>(g[i]);
+    return sum;
+  };
+
+  auto move_chunk = [&](const Chunk& chunk) {
+    W* w = w_ptr[chunk.tensor];
+    W* b = b_ptr[chunk.tensor];
+    const G* g = g_ptr[chunk.tensor];
+    G* p = p_ptr[chunk.tensor];
+#pragma omp simd
+    for (int64_t i = chunk.begin; i < chunk.end; ++i) {
+      const W w_old = w[i];
+      const G g_i = g[i];
+      if (kMaster) {
+        w[i] = static_cast<W>(g_i) << 16;
+        p[i] = g_i;
+      } else {
+        w[i] = static_cast<W>(g_i);
+      }
+      b[i] = w_old ^ b[i];
+    }
+  };
+
+#pragma omp parallel num_threads(num_threads_for(work))
+  {
+    for (const Wave& wave : work.waves) {
+      if (wave.needs_norms) {
+#pragma omp for schedule(static)
+        for (int64_t c = wave.chunk_begin; c < wave.chunk_end; ++c) {
+          if (lars[work.chunks[c].tensor]) partial[c] = read_chunk(work.chunks[c]);
+        }
+      }
+#pragma omp for schedule(static)
+      for (int64_t c = wave.chunk_begin; c < wave.chunk_end; ++c) move_chunk(work.chunks[c]);
+    }
+  }
+  W checksum = 0;
+  for (W value : partial) checksum ^= value;
+  return static_cast<int64_t>(checksum);
+}
+
+// `lars`: which tensors get the norm pass's reads (empty: none, the plain floor).
+int64_t floor_step(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
+                   at::TensorList master_params, const c10::List<bool>& lars) {
+  if (params.empty()) return 0;
+  const bool master = !master_params.empty();
+  TORCH_CHECK(grads.size() == params.size() && momentum_buffers.size() == params.size() &&
+                  (!master || master_params.size() == params.size()),
+              "floor_step: one grad, momentum buffer (and master, with masters) per param");
+  for (size_t t = 0; t < params.size(); ++t) {
+    const at::Tensor& weights = master ? master_params[t] : params[t];
+    TORCH_CHECK(params[t].device().is_cpu() && params[t].scalar_type() == params[0].scalar_type() &&
+                    params[t].is_non_overlapping_and_dense(),
+                "floor_step: dense CPU params of one dtype");
+    check_same_layout(params[t], grads[t], "grad");
+    check_same_layout(params[t], momentum_buffers[t], "momentum buffer");
+    check_same_layout(params[t], weights, "master param");
+    TORCH_CHECK(grads[t].scalar_type() == params[t].scalar_type() &&
+                    momentum_buffers[t].scalar_type() == weights.scalar_type() &&
+                    (!master || weights.scalar_type() == at::kFloat),
+                "floor_step: grads match their params' dtype, buffers their weights'");
+  }
+  TORCH_CHECK(lars.empty() || lars.size() == params.size(), "floor_step: lars must be empty or one flag per param");
+  const std::vector<bool> flags = lars.empty() ? std::vector<bool>(params.size(), false) : lars.vec();
+  switch (at::elementSize(params[0].scalar_type())) {
+    case 2:
+      return master ? floor_bucket<uint32_t, uint16_t, true>(params, grads, momentum_buffers, master_params,
+                                                             flags)
+                    : floor_bucket<uint16_t, uint16_t, false>(params, grads, momentum_buffers, master_params,
+                                                              flags);
+    case 4:
+      return floor_bucket<uint32_t, uint32_t, false>(params, grads, momentum_buffers, master_params, flags);
+    case 8:
+      return floor_bucket<uint64_t, uint64_t, false>(params, grads, momentum_buffers, master_params, flags);
+    default:
+      TORCH_CHECK(false, "floor_step: unsupported dtype ", params[0].scalar_type());
+  }
+}
+
+}  // namespace
+}  // namespace lfsgd
+
+TORCH_LIBRARY(lightning_fusedsgd_bench, m) {
+  m.def(
+      "floor_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_buffers, Tensor(c!)[] master_params, "
+      "bool[] lars) -> int");
+}
+
+TORCH_LIBRARY_IMPL(lightning_fusedsgd_bench, CPU, m) { m.impl("floor_step", &lfsgd::floor_step); }

@@ -1,0 +1,84 @@
+"""Backend policy: which implementation runs a bucket (our op, the reference, torch's fused SGD), and the
+adapter that gives torch's fused SGD the op's signature."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_fusedsgd import kernels, reference
+from lightning_fusedsgd.plan import Bucket
+from lightning_fusedsgd.reference import HPARAM_COLUMNS
+
+
+def step_function(
+    requested: str, device: torch.device, bucket: Bucket, groups: list[dict[str, Any]]
+) -> tuple[str, Callable[..., None]]:
+    """The backend that runs ``bucket`` (of ``groups``) when ``requested`` is asked for (see ``kernels``):
+    its name and its step function, all with the op's signature."""
+    backend = requested
+    if backend == "auto":
+        backend = kernels.compiled_or_fallback("auto", device.type)
+        if backend == "torch" and device.type == "cuda" and _torch_fused_eligible(groups, bucket):
+            backend = "torch_fused"
+    if backend == "compiled":
+        if device.type not in kernels.EXTENSIONS:
+            raise RuntimeError(
+                f"backend='compiled' runs on CPU and CUDA tensors; these are on {device}. Use backend='auto'."
+            )
+        kernels.compiled_or_fallback("compiled", device.type)
+        return backend, kernels.load_extension(device.type).sgd_step
+    if backend == "torch_fused":
+        if not _torch_fused_eligible(groups, bucket):
+            raise ValueError(
+                "backend='torch_fused' cannot run master weights, wd_after_momentum or LARS: "
+                "use backend='auto'."
+            )
+        return backend, _torch_fused_step
+    return "torch", reference.sgd_step
+
+
+def _torch_fused_eligible(groups: list[dict[str, Any]], bucket: Bucket) -> bool:
+    """torch's fused SGD has our semantics when no master weights, wd_after_momentum or LARS are used."""
+    return not bucket.master_params and not any(g["wd_after_momentum"] or g["lars"] for g in groups)
+
+
+def _torch_fused_step(
+    params: list[Tensor],
+    grads: list[Tensor],
+    momentum_buffers: list[Tensor],
+    master_params: list[Tensor],
+    group_hparams: Tensor,
+    tensor_group: list[int],
+    first_step: list[bool],
+    grad_scale: Tensor | None,
+    found_inf: Tensor | None,
+) -> None:
+    """Runs a bucket through ``torch._fused_sgd_``, one call per (group, first step) subset."""
+    del master_params  # never present: see _torch_fused_eligible
+    rows = group_hparams.tolist()
+    h = {name: i for i, name in enumerate(HPARAM_COLUMNS)}
+    buffers = iter(momentum_buffers)
+    per_param = [next(buffers) if rows[group][h["momentum"]] != 0 else None for group in tensor_group]
+    subsets: dict[tuple[int, bool], list[int]] = {}
+    for i, (group, first) in enumerate(zip(tensor_group, first_step)):
+        subsets.setdefault((group, first), []).append(i)
+    for (group, first), indices in subsets.items():
+        row = rows[group]
+        torch._fused_sgd_(
+            [params[i] for i in indices],
+            [grads[i] for i in indices],
+            [per_param[i] for i in indices] if row[h["momentum"]] != 0 else [],
+            weight_decay=row[h["weight_decay"]],
+            momentum=row[h["momentum"]],
+            lr=row[h["lr"]],
+            dampening=row[h["dampening"]],
+            nesterov=bool(row[h["nesterov"]]),
+            maximize=bool(row[h["maximize"]]),
+            is_first_step=first,
+            grad_scale=grad_scale,
+            found_inf=found_inf,
+        )

@@ -1,0 +1,123 @@
+// Host-side work shared by the CPU and CUDA sgd_step ops: one bucket's arguments are validated in full, and
+// the hyperparameter table decoded, before a kernel writes anything.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <optional>
+#include <type_traits>
+#include <vector>
+
+#include "sgd_math.h"
+
+namespace lfsgd {
+
+// A validated bucket: each group's hyperparameters and each tensor's slot in momentum_buffers (-1: none).
+struct BucketArgs {
+  std::vector<GroupHParams> groups;
+  std::vector<int64_t> buffer_slot;
+  bool master = false;
+  bool any_lars = false;
+};
+
+inline void check_same_layout(const at::Tensor& param, const at::Tensor& other, const char* what) {
+  TORCH_CHECK(other.device() == param.device() && other.sizes() == param.sizes() &&
+                  other.strides() == param.strides(),
+              "lightning_fusedsgd::sgd_step: each ", what, " must match its param's device, shape and strides");
+}
+
+inline void check_scalar(const std::optional<at::Tensor>& value, const at::Device& device, const char* what) {
+  TORCH_CHECK(!value.has_value() || (value->device() == device && value->scalar_type() == at::kFloat &&
+                                     value->numel() == 1),
+              "lightning_fusedsgd::sgd_step: ", what, " must be a one-element float32 tensor on ", device);
+}
+
+// The argument slots, in the op's order (schema in fused_sgd.cpp):
+//   params           [n] one device and dtype (fp32, fp64, bf16, fp16), dense; updated in place
+//   grads            [n] laid out as their params, same dtype
+//   momentum_buffers [k] one per param whose group has momentum != 0, in param order; the params' dtype,
+//                        fp32 with master weights; updated in place
+//   master_params    [n or 0] fp32 masters of bf16/fp16 params; updated in place
+//   group_hparams    CPU float64 [groups, kNumHParams]: one row per group, columns as LFSGD_HPARAMS
+//   tensor_group     [n] each param's row; first_step [n]: seed the buffer with the gradient
+//   grad_scale, found_inf: GradScaler's one-element float32 tensors on the params' device, or none
+inline BucketArgs check_bucket(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
+                               at::TensorList master_params, const at::Tensor& group_hparams,
+                               at::IntArrayRef tensor_group, const c10::List<bool>& first_step,
+                               const std::optional<at::Tensor>& grad_scale,
+                               const std::optional<at::Tensor>& found_inf) {
+  const size_t n = params.size();
+  TORCH_CHECK(grads.size() == n && tensor_group.size() == n && first_step.size() == n,
+              "lightning_fusedsgd::sgd_step: one grad, group and first_step entry per param");
+  TORCH_CHECK(master_params.empty() || master_params.size() == n,
+              "lightning_fusedsgd::sgd_step: master_params must be empty or one per param");
+  TORCH_CHECK(group_hparams.device().is_cpu() && group_hparams.scalar_type() == at::kDouble &&
+                  group_hparams.dim() == 2 && group_hparams.size(1) == kNumHParams && group_hparams.is_contiguous(),
+              "lightning_fusedsgd::sgd_step: group_hparams must be a contiguous CPU float64 [groups, ", kNumHParams,
+              "] table");
+  BucketArgs args;
+  const double* rows = group_hparams.data_ptr<double>();
+  for (int64_t g = 0; g < group_hparams.size(0); ++g) args.groups.push_back(hparams_from_row(rows + g * kNumHParams));
+  args.master = !master_params.empty();
+  if (n == 0) return args;
+  const at::Tensor& first = params[0];
+  const auto dtype = first.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kBFloat16 || dtype == at::kHalf,
+              "lightning_fusedsgd::sgd_step: unsupported param dtype ", dtype);
+  TORCH_CHECK(!args.master || dtype == at::kBFloat16 || dtype == at::kHalf,
+              "lightning_fusedsgd::sgd_step: master weights are for bf16/fp16 params");
+  check_scalar(grad_scale, first.device(), "grad_scale");
+  check_scalar(found_inf, first.device(), "found_inf");
+  const auto buffer_dtype = args.master ? at::kFloat : dtype;
+  size_t slot = 0;
+  for (size_t t = 0; t < n; ++t) {
+    const at::Tensor& p = params[t];
+    TORCH_CHECK(tensor_group[t] >= 0 && tensor_group[t] < static_cast<int64_t>(args.groups.size()),
+                "lightning_fusedsgd::sgd_step: tensor_group out of range");
+    TORCH_CHECK(p.device() == first.device() && p.scalar_type() == dtype,
+                "lightning_fusedsgd::sgd_step: one device and dtype per call");
+    TORCH_CHECK(p.is_non_overlapping_and_dense(), "lightning_fusedsgd::sgd_step: params must be dense");
+    check_same_layout(p, grads[t], "grad");
+    TORCH_CHECK(grads[t].scalar_type() == dtype, "lightning_fusedsgd::sgd_step: grads must have their params' dtype");
+    const GroupHParams& h = args.groups[tensor_group[t]];
+    args.any_lars = args.any_lars || h.lars;
+    args.buffer_slot.push_back(h.momentum != 0.0 ? static_cast<int64_t>(slot++) : -1);
+    if (h.momentum != 0.0) {
+      TORCH_CHECK(slot <= momentum_buffers.size(),
+                  "lightning_fusedsgd::sgd_step: one momentum buffer per param whose group has momentum");
+      const at::Tensor& buffer = momentum_buffers[slot - 1];
+      check_same_layout(p, buffer, "momentum buffer");
+      TORCH_CHECK(buffer.scalar_type() == buffer_dtype, "lightning_fusedsgd::sgd_step: momentum buffers must be ",
+                  buffer_dtype);
+    }
+    if (args.master) {
+      check_same_layout(p, master_params[t], "master param");
+      TORCH_CHECK(master_params[t].scalar_type() == at::kFloat, "lightning_fusedsgd::sgd_step: masters are fp32");
+    }
+  }
+  TORCH_CHECK(slot == momentum_buffers.size(),
+              "lightning_fusedsgd::sgd_step: one momentum buffer per param whose group has momentum");
+  return args;
+}
+
+// Calls run(param, buffer, master) with value tags of the bucket's types: the param type P, the momentum buffer
+// type B (fp32 with masters) and std::bool_constant<master>.
+template <typename Run>
+void dispatch_bucket_types(at::ScalarType dtype, bool master, Run&& run) {
+  switch (dtype) {
+    case at::kFloat:
+      return run(float{}, float{}, std::false_type{});
+    case at::kDouble:
+      return run(double{}, double{}, std::false_type{});
+    case at::kBFloat16:
+      return master ? run(c10::BFloat16{}, float{}, std::true_type{})
+                    : run(c10::BFloat16{}, c10::BFloat16{}, std::false_type{});
+    case at::kHalf:
+      return master ? run(c10::Half{}, float{}, std::true_type{}) : run(c10::Half{}, c10::Half{}, std::false_type{});
+    default:
+      TORCH_CHECK(false, "lightning_fusedsgd::sgd_step: unsupported dtype ", dtype);
+  }
+}
+
+}  // namespace lfsgd

@@ -1,0 +1,77 @@
+// The CPU kernel's schedule: a work list of fixed-size chunks across every tensor of a bucket, in waves
+// (LARS reduces a wave's norms before updating it). Shared with the benchmarks' data-movement floor
+// (bench/csrc/floor.cpp), which must move its bytes in exactly this order.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+namespace lfsgd {
+
+// Elements per work item: large enough to amortise scheduling, small enough to balance 2-64 threads.
+constexpr int64_t kChunkElems = 16384;
+// LARS processes tensors in waves of about this many elements (w + g ~ 8 MB in fp32), norms then update,
+// so the update pass re-reads w and g from cache instead of memory.
+constexpr int64_t kWaveElems = int64_t{1} << 20;
+// Below this many elements a bucket runs on one thread: waking the pool costs more than it saves.
+constexpr int64_t kParallelMinElems = 32768;
+
+struct Chunk {
+  int32_t tensor;
+  int64_t begin;
+  int64_t end;
+};
+
+// A run of consecutive tensors whose norms are reduced before any of them is updated.
+struct Wave {
+  int64_t chunk_begin;
+  int64_t chunk_end;
+  bool needs_norms;
+};
+
+struct WorkList {
+  std::vector<Chunk> chunks;
+  std::vector<int64_t> tensor_first_chunk;  // size n + 1
+  std::vector<Wave> waves;
+  int64_t total_elems = 0;
+};
+
+// Without LARS the whole bucket is one wave; with LARS, waves of about kWaveElems elements.
+inline WorkList make_work_list(at::TensorList params, const std::vector<bool>& lars) {
+  WorkList work;
+  const int32_t n = static_cast<int32_t>(params.size());
+  const bool any_lars = std::find(lars.begin(), lars.end(), true) != lars.end();
+  work.tensor_first_chunk.reserve(n + 1);
+  Wave wave{0, 0, false};
+  int64_t wave_elems = 0;
+  for (int32_t t = 0; t < n; ++t) {
+    const int64_t numel = params[t].numel();
+    work.tensor_first_chunk.push_back(static_cast<int64_t>(work.chunks.size()));
+    for (int64_t begin = 0; begin < numel; begin += kChunkElems) {
+      work.chunks.push_back({t, begin, std::min(begin + kChunkElems, numel)});
+    }
+    work.total_elems += numel;
+    wave.needs_norms = wave.needs_norms || lars[t];
+    wave_elems += numel;
+    if (any_lars && wave_elems >= kWaveElems) {
+      wave.chunk_end = static_cast<int64_t>(work.chunks.size());
+      work.waves.push_back(wave);
+      wave = Wave{wave.chunk_end, wave.chunk_end, false};
+      wave_elems = 0;
+    }
+  }
+  work.tensor_first_chunk.push_back(static_cast<int64_t>(work.chunks.size()));
+  wave.chunk_end = static_cast<int64_t>(work.chunks.size());
+  if (wave.chunk_end > wave.chunk_begin) work.waves.push_back(wave);
+  return work;
+}
+
+inline int num_threads_for(const WorkList& work) {
+  return work.total_elems >= kParallelMinElems ? at::get_num_threads() : 1;
+}
+
+}  // namespace lfsgd

@@ -1,0 +1,344 @@
+"""The step plan: a step's buckets gathered and checked before anything is written, and the validated step
+kept in C++ for reuse (one invalidation rule: ``CachedPlan.matches``)."""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from lightning_fusedsgd import kernels
+
+if TYPE_CHECKING:
+    from lightning_fusedsgd.optim import FusedSGD
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+# Complex params are stepped as their real views, as torch.optim.SGD does.
+_SUPPORTED_DTYPES = (torch.float32, torch.float64, *LOW_PRECISION, torch.complex64, torch.complex128)
+_NO_STATE: dict[str, Any] = {}
+
+
+@dataclass
+class Bucket:
+    """The tensors of one (device, dtype, master weights) bucket, in the kernel's argument order."""
+
+    params: list[Tensor] = field(default_factory=list)  # dense views: real views of complex params
+    sources: list[Tensor] = field(default_factory=list)  # the optimizer's params behind them
+    grads: list[Tensor] = field(default_factory=list)
+    momentum_buffers: list[Tensor] = field(default_factory=list)  # of the params with momentum, in order
+    master_params: list[Tensor] = field(default_factory=list)
+    tensor_group: list[int] = field(default_factory=list)
+    first_step: list[bool] = field(default_factory=list)
+
+
+@dataclass
+class Plan:
+    """A step's buckets by (device, dtype, master weights); the state entries to store once the kernels ran
+    (new buffers and masters, buffers converted to the param's layout or to fp32, and ``None`` for a master
+    to drop because its group turned master weights off); and the (param, dense copy) pairs of params that
+    are not dense and are updated through a copy."""
+
+    buckets: dict[tuple[torch.device, torch.dtype, bool], Bucket] = field(default_factory=dict)
+    new_state: list[tuple[Tensor, str, Tensor | None]] = field(default_factory=list)
+    staged: list[tuple[Tensor, Tensor]] = field(default_factory=list)
+
+
+def _is_dense(tensor: Tensor) -> bool:
+    """Whether the kernel can walk the tensor's storage as a flat array (contiguous or channels_last)."""
+    return (
+        tensor.is_contiguous()
+        or (tensor.dim() == 4 and tensor.is_contiguous(memory_format=torch.channels_last))
+        or (tensor.dim() == 5 and tensor.is_contiguous(memory_format=torch.channels_last_3d))
+    )
+
+
+def param_label(group: dict[str, Any], group_index: int, param_index: int, param: Tensor) -> str:
+    names = group.get("param_names")
+    if names:
+        return f"'{names[param_index]}'"
+    return f"parameter {param_index} of group {group_index} (shape {tuple(param.shape)})"
+
+
+def _has_internal_overlap(tensor: Tensor) -> bool:
+    """Whether elements of ``tensor`` share memory (an ``expand()``ed tensor): no step can write it."""
+    return any(stride == 0 and size > 1 for size, stride in zip(tensor.shape, tensor.stride()))
+
+
+def _element_offsets(tensor: Tensor) -> Tensor:
+    """The storage offset of every element of ``tensor``."""
+    offsets = torch.full((), tensor.storage_offset(), dtype=torch.int64)
+    for size, stride in zip(tensor.shape, tensor.stride()):
+        offsets = offsets.unsqueeze(-1) + torch.arange(size, dtype=torch.int64) * stride
+    return offsets.flatten()
+
+
+def _overlap(a: Tensor, b: Tensor) -> bool:
+    """Whether two tensors whose address ranges intersect share an element (exactly, for one dtype)."""
+    if a.dtype != b.dtype or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return True
+    return bool(torch.isin(_element_offsets(a), _element_offsets(b)).any())
+
+
+def _check_no_overlap(stepped: list[tuple[Tensor, str]]) -> None:
+    """Refuses params that are overlapping views of one storage: one fused call would update the shared
+    elements from two threads at once, where torch.optim.SGD updates them one param after the other."""
+    spans = []  # (device, first byte, end byte, label, param), sorted by device and first byte
+    for param, label in stepped:
+        if param.numel():
+            extent = 1 + sum((size - 1) * stride for size, stride in zip(param.shape, param.stride()))
+            start = param.data_ptr()
+            spans.append((str(param.device), start, start + extent * param.element_size(), label, param))
+    spans.sort(key=lambda span: span[:2])
+    for i, (device, _, end, label, param) in enumerate(spans):
+        for next_device, next_start, _, next_label, next_param in spans[i + 1 :]:
+            if next_device != device or next_start >= end:
+                break
+            if not _overlap(param, next_param):
+                continue
+            raise ValueError(
+                f"{label} and {next_label} are overlapping views of one tensor's memory, so one step would "
+                "update the shared elements twice: pass parameters that do not overlap (e.g. the base tensor "
+                "once, or views that split it), or use torch.optim.SGD for this case."
+            )
+
+
+def bucket_name(key: tuple[torch.device, torch.dtype, bool]) -> str:
+    device, dtype, master = key
+    return f"{device}/{str(dtype).removeprefix('torch.')}{' + fp32 master' if master else ''}"
+
+
+def _real(tensor: Tensor) -> Tensor:
+    """Complex tensors are stepped as their real views, as torch.optim.SGD steps them."""
+    return torch.view_as_real(tensor) if tensor.is_complex() else tensor
+
+
+def _check_steppable(param: Tensor, label: str) -> None:
+    """Refuses, before anything is written, a param that no step of ours can update."""
+    if param.grad.is_sparse:
+        raise RuntimeError(
+            f"FusedSGD does not support sparse gradients ({label}): use torch.optim.SparseAdam "
+            "for it, or dense gradients (e.g. nn.Embedding(sparse=False))."
+        )
+    if param.dtype not in _SUPPORTED_DTYPES:
+        raise TypeError(
+            f"FusedSGD cannot step {label}: its dtype is {param.dtype}. Parameters must be floating point "
+            "(float32, float64, bfloat16, float16) or complex64/complex128; convert it, or leave it out of "
+            "the optimizer."
+        )
+    if param.grad.shape != param.shape:
+        raise ValueError(
+            f"The gradient of {label} has shape {tuple(param.grad.shape)} but the parameter has shape "
+            f"{tuple(param.shape)}: assign a gradient of the parameter's shape."
+        )
+    if _has_internal_overlap(param):
+        raise ValueError(
+            f"FusedSGD cannot step {label}: it is an expand()ed view whose elements share memory "
+            f"(strides {param.stride()}), so no in-place update can write it. Make it a real tensor, e.g. "
+            "nn.Parameter(tensor.clone()), or leave it out of the optimizer."
+        )
+
+
+def plan_step(optimizer: FusedSGD, tracing: bool = False) -> Plan:
+    """Validates every parameter with a grad and gathers the kernel inputs, changing nothing.
+
+    ``tracing`` (under torch.compile): the overlap check, which reads tensor addresses, is left out, and
+    new buffers start at zero, since a skipped first step cannot be seen on the host without a graph
+    break (eager creates no buffer then; a traced step stores a zero one).
+
+    """
+    plan = Plan()
+    stepped: list[tuple[Tensor, str]] = []
+    for group_index, group in enumerate(optimizer.param_groups):
+        for param_index, param in enumerate(group["params"]):
+            if param.grad is None:
+                continue
+            label = param_label(group, group_index, param_index, param)
+            _check_steppable(param, label)
+            stepped.append((param, label))
+            state = optimizer.state.get(param, _NO_STATE)
+            _plan_param(plan, state, param, group, group_index, param_index, tracing)
+    if not tracing:
+        _check_no_overlap(stepped)
+    return plan
+
+
+def _plan_param(
+    plan: Plan,
+    state: dict[str, Any],
+    param: Tensor,
+    group: dict[str, Any],
+    group_index: int,
+    param_index: int,
+    tracing: bool,
+) -> None:
+    """Adds one param to its bucket: dense views of param and grad (real views of complex ones), and
+    its momentum buffer and master, converted to the param's layout where needed."""
+    has_momentum = group["momentum"] != 0
+    use_master = bool(group["master_weights"]) and param.dtype in LOW_PRECISION
+    dense = param if _is_dense(param) else param.contiguous()
+    if dense is not param:
+        plan.staged.append((param, dense))
+    stride = dense.stride()
+    grad = param.grad
+    if grad.dtype != param.dtype or grad.stride() != stride:
+        grad = torch.empty_like(dense).copy_(grad)
+
+    bucket = plan.buckets.setdefault((param.device, param.dtype, use_master), Bucket())
+    bucket.params.append(_real(dense))
+    bucket.sources.append(param)
+    bucket.grads.append(_real(grad))
+    bucket.tensor_group.append(group_index)
+    buffer = state.get("momentum_buffer") if has_momentum else None
+    bucket.first_step.append(has_momentum and buffer is None)
+    if has_momentum:
+        buffer_dtype = torch.float32 if use_master else param.dtype
+        if buffer is None:
+            new_buffer = torch.zeros_like if tracing else torch.empty_like
+            buffer = new_buffer(dense, dtype=buffer_dtype)
+            plan.new_state.append((param, "momentum_buffer", buffer))
+        elif (
+            buffer.shape != param.shape
+            or buffer.dtype != buffer_dtype
+            or buffer.stride() != stride
+            or buffer.device != param.device
+        ):
+            check_state_shapes(state, group, group_index, param_index, param)
+            buffer = torch.empty_like(dense, dtype=buffer_dtype).copy_(buffer)
+            plan.new_state.append((param, "momentum_buffer", buffer))
+        bucket.momentum_buffers.append(_real(buffer))
+    master = state.get("master_param")
+    if not use_master:
+        if master is not None:  # stale once the param steps without it: seeded anew if turned back on
+            plan.new_state.append((param, "master_param", None))
+        return
+    if (
+        master is None
+        or master.shape != param.shape
+        or master.dtype != torch.float32
+        or master.stride() != stride
+    ):
+        check_state_shapes(state, group, group_index, param_index, param)
+        master = torch.empty_like(dense, dtype=torch.float32).copy_(dense if master is None else master)
+        plan.new_state.append((param, "master_param", master))
+    bucket.master_params.append(master)
+
+
+def check_state_shapes(
+    state: dict[str, Any], group: dict[str, Any], group_index: int, param_index: int, param: Tensor
+) -> None:
+    for key in ("momentum_buffer", "master_param"):
+        value = state.get(key)
+        if value is not None and value.shape != param.shape:
+            raise ValueError(
+                f"The {key} of {param_label(group, group_index, param_index, param)} has shape "
+                f"{tuple(value.shape)} but the parameter has shape {tuple(param.shape)}: the optimizer "
+                "state belongs to a different model. Load a matching checkpoint, or drop the optimizer "
+                "state to restart momentum from zero."
+            )
+
+
+@dataclass
+class CachedPlan:
+    """A validated step, reused while the parameters, their state and the group structure are unchanged.
+
+    Building a plan costs a few microseconds of Python per parameter, which on models with thousands of
+    small tensors is as much as the update itself. Reuse is checked in bulk: here, with C-level ``map``
+    only, the same params (by identity) and momentum/master-weights switches, the same state mapping
+    (keys and per-param dicts by identity, in order) and the same state tensors (by identity); in C++
+    (``CachedStep.run``), the same grad/no-grad pattern and params and grads laid out as recorded
+    (dtype, device, shape, strides). The C++ side keeps the kernel arguments, so a step converts no
+    tensor lists.
+    """
+
+    group_key: list[tuple[int, bool, bool]]
+    params: list[Tensor]
+    state_keys: list[Tensor]
+    state_dicts: list[dict[str, Any]]
+    stepped_dicts: list[dict[str, Any]]
+    buffers: list[Tensor | None]
+    masters: list[Tensor | None]  # empty when no bucket keeps master weights
+    device: torch.device
+    step: Any  # torch.classes.lightning_fusedsgd.CachedStep
+    backends: dict[str, str]  # what last_backends reports for a cached step
+
+    @staticmethod
+    def _group_key(optimizer: FusedSGD) -> list[tuple[int, bool, bool]]:
+        return [
+            (len(g["params"]), g["momentum"] != 0, bool(g["master_weights"])) for g in optimizer.param_groups
+        ]
+
+    @classmethod
+    def capture_if_reusable(cls, optimizer: FusedSGD, plan: Plan) -> CachedPlan | None:
+        """The step just run, kept for the next steps, where our kernel ran it on one device and it created
+        or converted no state and staged no param; else None."""
+        buckets = plan.buckets
+        devices = {device for device, _, _ in buckets}
+        device = devices.pop() if len(devices) == 1 else None  # one device: the scalars move once
+        reusable = (
+            device is not None
+            and not plan.new_state
+            and not plan.staged
+            and device.type in kernels.EXTENSIONS
+            and optimizer.backend in ("auto", "compiled")
+            and kernels.compiled_or_fallback(optimizer.backend, device.type) == "compiled"
+        )
+        return cls.capture(optimizer, buckets, device) if reusable else None
+
+    @classmethod
+    def capture(cls, optimizer: FusedSGD, buckets: dict[tuple, Bucket], device: torch.device) -> CachedPlan:
+        """Keeps the step just planned (buckets on one device, no new state) for the next steps."""
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        stepped = [p for p in params if p.grad is not None]
+        position = {id(p): i for i, p in enumerate(stepped)}
+        kernels.load_extension(device.type)
+        step = torch.classes.lightning_fusedsgd.CachedStep(
+            params, [p.grad is not None for p in params], [p.detach() for p in stepped]
+        )
+        for bucket in buckets.values():
+            step.add_bucket(
+                bucket.params,
+                bucket.momentum_buffers,
+                bucket.master_params,
+                bucket.tensor_group,
+                [position[id(p)] for p in bucket.sources],
+            )
+        stepped_dicts = [optimizer.state.get(p, _NO_STATE) for p in stepped]  # momentum 0: no state, as torch
+        return cls(
+            group_key=cls._group_key(optimizer),
+            params=params,
+            state_keys=list(optimizer.state),
+            state_dicts=list(optimizer.state.values()),
+            stepped_dicts=stepped_dicts,
+            buffers=list(map(_get_buffer, stepped_dicts)),
+            masters=list(map(_get_master, stepped_dicts)) if any(key[2] for key in buckets) else [],
+            device=device,
+            step=step,
+            backends={bucket_name(key): "compiled (cached step)" for key in buckets},
+        )
+
+    def matches(self, optimizer: FusedSGD) -> bool:
+        """Whether params, groups and state are those the cached step was validated for."""
+        state = optimizer.state
+        return (
+            self._group_key(optimizer) == self.group_key
+            and all(
+                map(
+                    operator.is_,
+                    itertools.chain.from_iterable(g["params"] for g in optimizer.param_groups),
+                    self.params,
+                )
+            )
+            and len(state) == len(self.state_keys)
+            and all(map(operator.is_, state, self.state_keys))
+            and all(map(operator.is_, state.values(), self.state_dicts))
+            and all(map(operator.is_, map(_get_buffer, self.stepped_dicts), self.buffers))
+            and all(map(operator.is_, map(_get_master, self.stepped_dicts), self.masters))
+        )
+
+
+_get_buffer = operator.methodcaller("get", "momentum_buffer")
+_get_master = operator.methodcaller("get", "master_param")

@@ -1,0 +1,143 @@
+"""The kernels as PyTorch custom ops: schemas and fake kernels (opcheck), and torch.compile tracing a
+FusedSGD step into one graph with no break, with eager's result."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch._dynamo.utils import counters
+
+from lightning_fusedsgd import FusedLARS, FusedSGD, kernels
+from lightning_fusedsgd.reference import HPARAM_COLUMNS
+
+OPS = kernels.load_extension("cpu")
+
+
+def table(**hparams):
+    row = {name: 0.0 for name in HPARAM_COLUMNS} | {"lr": 0.1, "trust_coefficient": 1e-3} | hparams
+    return torch.tensor([[float(row[name]) for name in HPARAM_COLUMNS]], dtype=torch.float64)
+
+
+def bucket(dtype=torch.float32, master=False, momentum=True):
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(33, 17), (70_000,), (5,)]
+    params = [torch.randn(s, generator=generator).to(dtype) for s in shapes]
+    grads = [torch.randn(s, generator=generator).to(dtype) for s in shapes]
+    buffer_dtype = torch.float32 if master else dtype
+    buffers = [torch.randn(s, generator=generator).to(buffer_dtype) for s in shapes] if momentum else []
+    masters = [p.float() for p in params] if master else []
+    return params, grads, buffers, masters
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(hparams=dict(momentum=0.9, nesterov=1.0, weight_decay=1e-4)),
+        dict(hparams=dict(), momentum=False),
+        dict(hparams=dict(momentum=0.9, lars=1.0, weight_decay=1e-4)),
+        dict(hparams=dict(momentum=0.9), dtype=torch.bfloat16, master=True),
+        dict(hparams=dict(momentum=0.9), scaler=True),
+    ],
+    ids=["nesterov", "no-momentum", "lars", "bf16-master", "grad-scaler"],
+)
+def test_sgd_step_passes_opcheck(case):
+    params, grads, buffers, masters = bucket(
+        case.get("dtype", torch.float32), case.get("master", False), case.get("momentum", True)
+    )
+    scale, found_inf = (torch.tensor([1024.0]), torch.tensor([0.0])) if case.get("scaler") else (None, None)
+    args = (
+        params,
+        grads,
+        buffers,
+        masters,
+        table(**case["hparams"]),
+        [0, 0, 0],
+        [False, True, False],
+        scale,
+        found_inf,
+    )
+    torch.library.opcheck(OPS.sgd_step.default, args)
+
+
+def test_sgd_step_schema_declares_what_it_writes():
+    schema = OPS.sgd_step.default._schema
+    written = [
+        argument.name for argument in schema.arguments if argument.alias_info and argument.alias_info.is_write
+    ]
+    assert written == ["params", "momentum_buffers", "master_params"]
+
+
+def compiled_and_eager_runs(make_optimizer, dtype=torch.float32, scaler=False, steps=4):
+    """The same steps run eagerly and through torch.compile; returns both param lists, both optimizers and
+    dynamo's graph-break reasons for the compiled run."""
+    runs = []
+    for compiled in (False, True):
+        generator = torch.Generator().manual_seed(0)
+        params = [
+            nn.Parameter(torch.randn(s, generator=generator).to(dtype)) for s in [(33, 17), (70_000,), (8,)]
+        ]
+        optimizer = make_optimizer(params)
+        step = optimizer.step
+        if compiled:
+            torch._dynamo.reset()
+            counters.clear()
+            step = torch.compile(optimizer.step, backend="aot_eager")
+        for i in range(steps):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=generator).to(dtype)
+            if scaler:  # what GradScaler hands an optimizer that unscales itself
+                optimizer.grad_scale = torch.tensor([256.0])
+                optimizer.found_inf = torch.tensor([1.0 if i == 2 else 0.0])
+                for p in params:
+                    p.grad.mul_(256.0)
+            step()
+        runs.append((params, optimizer))
+    return runs, dict(counters["graph_break"])
+
+
+@pytest.mark.parametrize(
+    "make_optimizer, dtype, scaler",
+    [
+        (lambda p: FusedSGD(p, lr=0.1, momentum=0.9, weight_decay=1e-4), torch.float32, False),
+        (lambda p: FusedSGD(p, lr=0.1, momentum=0.9, nesterov=True), torch.float32, False),
+        (
+            lambda p: FusedLARS(p, lr=0.1, momentum=0.9, weight_decay=1e-4, trust_clip=True),
+            torch.float32,
+            False,
+        ),
+        (lambda p: FusedSGD(p, lr=0.1, momentum=0.9, master_weights=True), torch.bfloat16, False),
+        (lambda p: FusedSGD(p, lr=0.1, momentum=0.9), torch.float32, True),
+    ],
+    ids=["plain", "nesterov", "lars", "bf16-master", "grad-scaler"],
+)
+def test_compiled_step_traces_without_graph_breaks_and_matches_eager(make_optimizer, dtype, scaler):
+    ((eager, eager_opt), (compiled, compiled_opt)), breaks = compiled_and_eager_runs(
+        make_optimizer, dtype, scaler
+    )
+    assert breaks == {}, breaks
+    assert set(compiled_opt.last_backends.values()) == {"compiled"}  # the traced graph, not the cached step
+    for p, q in zip(compiled, eager):
+        assert torch.equal(p, q)
+        for key, value in eager_opt.state[q].items():
+            assert torch.equal(compiled_opt.state[p][key], value), key
+
+
+def test_compiled_step_calls_our_op():
+    graphs = []
+
+    def record(graph_module, inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    params = [nn.Parameter(torch.randn(70_000))]
+    optimizer = FusedSGD(params, lr=0.1, momentum=0.9)
+    torch._dynamo.reset()
+    step = torch.compile(lambda: optimizer.step(), backend=record)
+    for _ in range(2):
+        params[0].grad = torch.ones_like(params[0])
+        step()
+    targets = [node.target for graph in graphs for node in graph.graph.nodes if node.op == "call_function"]
+    assert (
+        targets.count(torch.ops.lightning_fusedsgd.sgd_step) == len(graphs) == 2
+    )  # first step, then later ones
