@@ -1,0 +1,209 @@
+"""Checkpoint files and what is in them: read with every record's CRC checked, write atomically, and check
+that an optimizer state dict is one."""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import pickle
+import secrets
+import zipfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_fusedsgd.checkpoint.errors import CheckpointError, InvalidOptimizerStateError
+
+# torchvision's reference script stores its argparse namespace under "args".
+_SAFE_GLOBALS = [argparse.Namespace]
+_USE_INTACT = "Nothing was loaded; use an intact checkpoint, e.g. an earlier one from the same directory."
+
+
+def _verify_zip_integrity(path: str) -> None:
+    """Check every record's CRC32; a non-zip file (legacy format or truncated) is left to torch.load."""
+    if not zipfile.is_zipfile(path):
+        return
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad_record = archive.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError) as exc:
+        raise CheckpointError(
+            f"cannot read checkpoint {path!r}: it is truncated or corrupted ({exc}). {_USE_INTACT}"
+        ) from exc
+    if bad_record is not None:
+        raise CheckpointError(
+            f"checkpoint {path!r} is corrupted: record {bad_record!r} fails its CRC check (the bytes "
+            f"changed after it was written). {_USE_INTACT}"
+        )
+
+
+def _unreadable(path: str, exc: BaseException) -> CheckpointError:
+    """The error for a file ``torch.load`` could not read, telling unsafe content from corruption."""
+    message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if isinstance(exc, pickle.UnpicklingError) and message.startswith("Weights only load failed"):
+        # torch's message is long; the line naming the refused object is the useful part.
+        detail = next(
+            (line.strip() for line in str(exc).splitlines() if "Unsupported global" in line), message
+        )
+        return CheckpointError(
+            f"checkpoint {path!r} holds pickled Python objects that a weights-only load refuses "
+            f"({detail}). Nothing was loaded; if you trust the file's source, load it without that "
+            "restriction (trusted=True here, Trainer.fit(..., weights_only=False) for a ckpt_path)."
+        )
+    return CheckpointError(
+        f"cannot read checkpoint {path!r}: it is truncated or corrupted ({type(exc).__name__}: "
+        f"{message}). {_USE_INTACT}"
+    )
+
+
+def read_checkpoint_file(
+    path: str | os.PathLike[str],
+    *,
+    map_location: Any = "cpu",
+    trusted: bool = False,
+) -> dict[str, Any]:
+    """Load a checkpoint file after checking that it is complete and uncorrupted.
+
+    Args:
+        path: The checkpoint file.
+        map_location: Passed to ``torch.load``.
+        trusted: Allow arbitrary pickled objects (``weights_only=False``). Only for files from a
+            source you trust; the default also accepts torchvision's ``args`` namespace.
+
+    Returns:
+        The checkpoint dict.
+
+    Raises:
+        CheckpointError: If the file is missing, truncated, corrupted, holds objects a weights-only
+            load refuses, or is not a dict. The message names the file.
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise CheckpointError(f"checkpoint {path!r} does not exist or is not a file; check the path")
+    _verify_zip_integrity(path)
+    try:
+        with torch.serialization.safe_globals(_SAFE_GLOBALS):
+            checkpoint = torch.load(path, map_location=map_location, weights_only=not trusted)
+    except Exception as exc:  # torch.load raises many types for damaged files; all mean "unreadable"
+        raise _unreadable(path, exc) from exc
+    if not isinstance(checkpoint, dict):
+        raise CheckpointError(
+            f"checkpoint {path!r} holds a {type(checkpoint).__name__}, not a checkpoint dict; expected a "
+            "Lightning checkpoint, a torchvision reference checkpoint or a state dict"
+        )
+    return checkpoint
+
+
+def _temp_name(target: Path) -> Path:
+    # Hidden and not ending in .ckpt, so ModelCheckpoint never mistakes it for a checkpoint; the pid
+    # lets a later save tell a dead writer's leftover from a live one.
+    return target.with_name(f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+
+
+def _remove_stale_temps(target: Path) -> None:
+    """Delete temporary files of ``target`` left by writers that were killed mid-write."""
+    for temp in target.parent.glob(f".{glob.escape(target.name)}.*.tmp"):
+        pid = temp.name[len(target.name) + 2 :].split(".")[0]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            temp.unlink(missing_ok=True)
+        except PermissionError:  # alive, owned by someone else
+            continue
+
+
+def _fsync_directory(directory: Path) -> None:
+    """Make a rename in ``directory`` durable (POSIX; Windows cannot open directories)."""
+    if os.name != "posix":
+        return
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint_file(obj: Any, path: str | os.PathLike[str]) -> None:
+    """``torch.save`` to a local ``path`` so that it is always either the old or the new complete file.
+
+    Writes a hidden temporary file next to ``path`` (same filesystem, so the rename is atomic), flushes
+    and fsyncs it, renames it over ``path`` with ``os.replace`` and fsyncs the directory, so the rename
+    survives a power loss too. A failed write removes its temporary file; one left by a killed process
+    is removed by the next save of the same file.
+
+    Args:
+        obj: What to save (a checkpoint dict).
+        path: The target file; its directory is created if needed.
+
+    Raises:
+        OSError: If writing fails (disk full...); ``path`` then still holds the previous checkpoint.
+    """
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temps(target)
+    temp = _temp_name(target)
+    try:
+        # O_EXCL never clobbers; mode 0o666 leaves permissions to the umask, as a plain open() would.
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        with open(fd, "wb") as file:
+            torch.save(obj, file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temp, target)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+    _fsync_directory(target.parent)
+
+
+def check_optimizer_state_dict(state_dict: Any, source: str = "the optimizer state dict") -> None:
+    """Checks that ``state_dict`` is laid out as ``Optimizer.state_dict()`` makes it, with usable tensors.
+
+    Raises:
+        InvalidOptimizerStateError: Naming what is wrong (and the parameter, where it has a name).
+    """
+    fix = (
+        "load what optimizer.state_dict() returned "
+        "(for a Lightning checkpoint: checkpoint['optimizer_states'][0])"
+    )
+    if not isinstance(state_dict, Mapping):
+        raise InvalidOptimizerStateError(f"{source} is a {type(state_dict).__name__}, not a dict: {fix}.")
+    missing = [key for key in ("state", "param_groups") if key not in state_dict]
+    if missing:
+        raise InvalidOptimizerStateError(f"{source} has no {' or '.join(map(repr, missing))} entry: {fix}.")
+    groups, state = state_dict["param_groups"], state_dict["state"]
+    if not isinstance(state, Mapping) or not isinstance(groups, Sequence):
+        raise InvalidOptimizerStateError(
+            f"{source}: 'state' must be a dict and 'param_groups' a list: {fix}."
+        )
+    names = {}
+    for index, group in enumerate(groups):
+        if not isinstance(group, Mapping) or not isinstance(group.get("params"), Sequence):
+            raise InvalidOptimizerStateError(
+                f"{source}: param_groups[{index}] has no 'params' list of parameter ids: {fix}."
+            )
+        names.update(zip(group["params"], group.get("param_names") or ()))
+    for saved_id, entry in state.items():
+        label = f"'{names[saved_id]}'" if saved_id in names else f"parameter {saved_id!r}"
+        if not isinstance(entry, Mapping):
+            raise InvalidOptimizerStateError(
+                f"{source}: the state of {label} is a {type(entry).__name__}, not a dict: {fix}."
+            )
+        for key, value in entry.items():
+            if key == "step" or value is None:  # other optimizers' step counts; torch's absent buffer
+                continue
+            if not isinstance(value, torch.Tensor):
+                raise InvalidOptimizerStateError(
+                    f"{source}: the {key} of {label} is a {type(value).__name__}, not a tensor: the state "
+                    f"is damaged or not an optimizer's; {fix}."
+                )
+            if value.is_meta:
+                raise InvalidOptimizerStateError(
+                    f"{source}: the {key} of {label} is on the meta device and holds no values: load the "
+                    "checkpoint with its data (torch.load(path, map_location='cpu')), not a meta-device copy."
+                )
