@@ -1,16 +1,15 @@
-"""The CUDA kernel against the same oracles as the CPU kernel: torch.optim.SGD for plain SGD, the float64
-LARS formula, and the reference backend for low-precision params. Skipped where no GPU is present."""
+"""What only the CUDA kernel has to show: no host sync under a GradScaler, determinism, the real GradScaler
+under autocast, and its options and dtypes against the reference backend. Its parity with torch.optim.SGD
+and with the float64 LARS formula is checked by test_fused_sgd.py and test_lars.py, which run on every
+device (conftest.py). Skipped where no GPU is present."""
 
 from __future__ import annotations
 
 import copy
-import itertools
 
 import pytest
 import torch
-from test_fused_sgd import COMBINATIONS, assert_close_rel, two_groups
-from test_lars import check_mixed_groups_against_oracle
-from test_lars import make_params as make_lars_params
+from oracles import assert_close_rel
 from torch import nn
 
 from lightning_fusedsgd import FusedLARS, FusedSGD
@@ -53,36 +52,6 @@ def test_auto_runs_our_cuda_kernel():
     p.grad = torch.ones_like(p)
     opt.step()
     assert opt.last_backends == {"cuda:0/float32": "compiled"}
-
-
-@pytest.mark.parametrize("hparams", COMBINATIONS, ids=lambda h: "-".join(f"{k}={v}" for k, v in h.items()))
-def test_matches_torch_sgd_over_40_steps(hparams):
-    ours = cuda_params(PLAIN_SHAPES)
-    theirs = clone(ours)
-    opt = FusedSGD(two_groups(ours, **hparams), lr=0.05, backend="compiled", **hparams)
-    ref = torch.optim.SGD(two_groups(theirs, **hparams), lr=0.05, foreach=False, **hparams)
-    generator = torch.Generator().manual_seed(1)
-    for step in range(40):
-        if step == 20:
-            for group in opt.param_groups + ref.param_groups:
-                group["lr"] *= 0.5
-        set_grads([ours, theirs], generator, step=step)
-        opt.step()
-        ref.step()
-    assert_close_rel(ours, theirs, 1e-5)
-    for p, q in zip(ours, theirs):
-        if hparams["momentum"]:
-            assert_close_rel([opt.state[p]["momentum_buffer"]], [ref.state[q]["momentum_buffer"]], 1e-5)
-    assert ours[0].is_contiguous(memory_format=torch.channels_last)
-
-
-@pytest.mark.parametrize(
-    "nesterov, trust_clip, decayed_grad, maximize",
-    list(itertools.product((False, True), (False, True), (False, True), (False, True))),
-)
-def test_lars_matches_formula_over_30_steps(nesterov, trust_clip, decayed_grad, maximize):
-    params = make_lars_params(device=CUDA)
-    check_mixed_groups_against_oracle(params, "compiled", nesterov, trust_clip, decayed_grad, maximize)
 
 
 @pytest.mark.parametrize(

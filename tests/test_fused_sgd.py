@@ -7,6 +7,7 @@ import itertools
 
 import pytest
 import torch
+from oracles import assert_close_rel
 from torch import nn
 
 from lightning_fusedsgd import FusedSGD
@@ -36,11 +37,11 @@ def valid_combinations():
 COMBINATIONS = list(valid_combinations())
 
 
-def make_params(dtype=torch.float32, seed=0, channels_last=True):
+def make_params(dtype=torch.float32, seed=0, channels_last=True, device="cpu"):
     generator = torch.Generator().manual_seed(seed)
     params = []
     for shape in SHAPES:
-        p = torch.randn(shape, generator=generator).to(dtype)
+        p = torch.randn(shape, generator=generator).to(device=device, dtype=dtype)
         if channels_last and p.dim() == 4:
             p = p.contiguous(memory_format=torch.channels_last)
         params.append(nn.Parameter(p))
@@ -57,7 +58,7 @@ def set_grads(params_sets, step, generator):
         if (step + i) % 7 == 3:
             grad = None
         else:
-            grad = torch.randn(p.shape, generator=generator).to(p.dtype)
+            grad = torch.randn(p.shape, generator=generator).to(device=p.device, dtype=p.dtype)
             if p.dim() == 4 and step % 2:
                 grad = grad.contiguous(memory_format=torch.channels_last)
         for params in params_sets:
@@ -71,16 +72,10 @@ def two_groups(params, **hparams):
     ]
 
 
-def assert_close_rel(actual, expected, rel):
-    for a, e in zip(actual, expected):
-        scale = e.detach().abs().max().clamp_min(1e-12)
-        assert ((a.detach().float() - e.detach().float()).abs().max() / scale).item() <= rel
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("hparams", COMBINATIONS, ids=lambda h: "-".join(f"{k}={v}" for k, v in h.items()))
-def test_matches_torch_sgd_over_50_steps(backend, hparams):
-    ours, theirs = make_params(), make_params()
+def test_matches_torch_sgd_over_50_steps(backend, hparams, device):
+    ours, theirs = make_params(device=device), make_params(device=device)
     opt = FusedSGD(two_groups(ours, **hparams), lr=0.05, backend=backend, **hparams)
     ref = torch.optim.SGD(two_groups(theirs, **hparams), lr=0.05, foreach=False, **hparams)
     generator = torch.Generator().manual_seed(1)
