@@ -92,6 +92,62 @@ def _declared_no_decay(model: nn.Module) -> tuple[str, ...]:
     return names
 
 
+def _warn_unmatched(
+    model: nn.Module, aliases: dict[int, list[str]], patterns: tuple[str, ...], declared: tuple[str, ...]
+) -> None:
+    """Warns about patterns and declared names that match no parameter: most likely typos."""
+    all_names = [name for names in aliases.values() for name in names]
+    for source, names in (("extra_no_decay pattern", patterns), ("no_weight_decay() name", declared)):
+        for pattern in names:
+            if not any(fnmatch.fnmatchcase(name, pattern) for name in all_names):
+                warnings.warn(
+                    f"param_groups: {source} {pattern!r} matches no parameter of {type(model).__name__}; "
+                    "check its spelling against model.named_parameters()",
+                    UserWarning,
+                    stacklevel=3,
+                )
+
+
+def _sort_members(
+    model: nn.Module,
+    aliases: dict[int, list[str]],
+    explicit_patterns: tuple[str, ...],
+    no_decay_bias: bool,
+    no_decay_norm: bool,
+    no_lars_bias: bool,
+    no_lars_norm: bool,
+) -> dict[tuple[bool, bool], list[tuple[str, nn.Parameter]]]:
+    """Each trainable parameter under its (decay, lars) key, by the categories of :func:`param_groups`."""
+    norm_param_ids = {
+        id(param)
+        for module in model.modules()
+        if isinstance(module, NORM_MODULE_TYPES)
+        for param in module.parameters(recurse=False)
+    }
+    members: dict[tuple[bool, bool], list[tuple[str, nn.Parameter]]] = {key: [] for key in _GROUP_ORDER}
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        if isinstance(param, nn.parameter.UninitializedParameter):
+            raise ValueError(
+                f"parameter {name!r} is an uninitialized lazy parameter; run one forward pass "
+                "before building parameter groups"
+            )
+        names = aliases[id(param)]
+        if _matches_any(names, explicit_patterns):
+            key = (False, False)
+        elif id(param) in norm_param_ids:
+            key = (not no_decay_norm, not no_lars_norm)
+        elif any(alias.rpartition(".")[2] == "bias" for alias in names):
+            key = (not no_decay_bias, not no_lars_bias)
+        elif param.ndim <= 1:
+            key = (not no_decay_norm, not no_lars_norm)
+        else:
+            key = (True, True)
+        members[key].append((name, param))
+    return members
+
+
 def param_groups(
     model: nn.Module,
     weight_decay: float,
@@ -162,51 +218,15 @@ def param_groups(
     patterns = _validate_patterns(extra_no_decay)
 
     declared = _declared_no_decay(model)
-    explicit_patterns = patterns + declared
 
     # Every name under which each tensor is registered, so tied parameters are judged by all aliases.
     aliases: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(param), []).append(name)
-    norm_param_ids = {
-        id(param)
-        for module in model.modules()
-        if isinstance(module, NORM_MODULE_TYPES)
-        for param in module.parameters(recurse=False)
-    }
-
-    all_names = [name for names in aliases.values() for name in names]
-    for source, names in (("extra_no_decay pattern", patterns), ("no_weight_decay() name", declared)):
-        for pattern in names:
-            if not any(fnmatch.fnmatchcase(name, pattern) for name in all_names):
-                warnings.warn(
-                    f"param_groups: {source} {pattern!r} matches no parameter of {type(model).__name__}; "
-                    "check its spelling against model.named_parameters()",
-                    UserWarning,
-                    stacklevel=2,
-                )
-
-    members: dict[tuple[bool, bool], list[tuple[str, nn.Parameter]]] = {key: [] for key in _GROUP_ORDER}
-    for name, param in model.named_parameters():
-        if not param.requires_grad:
-            continue
-        if isinstance(param, nn.parameter.UninitializedParameter):
-            raise ValueError(
-                f"parameter {name!r} is an uninitialized lazy parameter; run one forward pass "
-                "before building parameter groups"
-            )
-        names = aliases[id(param)]
-        if _matches_any(names, explicit_patterns):
-            key = (False, False)
-        elif id(param) in norm_param_ids:
-            key = (not no_decay_norm, not no_lars_norm)
-        elif any(alias.rpartition(".")[2] == "bias" for alias in names):
-            key = (not no_decay_bias, not no_lars_bias)
-        elif param.ndim <= 1:
-            key = (not no_decay_norm, not no_lars_norm)
-        else:
-            key = (True, True)
-        members[key].append((name, param))
+    _warn_unmatched(model, aliases, patterns, declared)
+    members = _sort_members(
+        model, aliases, patterns + declared, no_decay_bias, no_decay_norm, no_lars_bias, no_lars_norm
+    )
 
     groups = [
         {

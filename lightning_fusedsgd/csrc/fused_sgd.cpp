@@ -100,39 +100,67 @@ void sum_squares(const P* w, const float* m, const P* gr, const Chunk& chunk, bo
   sum_g = sg;
 }
 
+// One bucket's step on the CPU: each tensor's pointers and coefficients, the work list, and the LARS partial
+// sums that the norm pass writes and the update reads.
 template <typename P, typename B, bool kMaster>
-void sgd_bucket(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
-                at::TensorList master_params, const BucketArgs& args, at::IntArrayRef tensor_group,
-                const c10::List<bool>& first_step, double inv_scale) {
+class BucketStep {
+ public:
   using O = typename OpMath<P>::type;
-  const int32_t n = static_cast<int32_t>(params.size());
 
-  std::vector<P*> w_ptr(n);
-  std::vector<const P*> g_ptr(n);
-  std::vector<B*> b_ptr(n, nullptr);
-  std::vector<float*> m_ptr(n, nullptr);
-  std::vector<Coeffs<O>> coeffs(n);
-  std::vector<bool> lars(n);
-  for (int32_t t = 0; t < n; ++t) {
-    const GroupHParams& h = args.groups[tensor_group[t]];
-    w_ptr[t] = params[t].data_ptr<P>();
-    g_ptr[t] = grads[t].data_ptr<P>();
-    if (args.buffer_slot[t] >= 0) b_ptr[t] = momentum_buffers[args.buffer_slot[t]].data_ptr<B>();
-    if (kMaster) m_ptr[t] = master_params[t].data_ptr<float>();
-    coeffs[t] = make_coeffs<O>(h, inv_scale, first_step[t]);
-    lars[t] = h.lars;
+  BucketStep(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
+             at::TensorList master_params, const BucketArgs& args, at::IntArrayRef tensor_group,
+             const c10::List<bool>& first_step, double inv_scale)
+      : groups_(args.groups), tensor_group_(tensor_group), inv_scale_(inv_scale) {
+    const size_t n = params.size();
+    w_ptr_.resize(n);
+    g_ptr_.resize(n);
+    b_ptr_.assign(n, nullptr);
+    m_ptr_.assign(n, nullptr);
+    coeffs_.resize(n);
+    lars_.resize(n);
+    for (size_t t = 0; t < n; ++t) {
+      const GroupHParams& h = groups_[tensor_group[t]];
+      w_ptr_[t] = params[t].data_ptr<P>();
+      g_ptr_[t] = grads[t].data_ptr<P>();
+      if (args.buffer_slot[t] >= 0) b_ptr_[t] = momentum_buffers[args.buffer_slot[t]].data_ptr<B>();
+      if (kMaster) m_ptr_[t] = master_params[t].data_ptr<float>();
+      coeffs_[t] = make_coeffs<O>(h, inv_scale, first_step[t]);
+      lars_[t] = h.lars;
+    }
+    work_ = make_work_list(params, lars_);
+    w_sq_.resize(work_.chunks.size());
+    g_sq_.resize(work_.chunks.size());
   }
 
-  const WorkList work = make_work_list(params, lars);
-  std::vector<double> w_sq(work.chunks.size()), g_sq(work.chunks.size());
+  // One parallel region over the waves: a wave's LARS norms, then its update.
+  void run() {
+#pragma omp parallel num_threads(num_threads_for(work_))
+    {
+      int32_t trust_tensor = -1;
+      O trust = 1;
+      for (const Wave& wave : work_.waves) {
+        if (wave.needs_norms) {
+#pragma omp for schedule(static)
+          for (int64_t c = wave.chunk_begin; c < wave.chunk_end; ++c) {
+            if (lars_[work_.chunks[c].tensor]) norm_chunk(work_.chunks[c], c);
+          }
+        }
+#pragma omp for schedule(static)
+        for (int64_t c = wave.chunk_begin; c < wave.chunk_end; ++c) {
+          update_chunk(work_.chunks[c], trust_tensor, trust);
+        }
+      }
+    }
+  }
 
-  auto norm_chunk = [&](const Chunk& chunk, int64_t c) {
+ private:
+  void norm_chunk(const Chunk& chunk, int64_t c) {
     const int32_t t = chunk.tensor;
-    const GroupHParams& h = args.groups[tensor_group[t]];
-    const O grad_mul = coeffs[t].grad_mul;
+    const GroupHParams& h = groups_[tensor_group_[t]];
+    const O grad_mul = coeffs_[t].grad_mul;
     const O weight_decay = static_cast<O>(h.weight_decay);
     double sum_w, sum_g;
-    sum_squares<O, kMaster>(w_ptr[t], m_ptr[t], g_ptr[t], chunk, h.lars_decayed_grad, grad_mul, weight_decay,
+    sum_squares<O, kMaster>(w_ptr_[t], m_ptr_[t], g_ptr_[t], chunk, h.lars_decayed_grad, grad_mul, weight_decay,
                             sum_w, sum_g);
     // fp32 sums are exact enough where they are normal numbers; squares of weights below about 1e-19
     // underflow and above about 1e19 overflow. A chunk whose sums leave that range (zero, tiny, inf, NaN)
@@ -140,41 +168,41 @@ void sgd_bucket(at::TensorList params, at::TensorList grads, at::TensorList mome
     // of fp32 sums everywhere else.
     constexpr double kMinExact = 1e-30;  // far above 16K subnormal squares (16384 x 1.2e-38)
     if (!(sum_w >= kMinExact && sum_w <= 1e38 && sum_g >= kMinExact && sum_g <= 1e38)) {
-      sum_squares<double, kMaster>(w_ptr[t], m_ptr[t], g_ptr[t], chunk, h.lars_decayed_grad, grad_mul,
+      sum_squares<double, kMaster>(w_ptr_[t], m_ptr_[t], g_ptr_[t], chunk, h.lars_decayed_grad, grad_mul,
                                    weight_decay, sum_w, sum_g);
     }
-    w_sq[c] = sum_w;
-    g_sq[c] = sum_g;
-  };
+    w_sq_[c] = sum_w;
+    g_sq_[c] = sum_g;
+  }
 
   // Sums the chunk partials in a fixed order, so the ratio does not depend on the thread count. Each thread
   // computes it for the tensors its chunks belong to (update_chunk keeps the last one), which saves a
   // barrier per wave.
-  auto tensor_trust = [&](int32_t t) -> O {
+  O tensor_trust(int32_t t) const {
     double sum_w = 0, sum_g = 0;
-    for (int64_t c = work.tensor_first_chunk[t]; c < work.tensor_first_chunk[t + 1]; ++c) {
-      sum_w += w_sq[c];
-      sum_g += g_sq[c];
+    for (int64_t c = work_.tensor_first_chunk[t]; c < work_.tensor_first_chunk[t + 1]; ++c) {
+      sum_w += w_sq_[c];
+      sum_g += g_sq_[c];
     }
-    return static_cast<O>(lars_trust(sum_w, sum_g, args.groups[tensor_group[t]], inv_scale));
-  };
+    return static_cast<O>(lars_trust(sum_w, sum_g, groups_[tensor_group_[t]], inv_scale_));
+  }
 
   // `trust_tensor` / `trust`: the calling thread's last computed ratio (static schedules give each thread
   // consecutive chunks, so a tensor's ratio is computed about once per thread).
-  auto update_chunk = [&](const Chunk& chunk, int32_t& trust_tensor, O& trust) {
+  void update_chunk(const Chunk& chunk, int32_t& trust_tensor, O& trust) const {
     const int32_t t = chunk.tensor;
-    Coeffs<O> c = coeffs[t];
-    if (lars[t]) {
+    Coeffs<O> c = coeffs_[t];
+    if (lars_[t]) {
       if (trust_tensor != t) {
         trust = tensor_trust(t);
         trust_tensor = t;
       }
       c.trust = trust;
     }
-    P* w = w_ptr[t];
-    const P* gr = g_ptr[t];
-    B* b = b_ptr[t];
-    float* m = m_ptr[t];
+    P* w = w_ptr_[t];
+    const P* gr = g_ptr_[t];
+    B* b = b_ptr_[t];
+    float* m = m_ptr_[t];
     if (c.has_momentum) {
 #pragma omp simd
       for (int64_t i = chunk.begin; i < chunk.end; ++i) {
@@ -195,24 +223,20 @@ void sgd_bucket(at::TensorList params, at::TensorList grads, at::TensorList mome
         store(w, i, wi);
       }
     }
-  };
-
-#pragma omp parallel num_threads(num_threads_for(work))
-  {
-    int32_t trust_tensor = -1;
-    O trust = 1;
-    for (const Wave& wave : work.waves) {
-      if (wave.needs_norms) {
-#pragma omp for schedule(static)
-        for (int64_t c = wave.chunk_begin; c < wave.chunk_end; ++c) {
-          if (lars[work.chunks[c].tensor]) norm_chunk(work.chunks[c], c);
-        }
-      }
-#pragma omp for schedule(static)
-      for (int64_t c = wave.chunk_begin; c < wave.chunk_end; ++c) update_chunk(work.chunks[c], trust_tensor, trust);
-    }
   }
-}
+
+  const std::vector<GroupHParams>& groups_;
+  at::IntArrayRef tensor_group_;
+  double inv_scale_;
+  std::vector<P*> w_ptr_;
+  std::vector<const P*> g_ptr_;
+  std::vector<B*> b_ptr_;
+  std::vector<float*> m_ptr_;
+  std::vector<Coeffs<O>> coeffs_;
+  std::vector<bool> lars_;
+  WorkList work_;
+  std::vector<double> w_sq_, g_sq_;
+};
 
 // lightning_fusedsgd::sgd_step for CPU tensors (argument slots in bucket.h). The grad scale and found_inf
 // are read on the host, which costs nothing for CPU tensors.
@@ -225,8 +249,9 @@ void sgd_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList mo
   if (params.empty() || (found_inf.has_value() && found_inf->item<float>() != 0.0f)) return;
   const double inv_scale = grad_scale.has_value() ? inverse_scale(grad_scale->item<float>()) : 1.0;
   dispatch_bucket_types(params[0].scalar_type(), args.master, [&](auto param, auto buffer, auto master) {
-    sgd_bucket<decltype(param), decltype(buffer), decltype(master)::value>(
-        params, grads, momentum_buffers, master_params, args, tensor_group, first_step, inv_scale);
+    BucketStep<decltype(param), decltype(buffer), decltype(master)::value>(
+        params, grads, momentum_buffers, master_params, args, tensor_group, first_step, inv_scale)
+        .run();
   });
 }
 

@@ -181,19 +181,8 @@ def configure_fused_sgd(
         )
     schedule = schedule or Schedule()
 
-    if trainer.train_dataloader is None:
-        # As estimated_stepping_batches does; needed here even when max_steps alone sets the length.
-        trainer.fit_loop.setup_data()
-    total_steps = trainer.estimated_stepping_batches
-    if not math.isfinite(total_steps) or total_steps < 1:
-        raise ConfigError(
-            f"cannot size the lr schedule: the run has {total_steps} optimizer steps; set trainer.max_epochs "
-            "or trainer.max_steps"
-        )
-    total_steps = int(total_steps)
+    total_steps, steps_per_epoch = _run_length(trainer)
     accumulate = trainer.accumulate_grad_batches
-    batches = trainer.num_training_batches
-    steps_per_epoch = max(1, math.ceil(batches / accumulate)) if math.isfinite(batches) else None
     if batch_size is None:
         batch_size = _per_device_batch_size(trainer)
     global_batch = batch_size * trainer.world_size * accumulate
@@ -236,21 +225,41 @@ def configure_fused_sgd(
     )
 
     scaling = "" if reference_batch_size is None else f" = {lr:g} x {global_batch}/{reference_batch_size}"
-    group_sizes = ", ".join(
-        f"{group['name']} {len(group['params'])} tensors/{sum(p.numel() for p in group['params']) / 1e6:.2f}M"
-        for group in optimizer.param_groups
-    )
     rank_zero_info(
         f"configure_fused_sgd: {'LARS' if lars else 'SGD'} peak lr {peak_lr:g}{scaling}, "
         f"global batch {global_batch} "
         f"({batch_size} per device x {trainer.world_size} processes x {accumulate} accumulated), "
         f"warmup {scheduler.schedule.warmup_steps} of {total_steps} steps ({steps_per_epoch}/epoch, "
-        f"{schedule.decay}), master_weights={master_weights}, groups: {group_sizes}"
+        f"{schedule.decay}), master_weights={master_weights}, groups: {_group_sizes(optimizer)}"
     )
     return {
         "optimizer": optimizer,
         "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1},
     }
+
+
+def _run_length(trainer: pl.Trainer) -> tuple[int, int | None]:
+    """The run's optimizer steps, and per epoch (None when the training data has no length)."""
+    if trainer.train_dataloader is None:
+        # As estimated_stepping_batches does; needed here even when max_steps alone sets the length.
+        trainer.fit_loop.setup_data()
+    total_steps = trainer.estimated_stepping_batches
+    if not math.isfinite(total_steps) or total_steps < 1:
+        raise ConfigError(
+            f"cannot size the lr schedule: the run has {total_steps} optimizer steps; set trainer.max_epochs "
+            "or trainer.max_steps"
+        )
+    batches = trainer.num_training_batches
+    accumulate = trainer.accumulate_grad_batches
+    steps_per_epoch = max(1, math.ceil(batches / accumulate)) if math.isfinite(batches) else None
+    return int(total_steps), steps_per_epoch
+
+
+def _group_sizes(optimizer: torch.optim.Optimizer) -> str:
+    return ", ".join(
+        f"{group['name']} {len(group['params'])} tensors/{sum(p.numel() for p in group['params']) / 1e6:.2f}M"
+        for group in optimizer.param_groups
+    )
 
 
 def _per_device_batch_size(trainer: pl.Trainer) -> int:
