@@ -1,6 +1,6 @@
 """Train an image classifier with FusedSGD/LARS: ``python train.py [recipe=NAME] [key=value ...]``.
 
-The config is ``conf/train.yaml`` plus a recipe from ``recipes/`` (default ``quickstart``);
+The config is ``conf/train.yaml`` plus a recipe from ``conf/recipe/`` (default ``quickstart``);
 ``python train.py recipe=NAME --cfg job`` prints the composed config.
 """
 

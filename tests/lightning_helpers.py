@@ -21,15 +21,10 @@ from lightning_fusedsgd.checkpoint import read_checkpoint_file
 from lightning_fusedsgd.lightning import clip_gradients, configure_fused_sgd
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS_PER_EPOCH = 3
-# Overrides that make a train.py run tiny: 3 steps an epoch, one validation batch, no progress bar.
-SMALL_RUN = [
-    "trainer.accelerator=cpu",
-    f"trainer.limit_train_batches={STEPS_PER_EPOCH}",
-    "trainer.limit_val_batches=1",
-    "data.batch_size=16",
-    "trainer.enable_progress_bar=false",
-]
+STEPS_PER_EPOCH = 3  # conf/debug/tiny.yaml's trainer.limit_train_batches
+# A tiny train.py run (CPU, 3 steps an epoch, one validation batch, no progress bar): the config's own
+# debug group, as a user would ask for it.
+SMALL_RUN = ["debug=tiny"]
 
 
 class TinyClassifier(pl.LightningModule):

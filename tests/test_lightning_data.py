@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_fusedsgd.lightning import CIFAR10DataModule, DataNotFoundError, DigitsDataModule, EpochSampler
+from lightning_fusedsgd.lightning import (
+    CIFAR10DataModule,
+    ConfigError,
+    DataNotFoundError,
+    DigitsDataModule,
+    EpochSampler,
+)
 from lightning_fusedsgd.lightning.data import ImageFolderDataModule, SyntheticDataModule
 
 
@@ -68,3 +74,25 @@ def test_missing_cifar10_names_path_and_download(tmp_path):
     with pytest.raises(DataNotFoundError, match="cifar-10-batches-py") as info:
         CIFAR10DataModule(root=str(tmp_path)).check_data()
     assert "data.download=true" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (lambda: DigitsDataModule(num_classes=5), "DigitsDataModule has num_classes=10, the config declares "
+         "data.num_classes=5: set data.num_classes=10"),
+        (lambda: CIFAR10DataModule(in_channels=1), "set data.in_channels=3"),
+    ],
+)  # fmt: skip
+def test_a_dataset_declared_with_other_classes_or_channels_is_refused(build, message):
+    with pytest.raises(ConfigError, match=message):
+        build()
+
+
+def test_imagefolder_class_count_is_checked_against_the_config(tmp_path):
+    for split in ("train", "val"):
+        for name in ("cat", "dog", "fox"):
+            (tmp_path / split / name).mkdir(parents=True)
+    ImageFolderDataModule(root=str(tmp_path), num_classes=3).check_data()
+    with pytest.raises(ConfigError, match="has 3 class folders, the config declares data.num_classes=1000"):
+        ImageFolderDataModule(root=str(tmp_path)).check_data()

@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 from lightning_fusedsgd.lightning import ImageClassifier, Schedule
 from lightning_fusedsgd.lightning.runner import train
 
-RECIPES = sorted(path.stem for path in (ROOT / "recipes").glob("*.yaml"))
+RECIPES = sorted(path.stem for path in (ROOT / "conf" / "recipe").glob("*.yaml"))
 
 # The published hyperparameters each recipe must carry (sources in the recipe files and docs/design.md).
 PUBLISHED = {
@@ -24,6 +24,7 @@ PUBLISHED = {
         "data._target_": "DigitsDataModule",
         "model.arch": "resnet18",
         "model.in_channels": 1,
+        "model.num_classes": 10,
         "model.zero_init_residual": True,
         "optim.lr": 0.2,
         "schedule.milestones": [6, 8],
@@ -101,7 +102,7 @@ def test_every_recipe_is_checked():
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipe_states_source_result_and_command(recipe):
-    text = (ROOT / "recipes" / f"{recipe}.yaml").read_text()
+    text = (ROOT / "conf" / "recipe" / f"{recipe}.yaml").read_text()
     assert text.startswith("# @package _global_")
     assert re.search(r"^# Source: \S", text, re.M)
     assert re.search(r"^# Published[^:]*: .*\d%", text, re.M)
@@ -170,3 +171,25 @@ def test_resume_from_last_checkpoint_continues_the_run(tmp_path):
     last = tmp_path / "first" / "checkpoints" / "last.ckpt"
     resumed = train(compose_train([*short, "trainer.max_epochs=2", f"ckpt_path={last}"], tmp_path / "second"))
     assert resumed["global_step"] == 4 and resumed["epochs"] == 2
+
+
+@pytest.mark.parametrize(
+    ("overrides", "classes", "channels"),
+    [
+        ([], 10, 1),
+        (["recipe=resnet50"], 1000, 3),
+        (["data=synthetic", "data.num_classes=7", "data.in_channels=2"], 7, 2),
+    ],
+)
+def test_the_model_takes_classes_and_channels_from_the_data_config(overrides, classes, channels, tmp_path):
+    cfg = compose_train(overrides, tmp_path)
+    assert (cfg.model.num_classes, cfg.model.in_channels) == (classes, channels)
+    assert (cfg.data.num_classes, cfg.data.in_channels) == (classes, channels)
+
+
+def test_recipes_are_a_config_group_of_files_and_debug_shrinks_a_run(tmp_path):
+    recipe_dir = ROOT / "conf" / "recipe"
+    assert recipe_dir.is_dir() and not recipe_dir.is_symlink()
+    cfg = compose_train(["recipe=resnet50", "debug=tiny"], tmp_path)
+    assert cfg.trainer.accelerator == "cpu" and cfg.trainer.limit_train_batches == 3
+    assert cfg.data.batch_size == 16 and cfg.model.arch == "resnet50"  # the recipe, shrunk

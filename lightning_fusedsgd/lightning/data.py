@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
 from torchvision.transforms import v2
 
-from lightning_fusedsgd.lightning.errors import DataNotFoundError
+from lightning_fusedsgd.lightning.errors import ConfigError, DataNotFoundError
 
 __all__ = [
     "CIFAR10DataModule",
@@ -141,12 +141,19 @@ class _SeededDataModule(pl.LightningDataModule):
     drawing indices at once start at the right place.
     """
 
-    #: Label count and image channels the model must accept (0 classes: known only after ``setup``).
-    num_classes: int = 0
-    in_channels: int = 3
-
-    def __init__(self, batch_size: int, num_workers: int, seed: int, drop_last: bool) -> None:
+    def __init__(
+        self,
+        batch_size: int,
+        num_workers: int,
+        seed: int,
+        drop_last: bool,
+        num_classes: int,
+        in_channels: int,
+    ) -> None:
         super().__init__()
+        #: Label count and image channels, as the data config declares them (the model config reads them).
+        self.num_classes = num_classes
+        self.in_channels = in_channels
         if batch_size < 1:
             raise ValueError(f"batch_size is the per-device batch and must be >= 1, got {batch_size}")
         self.batch_size = batch_size
@@ -157,6 +164,18 @@ class _SeededDataModule(pl.LightningDataModule):
         self.val_set: Dataset | None = None
         self._train_sampler: EpochSampler | None = None
         self._resume: tuple[int, int] | None = None  # (epoch, batches used), from a checkpoint
+
+    def _check_declared(self, num_classes: int, in_channels: int) -> None:
+        """A dataset whose classes and channels are fixed must be declared with those."""
+        for key, declared, actual in (
+            ("num_classes", self.num_classes, num_classes),
+            ("in_channels", self.in_channels, in_channels),
+        ):
+            if declared != actual:
+                raise ConfigError(
+                    f"{type(self).__name__} has {key}={actual}, the config declares data.{key}={declared}: "
+                    f"set data.{key}={actual}"
+                )
 
     def state_dict(self) -> dict[str, int]:
         """The position in the training data: ``{"epoch", "batches"}`` (batches of it already used)."""
@@ -226,10 +245,8 @@ class DigitsDataModule(_SeededDataModule):
         num_workers: Loader processes; the data lives in memory, so 0 is fastest.
         seed: Seed of the training order and augmentation.
         drop_last: Drop the last incomplete training batch.
+        num_classes, in_channels: As the config declares them; must be 10 and 1.
     """
-
-    num_classes = 10
-    in_channels = 1
 
     def __init__(
         self,
@@ -240,8 +257,11 @@ class DigitsDataModule(_SeededDataModule):
         num_workers: int = 0,
         seed: int = 0,
         drop_last: bool = False,
+        num_classes: int = 10,
+        in_channels: int = 1,
     ) -> None:
-        super().__init__(batch_size, num_workers, seed, drop_last)
+        super().__init__(batch_size, num_workers, seed, drop_last, num_classes, in_channels)
+        self._check_declared(num_classes=10, in_channels=1)
         self.image_size = image_size
         self.val_fraction = val_fraction
         self.augment = augment
@@ -283,9 +303,9 @@ class CIFAR10DataModule(_SeededDataModule):
         num_workers: Loader processes.
         seed: Seed of the training order and augmentation.
         drop_last: Drop the last incomplete training batch.
+        num_classes, in_channels: As the config declares them; must be 10 and 3.
     """
 
-    num_classes = 10
     _FILES = ("data_batch_1", "data_batch_2", "data_batch_3", "data_batch_4", "data_batch_5", "test_batch")
 
     def __init__(
@@ -296,8 +316,11 @@ class CIFAR10DataModule(_SeededDataModule):
         num_workers: int = 4,
         seed: int = 0,
         drop_last: bool = False,
+        num_classes: int = 10,
+        in_channels: int = 3,
     ) -> None:
-        super().__init__(batch_size, num_workers, seed, drop_last)
+        super().__init__(batch_size, num_workers, seed, drop_last, num_classes, in_channels)
+        self._check_declared(num_classes=10, in_channels=3)
         self.root = root
         self.download = download
 
@@ -344,6 +367,7 @@ class ImageFolderDataModule(_SeededDataModule):
         num_workers: Loader processes per device.
         seed: Seed of the training order and augmentation.
         drop_last: Drop the last incomplete training batch.
+        num_classes: Class folders in ``train/`` (checked); in_channels: 3 (RGB).
     """
 
     LAYOUT = (
@@ -358,8 +382,11 @@ class ImageFolderDataModule(_SeededDataModule):
         num_workers: int = 8,
         seed: int = 0,
         drop_last: bool = False,
+        num_classes: int = 1000,
+        in_channels: int = 3,
     ) -> None:
-        super().__init__(batch_size, num_workers, seed, drop_last)
+        super().__init__(batch_size, num_workers, seed, drop_last, num_classes, in_channels)
+        self._check_declared(num_classes=num_classes, in_channels=3)
         self.root = root
         self.image_size = image_size
 
@@ -369,6 +396,12 @@ class ImageFolderDataModule(_SeededDataModule):
             folder = root / split
             if not folder.is_dir() or not any(entry.is_dir() for entry in os.scandir(folder)):
                 raise DataNotFoundError("ImageNet-style (ImageFolder) data", str(folder), self.LAYOUT)
+        classes = sum(entry.is_dir() for entry in os.scandir(root / "train"))
+        if classes != self.num_classes:
+            raise ConfigError(
+                f"{root / 'train'} has {classes} class folders, the config declares "
+                f"data.num_classes={self.num_classes}: set data.num_classes={classes}"
+            )
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
@@ -388,7 +421,6 @@ class ImageFolderDataModule(_SeededDataModule):
             ]
         )
         train = ImageFolder(os.path.join(self.root, "train"))
-        self.num_classes = len(train.classes)
         self.train_set = SeededDataset(train, train_transform)
         self.val_set = SeededDataset(ImageFolder(os.path.join(self.root, "val")), val_transform)
 
@@ -417,8 +449,8 @@ class SyntheticDataModule(_SeededDataModule):
     Args:
         batch_size: Per-device batch size.
         image_size: Image side.
-        num_classes: Label range (the configs tie it to the model's).
-        in_channels: Image channels (the configs tie it to the model's).
+        num_classes: Label range (the model config reads it).
+        in_channels: Image channels (the model config reads it).
         train_samples: Images per training epoch.
         val_samples: Images per validation pass.
         num_workers: Loader processes.
@@ -438,10 +470,8 @@ class SyntheticDataModule(_SeededDataModule):
         seed: int = 0,
         drop_last: bool = False,
     ) -> None:
-        super().__init__(batch_size, num_workers, seed, drop_last)
+        super().__init__(batch_size, num_workers, seed, drop_last, num_classes, in_channels)
         self.image_size = image_size
-        self.num_classes = num_classes
-        self.in_channels = in_channels
         self.train_samples = train_samples
         self.val_samples = val_samples
 

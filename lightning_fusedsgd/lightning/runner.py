@@ -46,7 +46,6 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     except DataNotFoundError as err:
         raise ConfigError(err.describe(recipe=cfg.name)) from None
     _check_ckpt_path(cfg.ckpt_path)
-    _check_model_fits_data(cfg, datamodule)
 
     # Combined in Python: instantiate() would turn a Schedule passed as an override into a DictConfig.
     optimizer = functools.partial(instantiate(cfg.optim), schedule=instantiate(cfg.schedule))
@@ -114,22 +113,6 @@ def _check_resume_checkpoint(ckpt_path: str, model: pl.LightningModule) -> None:
             f"from step 0; resume from a checkpoint this CLI wrote, or start from this one with "
             f"init.path={ckpt_path} init.start_epoch=<the epoch to continue at>, which replays the schedule "
             "to that epoch"
-        )
-
-
-def _check_model_fits_data(cfg: DictConfig, datamodule: pl.LightningDataModule) -> None:
-    """Catch a model/data mismatch (e.g. a recipe's model with another dataset) before any compute."""
-    channels = getattr(datamodule, "in_channels", None)
-    if channels is not None and channels != cfg.model.in_channels:
-        raise ConfigError(
-            f"{type(datamodule).__name__} gives {channels}-channel images but model.in_channels="
-            f"{cfg.model.in_channels}; set model.in_channels={channels}"
-        )
-    classes = getattr(datamodule, "num_classes", 0)
-    if classes > cfg.model.num_classes:
-        raise ConfigError(
-            f"{type(datamodule).__name__} has {classes} classes but "
-            f"model.num_classes={cfg.model.num_classes}; set model.num_classes={classes}"
         )
 
 
