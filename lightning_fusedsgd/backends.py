@@ -1,17 +1,67 @@
-"""Backend policy: which implementation runs a bucket (our op, the reference, torch's fused SGD), and the
-adapter that gives torch's fused SGD the op's signature."""
+"""Backend policy: which implementation runs a bucket (our op, the reference, torch's fused SGD), the
+fallback where our kernel cannot be built, and the adapter that gives torch's fused SGD the op's signature.
+
+Backends:
+    ``compiled``: our kernel, for CPU and CUDA tensors.
+    ``torch``: the same math in plain PyTorch (``reference.py``): the oracle in tests and the fallback.
+    ``torch_fused``: ``torch._fused_sgd_`` (CUDA, where its semantics are identical to ours). Like
+        torch's own fused SGD it unscales ``p.grad`` in place under a GradScaler; the other backends
+        leave gradients untouched.
+    ``auto``: ``compiled`` on CPU and CUDA, ``torch`` on other devices.
+
+Where a kernel cannot be built, ``auto`` warns once and runs PyTorch ops instead (``torch``; on CUDA
+``torch_fused`` where eligible). Setting ``LIGHTNING_FUSEDSGD_REQUIRE_COMPILED=1`` turns that fallback
+into an error (CI sets it, to prove the compiled kernel is what ran).
+"""
 
 from __future__ import annotations
 
+import functools
+import os
+import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from lightning_fusedsgd import kernels, reference
-from lightning_fusedsgd.plan import Bucket
 from lightning_fusedsgd.reference import HPARAM_COLUMNS
+
+if TYPE_CHECKING:
+    from lightning_fusedsgd.plan import Bucket
+
+BACKENDS = ("auto", "compiled", "torch", "torch_fused")
+
+
+@functools.cache
+def _warn_fallback(reason: str) -> None:
+    warnings.warn(
+        f"lightning_fusedsgd: the compiled kernel is unavailable ({reason}); running PyTorch ops instead "
+        "(the reference backend; on CUDA torch's fused SGD where its semantics match), which are correct "
+        "but slower. Run `python -m lightning_fusedsgd --verbose` to see why.",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+
+
+def compiled_or_fallback(requested: str, device_type: str = "cpu") -> str:
+    """Resolves the backend for ``device_type``: ``compiled`` when it loads, else ``torch`` with one
+    warning.
+
+    An explicit ``backend="compiled"``, or ``LIGHTNING_FUSEDSGD_REQUIRE_COMPILED=1``, makes a build
+    failure an error instead. Devices with no kernel of ours (``mps``, ``xpu``, ...) run ``torch``.
+    """
+    if requested == "auto" and device_type not in kernels.EXTENSIONS:
+        return "torch"
+    try:
+        kernels.load_extension(device_type)
+        return "compiled"
+    except kernels.KernelBuildError as error:
+        if requested == "compiled" or os.environ.get(kernels.REQUIRE_COMPILED_ENV) == "1":
+            raise
+        _warn_fallback(str(error).splitlines()[0][:300])
+        return "torch"
 
 
 def step_function(
@@ -21,7 +71,7 @@ def step_function(
     its name and its step function, all with the op's signature."""
     backend = requested
     if backend == "auto":
-        backend = kernels.compiled_or_fallback("auto", device.type)
+        backend = compiled_or_fallback("auto", device.type)
         if backend == "torch" and device.type == "cuda" and _torch_fused_eligible(groups, bucket):
             backend = "torch_fused"
     if backend == "compiled":
@@ -29,7 +79,7 @@ def step_function(
             raise RuntimeError(
                 f"backend='compiled' runs on CPU and CUDA tensors; these are on {device}. Use backend='auto'."
             )
-        kernels.compiled_or_fallback("compiled", device.type)
+        compiled_or_fallback("compiled", device.type)
         return backend, kernels.load_extension(device.type).sgd_step
     if backend == "torch_fused":
         if not _torch_fused_eligible(groups, bucket):

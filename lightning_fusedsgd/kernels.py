@@ -12,36 +12,24 @@ hash of the sources, the flags, the torch version and the machine: the CPU's ins
 CPU kernel (built with ``-march=native``), the CUDA version and the GPUs' compute capabilities for the
 CUDA kernel. ``python -m lightning_fusedsgd`` prebuilds them.
 
-Backends:
-    ``compiled``: our kernel, for CPU and CUDA tensors.
-    ``torch``: the same math in plain PyTorch (``reference.py``): the oracle in tests and the fallback.
-    ``torch_fused``: ``torch._fused_sgd_`` (CUDA, where its semantics are identical to ours). Like
-        torch's own fused SGD it unscales ``p.grad`` in place under a GradScaler; the other backends
-        leave gradients untouched.
-    ``auto``: ``compiled`` on CPU and CUDA, ``torch`` on other devices.
-
-Where a kernel cannot be built, ``auto`` warns once and runs PyTorch ops instead (``torch``; on CUDA
-``torch_fused`` where eligible). Setting ``LIGHTNING_FUSEDSGD_REQUIRE_COMPILED=1`` turns that fallback
-into an error (CI sets it, to prove the compiled kernel is what ran).
+Where a kernel cannot be built, ``backends.compiled_or_fallback`` decides what runs instead;
+``LIGHTNING_FUSEDSGD_REQUIRE_COMPILED=1`` (CI) makes a failed build an error.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import hashlib
 import logging
 import os
 import platform
 import sys
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-BACKENDS = ("auto", "compiled", "torch", "torch_fused")
 REQUIRE_COMPILED_ENV = "LIGHTNING_FUSEDSGD_REQUIRE_COMPILED"
 _CSRC = Path(__file__).parent / "csrc"
 _HEADERS = ("sgd_math.h", "bucket.h", "cached_step.h", "work_list.h")
@@ -228,36 +216,6 @@ def _registered(device_type: str, library: Path) -> Path:
     if device_type == "cpu":
         _check_interface()
     return library
-
-
-@functools.cache
-def _warn_fallback(reason: str) -> None:
-    warnings.warn(
-        f"lightning_fusedsgd: the compiled kernel is unavailable ({reason}); running PyTorch ops instead "
-        "(the reference backend; on CUDA torch's fused SGD where its semantics match), which are correct "
-        "but slower. Run `python -m lightning_fusedsgd --verbose` to see why.",
-        RuntimeWarning,
-        stacklevel=4,
-    )
-
-
-def compiled_or_fallback(requested: str, device_type: str = "cpu") -> str:
-    """Resolves the backend for ``device_type``: ``compiled`` when it loads, else ``torch`` with one
-    warning.
-
-    An explicit ``backend="compiled"``, or ``LIGHTNING_FUSEDSGD_REQUIRE_COMPILED=1``, makes a build
-    failure an error instead. Devices with no kernel of ours (``mps``, ``xpu``, ...) run ``torch``.
-    """
-    if requested == "auto" and device_type not in EXTENSIONS:
-        return "torch"
-    try:
-        load_extension(device_type)
-        return "compiled"
-    except KernelBuildError as error:
-        if requested == "compiled" or os.environ.get(REQUIRE_COMPILED_ENV) == "1":
-            raise
-        _warn_fallback(str(error).splitlines()[0][:300])
-        return "torch"
 
 
 def main(argv: list[str] | None = None) -> int:

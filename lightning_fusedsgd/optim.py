@@ -10,8 +10,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_fusedsgd import kernels
-from lightning_fusedsgd.backends import step_function
+from lightning_fusedsgd.backends import BACKENDS, step_function
 from lightning_fusedsgd.checkpoint import (
     check_optimizer_state_dict,
     remap_optimizer_state_dict,
@@ -105,8 +104,8 @@ class FusedSGD(Optimizer):
         trust_clip: bool = False,
         lars_denominator: str = "grad_plus_decay",
     ) -> None:
-        if backend not in kernels.BACKENDS:
-            raise ValueError(f"Unknown backend {backend!r}; choose one of {kernels.BACKENDS}.")
+        if backend not in BACKENDS:
+            raise ValueError(f"Unknown backend {backend!r}; choose one of {BACKENDS}.")
         params = list(params) if not isinstance(params, Tensor) else [params]
         if not params:
             raise ValueError(

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from lightning_fusedsgd import kernels
+from lightning_fusedsgd import backends, kernels
 
 if TYPE_CHECKING:
     from lightning_fusedsgd.optim import FusedSGD
@@ -284,7 +284,7 @@ class CachedPlan:
             and not plan.staged
             and device.type in kernels.EXTENSIONS
             and optimizer.backend in ("auto", "compiled")
-            and kernels.compiled_or_fallback(optimizer.backend, device.type) == "compiled"
+            and backends.compiled_or_fallback(optimizer.backend, device.type) == "compiled"
         )
         return cls.capture(optimizer, buckets, device) if reusable else None
 

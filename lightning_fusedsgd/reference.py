@@ -1,7 +1,8 @@
 """The kernel's math in plain PyTorch: the oracle in tests and the fallback where nothing compiles.
 
-``sgd_element``, ``trust_ratio`` and ``synced_master`` mirror ``csrc/sgd_math.h`` line for line, and
-``sgd_step`` has the compiled kernel's signature, so the two backends are interchangeable.
+``make_coeffs``, ``sgd_element``, ``lars_norm_term``, ``trust_ratio``, ``lars_trust`` and ``synced_master``
+mirror ``csrc/sgd_math.h`` function for function, and ``sgd_step`` has the op's signature, so the backends
+are interchangeable.
 """
 
 from __future__ import annotations
@@ -94,6 +95,51 @@ def inverse_scale(grad_scale: Tensor | None) -> float | Tensor:
     return grad_scale.double().reciprocal().float()
 
 
+def make_coeffs(h: dict[str, float], inv_scale: float | Tensor, first: bool) -> Coeffs:
+    """A tensor's coefficients from its group's hyperparameters (``make_coeffs`` in sgd_math.h)."""
+    wd_after = bool(h["wd_after_momentum"])
+    return Coeffs(
+        grad_mul=-inv_scale if h["maximize"] else inv_scale,
+        wd_coupled=0.0 if wd_after else h["weight_decay"],
+        trust=1.0,
+        momentum=h["momentum"],
+        one_minus_dampening=1.0 - h["dampening"],
+        wd_after=h["weight_decay"] if wd_after else 0.0,
+        lr=h["lr"],
+        has_momentum=h["momentum"] != 0,
+        first=first,
+        nesterov=bool(h["nesterov"]),
+    )
+
+
+def lars_norm_term(
+    w: Tensor, g: Tensor, grad_mul: float | Tensor, weight_decay: float, decayed: bool
+) -> Tensor:
+    """The gradient term whose norm the LARS denominator takes (``lars_norm_term`` in sgd_math.h)."""
+    return g * grad_mul + weight_decay * w if decayed else g
+
+
+def lars_trust(w: Tensor, g: Tensor, h: dict[str, float], c: Coeffs, inv_scale: float | Tensor) -> Tensor:
+    """The trust ratio from the tensor's norms in float64 (``lars_trust`` in sgd_math.h)."""
+    decayed = bool(h["lars_decayed_grad"])
+    w_norm = torch.linalg.vector_norm(w, dtype=torch.float64)
+    g_norm = torch.linalg.vector_norm(
+        lars_norm_term(w, g, c.grad_mul, h["weight_decay"], decayed), dtype=torch.float64
+    )
+    if not decayed:
+        g_norm = g_norm * abs(inv_scale)
+    return trust_ratio(
+        w_norm,
+        g_norm,
+        h["weight_decay"],
+        h["trust_coefficient"],
+        h["lars_eps"],
+        decayed,
+        bool(h["trust_clip"]),
+        h["lr"],
+    )
+
+
 def sgd_step(
     params: list[Tensor],
     grads: list[Tensor],
@@ -119,41 +165,10 @@ def sgd_step(
         w = synced_master(master, param) if master is not None else param.to(opmath)
         g = grads[i].to(opmath)
         b = next(buffers) if h["momentum"] != 0 else None
-        b_op = None if b is None or first_step[i] else b.to(opmath)
-        wd_after = bool(h["wd_after_momentum"])
-        sign = -1.0 if h["maximize"] else 1.0
-        grad_mul = inv_scale * sign
-        trust: float | Tensor = 1.0
+        coeffs = make_coeffs(h, inv_scale, first_step[i])
         if h["lars"]:
-            decayed = bool(h["lars_decayed_grad"])
-            w_norm = torch.linalg.vector_norm(w, dtype=torch.float64)
-            if decayed:
-                g_norm = torch.linalg.vector_norm(g * grad_mul + h["weight_decay"] * w, dtype=torch.float64)
-            else:
-                g_norm = torch.linalg.vector_norm(g, dtype=torch.float64) * abs(inv_scale)
-            trust = trust_ratio(
-                w_norm,
-                g_norm,
-                h["weight_decay"],
-                h["trust_coefficient"],
-                h["lars_eps"],
-                decayed,
-                bool(h["trust_clip"]),
-                h["lr"],
-            ).to(opmath)
-        coeffs = Coeffs(
-            grad_mul=grad_mul,
-            wd_coupled=0.0 if wd_after else h["weight_decay"],
-            trust=trust,
-            momentum=h["momentum"],
-            one_minus_dampening=1.0 - h["dampening"],
-            wd_after=h["weight_decay"] if wd_after else 0.0,
-            lr=h["lr"],
-            has_momentum=h["momentum"] != 0,
-            first=first_step[i],
-            nesterov=bool(h["nesterov"]),
-        )
-        w_new, b_new = sgd_element(w, g, b_op, coeffs)
+            coeffs.trust = lars_trust(w, g, h, coeffs, inv_scale).to(opmath)
+        w_new, b_new = sgd_element(w, g, None if b is None or coeffs.first else b.to(opmath), coeffs)
         if master is not None:
             master.copy_(w_new)
         param.copy_(w_new)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_fusedsgd import FusedSGD, kernels
+from lightning_fusedsgd import FusedSGD, backends, kernels
 
 
 @pytest.fixture
@@ -17,9 +17,9 @@ def broken_toolchain(monkeypatch):
         raise kernels.KernelBuildError("could not build the lightning_fusedsgd kernel: g++ not found")
 
     monkeypatch.setattr(kernels, "load_extension", fail)
-    kernels._warn_fallback.cache_clear()
+    backends._warn_fallback.cache_clear()
     yield
-    kernels._warn_fallback.cache_clear()
+    backends._warn_fallback.cache_clear()
 
 
 def test_fallback_warns_once_and_still_steps(broken_toolchain, monkeypatch):
@@ -49,7 +49,7 @@ def test_ci_switch_turns_the_fallback_into_an_error(broken_toolchain, monkeypatc
 def test_explicit_compiled_backend_never_falls_back(broken_toolchain, monkeypatch):
     monkeypatch.delenv(kernels.REQUIRE_COMPILED_ENV, raising=False)
     with pytest.raises(kernels.KernelBuildError):
-        kernels.compiled_or_fallback("compiled")
+        backends.compiled_or_fallback("compiled")
 
 
 @pytest.mark.parametrize("device_type", ["cpu", "cuda"])
@@ -70,6 +70,6 @@ def test_cpu_and_cuda_kernels_are_built_apart():
 
 
 def test_devices_without_a_kernel_run_the_reference():
-    assert kernels.compiled_or_fallback("auto", "mps") == "torch"
+    assert backends.compiled_or_fallback("auto", "mps") == "torch"
     with pytest.raises(kernels.KernelBuildError, match="no compiled kernel for mps"):
-        kernels.compiled_or_fallback("compiled", "mps")
+        backends.compiled_or_fallback("compiled", "mps")
