@@ -20,9 +20,10 @@ FLOOR_SOURCE = Path(__file__).parent / "csrc" / "floor.cpp"
 def floor_ops():
     """``torch.ops.lightning_fusedsgd_bench`` (``floor_step``: the data-movement floor, csrc/floor.cpp), built
     on first use beside the product kernels with the CPU kernel's flags and work list."""
-    from torch.utils import cpp_extension
-
     from lightning_fusedsgd import kernels
+
+    kernels._quiet_cpp_extension()
+    from torch.utils import cpp_extension
 
     extension = kernels.EXTENSIONS["cpu"]
     build_dir = kernels.cache_dir() / "bench"

@@ -8,6 +8,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/LegacyTypeDispatch.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
@@ -69,6 +70,10 @@ class CachedStep : public torch::CustomClassHolder {
                                .typed<void(at::TensorList, at::TensorList, at::TensorList, at::TensorList,
                                            const at::Tensor&, at::IntArrayRef, const c10::List<bool>&,
                                            const std::optional<at::Tensor>&, const std::optional<at::Tensor>&)>();
+    // Straight to the CPU or CUDA kernel: the autograd and in-place fallbacks of a custom op box every
+    // argument (thousands of tensors on large models). The step runs under no_grad, and the pybind module
+    // this replaces bumped no version counters either.
+    const at::AutoDispatchBelowADInplaceOrView below_autograd;
     for (const Bucket& bucket : buckets_) {
       std::vector<at::Tensor> bucket_grads;
       bucket_grads.reserve(bucket.slots.size());
