@@ -83,22 +83,28 @@ def _overlap(a: Tensor, b: Tensor) -> bool:
     return bool(torch.isin(_element_offsets(a), _element_offsets(b)).any())
 
 
-def _check_no_overlap(stepped: list[tuple[Tensor, str]]) -> None:
+# Where a param sits: (group, group index, index in the group), for error messages only.
+_Place = tuple[dict[str, Any], int, int]
+
+
+def _check_no_overlap(stepped: list[tuple[Tensor, _Place]]) -> None:
     """Refuses params that are overlapping views of one storage: one fused call would update the shared
     elements from two threads at once, where torch.optim.SGD updates them one param after the other."""
-    spans = []  # (device, first byte, end byte, label, param), sorted by device and first byte
-    for param, label in stepped:
+    spans = []  # (device, first byte, end byte, index in stepped), sorted by device and first byte
+    for index, (param, _) in enumerate(stepped):
         if param.numel():
             extent = 1 + sum((size - 1) * stride for size, stride in zip(param.shape, param.stride()))
             start = param.data_ptr()
-            spans.append((str(param.device), start, start + extent * param.element_size(), label, param))
+            spans.append((str(param.device), start, start + extent * param.element_size(), index))
     spans.sort(key=lambda span: span[:2])
-    for i, (device, _, end, label, param) in enumerate(spans):
-        for next_device, next_start, _, next_label, next_param in spans[i + 1 :]:
+    for i, (device, _, end, index) in enumerate(spans):
+        for next_device, next_start, _, next_index in spans[i + 1 :]:
             if next_device != device or next_start >= end:
                 break
+            (param, place), (next_param, next_place) = stepped[index], stepped[next_index]
             if not _overlap(param, next_param):
                 continue
+            label, next_label = param_label(*place, param), param_label(*next_place, next_param)
             raise ValueError(
                 f"{label} and {next_label} are overlapping views of one tensor's memory, so one step would "
                 "update the shared elements twice: pass parameters that do not overlap (e.g. the base tensor "
@@ -116,25 +122,31 @@ def _real(tensor: Tensor) -> Tensor:
     return torch.view_as_real(tensor) if tensor.is_complex() else tensor
 
 
-def _check_steppable(param: Tensor, label: str) -> None:
-    """Refuses, before anything is written, a param that no step of ours can update."""
-    if param.grad.is_sparse:
+def _check_steppable(param: Tensor, place: _Place) -> None:
+    """Refuses, before anything is written, a param that no step of ours can update (the message names it,
+    so the label is only built for a refusal)."""
+    grad = param.grad
+    if grad.is_sparse:
+        label = param_label(*place, param)
         raise RuntimeError(
             f"FusedSGD does not support sparse gradients ({label}): use torch.optim.SparseAdam "
             "for it, or dense gradients (e.g. nn.Embedding(sparse=False))."
         )
     if param.dtype not in _SUPPORTED_DTYPES:
+        label = param_label(*place, param)
         raise TypeError(
             f"FusedSGD cannot step {label}: its dtype is {param.dtype}. Parameters must be floating point "
             "(float32, float64, bfloat16, float16) or complex64/complex128; convert it, or leave it out of "
             "the optimizer."
         )
-    if param.grad.shape != param.shape:
+    if grad.shape != param.shape:
+        label = param_label(*place, param)
         raise ValueError(
-            f"The gradient of {label} has shape {tuple(param.grad.shape)} but the parameter has shape "
+            f"The gradient of {label} has shape {tuple(grad.shape)} but the parameter has shape "
             f"{tuple(param.shape)}: assign a gradient of the parameter's shape."
         )
     if _has_internal_overlap(param):
+        label = param_label(*place, param)
         raise ValueError(
             f"FusedSGD cannot step {label}: it is an expand()ed view whose elements share memory "
             f"(strides {param.stride()}), so no in-place update can write it. Make it a real tensor, e.g. "
@@ -148,17 +160,16 @@ def plan_step(optimizer: FusedSGD, tracing: bool = False) -> Plan:
     ``tracing`` (under torch.compile): the overlap check, which reads tensor addresses, is left out, and
     new buffers start at zero, since a skipped first step cannot be seen on the host without a graph
     break (eager creates no buffer then; a traced step stores a zero one).
-
     """
     plan = Plan()
-    stepped: list[tuple[Tensor, str]] = []
+    stepped: list[tuple[Tensor, _Place]] = []
     for group_index, group in enumerate(optimizer.param_groups):
         for param_index, param in enumerate(group["params"]):
             if param.grad is None:
                 continue
-            label = param_label(group, group_index, param_index, param)
-            _check_steppable(param, label)
-            stepped.append((param, label))
+            place = (group, group_index, param_index)
+            _check_steppable(param, place)
+            stepped.append((param, place))
             state = optimizer.state.get(param, _NO_STATE)
             _plan_param(plan, state, param, group, group_index, param_index, tracing)
     if not tracing:
