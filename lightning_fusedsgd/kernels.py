@@ -145,8 +145,9 @@ def _load_once(device_type: str) -> Path | KernelBuildError:
     return _OUTCOMES[device_type]
 
 
-def _check_interface() -> None:
-    """The hyperparameter table's columns, as the kernels read them, must be reference.HPARAM_COLUMNS."""
+def _complete_cpu_library() -> None:
+    """Checks that the kernels read the hyperparameter table's columns as reference.HPARAM_COLUMNS lists
+    them, and registers sgd_step's fake kernel (Python's part of the op, for tracing)."""
     from lightning_fusedsgd.reference import HPARAM_COLUMNS
 
     names = tuple(torch.ops.lightning_fusedsgd.hparam_names())
@@ -214,7 +215,7 @@ def _build_and_load(device_type: str, verbose: bool) -> Path:
 
 def _registered(device_type: str, library: Path) -> Path:
     if device_type == "cpu":
-        _check_interface()
+        _complete_cpu_library()
     return library
 
 
