@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import functools
 import os
+import types
 import warnings
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -66,9 +66,9 @@ def compiled_or_fallback(requested: str, device_type: str = "cpu") -> str:
 
 def step_function(
     requested: str, device: torch.device, bucket: Bucket, groups: list[dict[str, Any]]
-) -> tuple[str, Callable[..., None]]:
+) -> tuple[str, Any]:
     """The backend that runs ``bucket`` (of ``groups``) when ``requested`` is asked for (see ``kernels``):
-    its name and its step function, all with the op's signature."""
+    its name and its ops, ``sgd_step`` and ``grad_sq_sum`` with the op library's signatures."""
     backend = requested
     if backend == "auto":
         backend = compiled_or_fallback("auto", device.type)
@@ -80,20 +80,23 @@ def step_function(
                 f"backend='compiled' runs on CPU and CUDA tensors; these are on {device}. Use backend='auto'."
             )
         compiled_or_fallback("compiled", device.type)
-        return backend, kernels.load_extension(device.type).sgd_step
+        return backend, kernels.load_extension(device.type)
     if backend == "torch_fused":
         if not _torch_fused_eligible(groups, bucket):
             raise ValueError(
-                "backend='torch_fused' cannot run master weights, wd_after_momentum or LARS: "
-                "use backend='auto'."
+                "backend='torch_fused' cannot run master weights, wd_after_momentum, LARS or gradient "
+                "clipping: use backend='auto'."
             )
-        return backend, _torch_fused_step
-    return "torch", reference.sgd_step
+        return backend, _TORCH_FUSED
+    return "torch", reference
 
 
 def _torch_fused_eligible(groups: list[dict[str, Any]], bucket: Bucket) -> bool:
-    """torch's fused SGD has our semantics when no master weights, wd_after_momentum or LARS are used."""
-    return not bucket.master_params and not any(g["wd_after_momentum"] or g["lars"] for g in groups)
+    """torch's fused SGD has our semantics when no master weights, wd_after_momentum, LARS or clipping are
+    used."""
+    return not bucket.master_params and not any(
+        g["wd_after_momentum"] or g["lars"] or g["max_grad_norm"] or g["max_grad_value"] for g in groups
+    )
 
 
 def _torch_fused_step(
@@ -106,9 +109,10 @@ def _torch_fused_step(
     first_step: list[bool],
     grad_scale: Tensor | None,
     found_inf: Tensor | None,
+    grad_sq_sum: Tensor | None,
 ) -> None:
     """Runs a bucket through ``torch._fused_sgd_``, one call per (group, first step) subset."""
-    del master_params  # never present: see _torch_fused_eligible
+    del master_params, grad_sq_sum  # never present: see _torch_fused_eligible
     rows = group_hparams.tolist()
     h = {name: i for i, name in enumerate(HPARAM_COLUMNS)}
     buffers = iter(momentum_buffers)
@@ -132,3 +136,7 @@ def _torch_fused_step(
             grad_scale=grad_scale,
             found_inf=found_inf,
         )
+
+
+_TORCH_FUSED = types.SimpleNamespace(sgd_step=_torch_fused_step)
+"""The ``torch_fused`` backend's ops (no clipping: see ``_torch_fused_eligible``)."""

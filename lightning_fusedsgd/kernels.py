@@ -1,8 +1,9 @@
 """Builds and loads the compiled kernels: the ``torch.ops.lightning_fusedsgd`` operator library.
 
-The ops are registered with ``TORCH_LIBRARY`` (schemas in ``csrc/fused_sgd.cpp``): ``sgd_step`` with its CPU
-kernel, its CUDA kernel (``csrc/fused_sgd_cuda.cu``, a second library that registers for the same schema)
-and a fake kernel for tracing (``torch.compile``), ``hparam_names``, and the ``CachedStep`` class
+The ops are registered with ``TORCH_LIBRARY`` (schemas in ``csrc/fused_sgd.cpp``): ``sgd_step`` and
+``grad_sq_sum`` with their CPU kernels, their CUDA kernels (``csrc/fused_sgd_cuda.cu``, a second library that
+registers for the same schemas) and fake kernels for tracing (``torch.compile``), ``hparam_names``, and the
+``CachedStep`` class
 (``torch.classes.lightning_fusedsgd.CachedStep``). No pybind module: the dispatcher calls them, and dynamo
 can trace a call into ``sgd_step``.
 
@@ -157,11 +158,17 @@ def _complete_cpu_library() -> None:
             f"{HPARAM_COLUMNS}: keep LFSGD_HPARAMS in csrc/sgd_math.h and HPARAM_COLUMNS in the same order"
         )
     torch.library.register_fake("lightning_fusedsgd::sgd_step")(_sgd_step_fake)
+    torch.library.register_fake("lightning_fusedsgd::grad_sq_sum")(_grad_sq_sum_fake)
 
 
 def _sgd_step_fake(*args: Any) -> None:
     """sgd_step writes its inputs in place and returns nothing: tracing needs no output metadata."""
     del args
+
+
+def _grad_sq_sum_fake(grads: list[torch.Tensor]) -> torch.Tensor:
+    """grad_sq_sum returns a float64 scalar on the gradients' device."""
+    return grads[0].new_empty((), dtype=torch.float64)
 
 
 @torch.compiler.disable  # building and loading is never traced (a graph break, before the first load only)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -20,6 +21,7 @@ from lightning_fusedsgd.plan import LOW_PRECISION, CachedPlan, bucket_name, chec
 from lightning_fusedsgd.reference import HPARAM_COLUMNS
 
 LARS_DENOMINATORS = ("grad_plus_decay", "decayed_grad")
+CLIP_OPTIONS = ("max_grad_norm", "max_grad_value")
 
 
 def _check_hyperparameters(group: dict[str, Any]) -> None:
@@ -43,6 +45,26 @@ def _check_hyperparameters(group: dict[str, Any]) -> None:
         raise ValueError(
             f"LARS needs trust_coefficient > 0 and lars_eps >= 0 "
             f"(got {group['trust_coefficient']} and {group['lars_eps']})."
+        )
+    for name in CLIP_OPTIONS:
+        value = group[name]
+        if value is not None and not (isinstance(value, int | float) and value > 0):
+            raise ValueError(f"Invalid {name}: {value!r}. It must be a number > 0, or None for no clipping.")
+    if group["max_grad_norm"] is not None and group["max_grad_value"] is not None:
+        raise ValueError(
+            "max_grad_norm and max_grad_value are alternatives (as Lightning's gradient_clip_algorithm "
+            "'norm' and 'value'): set one of them, and None for the other."
+        )
+
+
+def _check_global_norm(groups: list[dict[str, Any]]) -> None:
+    """Norm clipping takes one norm over every parameter the optimizer steps: one threshold for all groups."""
+    thresholds = {group["max_grad_norm"] for group in groups}
+    if len(thresholds) > 1:
+        raise ValueError(
+            f"max_grad_norm differs between parameter groups ({sorted(map(str, thresholds))}), but it clips "
+            "the one global norm of every group's gradients: set it on the optimizer "
+            "(FusedSGD(..., max_grad_norm=...)), not per group."
         )
 
 
@@ -80,6 +102,19 @@ class FusedSGD(Optimizer):
         trust_clip: LARC's clip, ``r <- min(r / lr, 1)``.
         lars_denominator: ``"grad_plus_decay"`` (``||g|| + lambda ||w||``, You et al., MLPerf) or
             ``"decayed_grad"`` (``||g + lambda w||``).
+        max_grad_norm: Clip the gradients as ``torch.nn.utils.clip_grad_norm_(params, max_grad_norm)``
+            does, inside the step: one L2 norm over every stepped gradient, unscaled under a GradScaler,
+            and the coefficient ``min(1, max_grad_norm / (norm + 1e-6))`` applied before weight decay and
+            LARS. The norm is computed on the device (no host sync) by one more read of the gradients.
+            The same for every group.
+        max_grad_value: Clip each unscaled gradient element to ``[-max_grad_value, max_grad_value]``, as
+            ``torch.nn.utils.clip_grad_value_`` does (per group; an alternative to ``max_grad_norm``).
+
+    Attributes:
+        last_step_applied: Whether the last ``step()`` changed the parameters: ``True``, or under a
+            GradScaler a 0-d bool tensor on the params' device, computed from ``found_inf`` there
+            (reading it synchronizes on CUDA). ``WarmupLR`` reads it so that skipped steps do not
+            advance the schedule.
     """
 
     _step_supports_amp_scaling = True
@@ -103,6 +138,8 @@ class FusedSGD(Optimizer):
         lars_eps: float = 0.0,
         trust_clip: bool = False,
         lars_denominator: str = "grad_plus_decay",
+        max_grad_norm: float | None = None,
+        max_grad_value: float | None = None,
     ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"Unknown backend {backend!r}; choose one of {BACKENDS}.")
@@ -126,6 +163,8 @@ class FusedSGD(Optimizer):
             lars_eps=lars_eps,
             trust_clip=trust_clip,
             lars_denominator=lars_denominator,
+            max_grad_norm=max_grad_norm,
+            max_grad_value=max_grad_value,
         )
         _check_hyperparameters(defaults)
         self.set_grad_none = set_grad_none
@@ -136,7 +175,13 @@ class FusedSGD(Optimizer):
         #: kernel), "compiled (cached step)" (through the validated step kept in C++), "torch" (the
         #: reference) or "torch_fused".
         self.last_backends: dict[str, str] = {}
+        # A dict, updated in place: dynamo replays dict updates of a traced step, not attribute stores.
+        self._last_step: dict[str, Tensor | bool] = {"applied": True}
         super().__init__(params, defaults)
+
+    @property
+    def last_step_applied(self) -> Tensor | bool:
+        return self._last_step["applied"]
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Validates the group's hyperparameters and devices before adding it (nothing added on error)."""
@@ -167,6 +212,7 @@ class FusedSGD(Optimizer):
         self._cached_plan = None
         self._checked_hparams = None
         self.last_backends = {}
+        self._last_step = {"applied": True}
 
     def _check_groups(self) -> None:
         """Validates the groups' hyperparameters when they changed since the last check: a group dict can
@@ -179,6 +225,7 @@ class FusedSGD(Optimizer):
                 _check_hyperparameters(group)
             except ValueError as error:
                 raise ValueError(f"param_groups[{index}]: {error}") from None
+        _check_global_norm(self.param_groups)
         self._checked_hparams = values
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
@@ -190,7 +237,8 @@ class FusedSGD(Optimizer):
         """Performs one optimization step.
 
         Under a GradScaler (``optimizer.grad_scale`` / ``optimizer.found_inf`` set by it), gradients are
-        unscaled inside the kernel and a step with ``found_inf`` changes nothing at all.
+        unscaled inside the kernel and a step with ``found_inf`` changes nothing at all (see
+        ``last_step_applied``).
         """
         loss = None
         if closure is not None:
@@ -199,9 +247,11 @@ class FusedSGD(Optimizer):
         self._check_groups()
         grad_scale: Tensor | None = getattr(self, "grad_scale", None)
         found_inf: Tensor | None = getattr(self, "found_inf", None)
+        self._last_step["applied"] = True if found_inf is None else (found_inf == 0).reshape(())
+        clip_norm = self.param_groups[0]["max_grad_norm"] is not None
         # Under torch.compile the step is traced from the plan (no cached C++ step, no address checks).
         tracing = torch.compiler.is_compiling()
-        if not tracing and self._run_cached(grad_scale, found_inf):
+        if not tracing and self._run_cached(grad_scale, found_inf, clip_norm):
             return loss
         plan = plan_step(self, tracing=tracing)
         if (
@@ -223,9 +273,10 @@ class FusedSGD(Optimizer):
         # Updated in place: dynamo replays in-place dict updates of a traced step, not attribute stores.
         self.last_backends.clear()
         self.last_backends.update({bucket_name(key): name for key, (name, _) in backends.items()})
+        grad_sq_sum = self._grad_sq_sum(plan, backends) if clip_norm and plan.buckets else None
         for key, bucket in plan.buckets.items():
-            device, step_fn = key[0], backends[key][1]
-            step_fn(
+            device, ops = key[0], backends[key][1]
+            ops.sgd_step(
                 bucket.params,
                 bucket.grads,
                 bucket.momentum_buffers,
@@ -235,6 +286,7 @@ class FusedSGD(Optimizer):
                 bucket.first_step,
                 None if grad_scale is None else grad_scale.to(device),
                 None if found_inf is None else found_inf.to(device),
+                None if grad_sq_sum is None else grad_sq_sum.to(device),
             )
         for param, dense in plan.staged:
             param.copy_(dense)
@@ -247,7 +299,13 @@ class FusedSGD(Optimizer):
             self._cached_plan = CachedPlan.capture_if_reusable(self, plan)
         return loss
 
-    def _run_cached(self, grad_scale: Tensor | None, found_inf: Tensor | None) -> bool:
+    @staticmethod
+    def _grad_sq_sum(plan: Any, backends: dict[Any, tuple[str, Any]]) -> Tensor:
+        """The sum of squares of every bucket's gradients, on the first bucket's device (no host sync)."""
+        sums = [backends[key][1].grad_sq_sum(bucket.grads) for key, bucket in plan.buckets.items()]
+        return torch.stack([s.to(sums[0].device) for s in sums]).sum() if len(sums) > 1 else sums[0]
+
+    def _run_cached(self, grad_scale: Tensor | None, found_inf: Tensor | None, clip_norm: bool) -> bool:
         """Runs the cached C++ step if the plan still holds; False (nothing changed) otherwise."""
         cached = self._cached_plan
         if cached is None or not cached.matches(self):
@@ -258,6 +316,7 @@ class FusedSGD(Optimizer):
             self._hparam_table(),
             None if grad_scale is None else grad_scale.to(cached.device),
             None if found_inf is None else found_inf.to(cached.device),
+            clip_norm,
         ):
             return False
         self.last_backends.clear()
@@ -271,6 +330,8 @@ class FusedSGD(Optimizer):
                 **group,
                 "lr": float(group["lr"]),
                 "lars_decayed_grad": group["lars_denominator"] == "decayed_grad",
+                "max_grad_norm": group["max_grad_norm"] or 0.0,
+                "max_grad_value": math.inf if group["max_grad_value"] is None else group["max_grad_value"],
             }
             rows.append([float(values[name]) for name in HPARAM_COLUMNS])
         return torch.tensor(rows, dtype=torch.float64)

@@ -1,8 +1,8 @@
 """The kernel's math in plain PyTorch: the oracle in tests and the fallback where nothing compiles.
 
-``make_coeffs``, ``sgd_element``, ``lars_norm_term``, ``trust_ratio``, ``lars_trust`` and ``synced_master``
-mirror ``csrc/sgd_math.h`` function for function, and ``sgd_step`` has the op's signature, so the backends
-are interchangeable.
+``clip_coef``, ``make_coeffs``, ``clipped_grad``, ``sgd_element``, ``lars_norm_term``, ``trust_ratio``,
+``lars_trust`` and ``synced_master`` mirror ``csrc/sgd_math.h`` function for function, and ``sgd_step`` and
+``grad_sq_sum`` have the ops' signatures, so the backends are interchangeable.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ HPARAM_COLUMNS = (
     "lars_eps",
     "trust_clip",
     "lars_decayed_grad",
+    "max_grad_norm",
+    "max_grad_value",
 )
 
 
@@ -34,7 +36,9 @@ HPARAM_COLUMNS = (
 class Coeffs:
     """Everything the element update needs, resolved once per tensor (``Coeffs`` in sgd_math.h)."""
 
-    grad_mul: float
+    grad_mul: float | Tensor
+    clip_value: float
+    clip_coef: float | Tensor
     wd_coupled: float
     trust: float | Tensor
     momentum: float
@@ -46,9 +50,16 @@ class Coeffs:
     nesterov: bool
 
 
+def clipped_grad(g: Tensor, c: Coeffs) -> Tensor:
+    """The unscaled, sign-corrected gradient, clipped by value or by norm (``clipped_grad`` in sgd_math.h)."""
+    g = g * c.grad_mul
+    g = torch.clamp(g, -c.clip_value, c.clip_value)
+    return g * c.clip_coef
+
+
 def sgd_element(w: Tensor, g: Tensor, b: Tensor | None, c: Coeffs) -> tuple[Tensor, Tensor | None]:
     """One SGD/LARS update in opmath; returns the new weights and momentum buffer."""
-    g = g * c.grad_mul
+    g = clipped_grad(g, c)
     g = g + c.wd_coupled * w
     g = g * c.trust
     if c.has_momentum:
@@ -95,11 +106,24 @@ def inverse_scale(grad_scale: Tensor | None) -> float | Tensor:
     return grad_scale.double().reciprocal().float()
 
 
-def make_coeffs(h: dict[str, float], inv_scale: float | Tensor, first: bool) -> Coeffs:
+def clip_coef(grad_sq_sum: Tensor, max_norm: float, inv_scale: float | Tensor) -> Tensor:
+    """clip_grad_norm_'s ``min(1, max_norm / (||g|| + 1e-6))`` from the still scaled gradients' sum of
+    squares, in float64 (``clip_coef`` in sgd_math.h)."""
+    inv_scale = inv_scale.double() if isinstance(inv_scale, Tensor) else inv_scale
+    coef = max_norm / (grad_sq_sum.sqrt() * abs(inv_scale) + 1e-6)
+    return torch.clamp(coef, max=1.0)
+
+
+def make_coeffs(
+    h: dict[str, float], inv_scale: float | Tensor, grad_sq_sum: Tensor | None, first: bool
+) -> Coeffs:
     """A tensor's coefficients from its group's hyperparameters (``make_coeffs`` in sgd_math.h)."""
     wd_after = bool(h["wd_after_momentum"])
+    clip = clip_coef(grad_sq_sum, h["max_grad_norm"], inv_scale) if h["max_grad_norm"] > 0 else 1.0
     return Coeffs(
         grad_mul=-inv_scale if h["maximize"] else inv_scale,
+        clip_value=h["max_grad_value"],
+        clip_coef=clip,
         wd_coupled=0.0 if wd_after else h["weight_decay"],
         trust=1.0,
         momentum=h["momentum"],
@@ -112,22 +136,19 @@ def make_coeffs(h: dict[str, float], inv_scale: float | Tensor, first: bool) -> 
     )
 
 
-def lars_norm_term(
-    w: Tensor, g: Tensor, grad_mul: float | Tensor, weight_decay: float, decayed: bool
-) -> Tensor:
+def lars_norm_term(w: Tensor, g: Tensor, c: Coeffs, weight_decay: float, decayed: bool) -> Tensor:
     """The gradient term whose norm the LARS denominator takes (``lars_norm_term`` in sgd_math.h)."""
-    return g * grad_mul + weight_decay * w if decayed else g
+    raw = clipped_grad(g, c)
+    return raw + weight_decay * w if decayed else raw
 
 
-def lars_trust(w: Tensor, g: Tensor, h: dict[str, float], c: Coeffs, inv_scale: float | Tensor) -> Tensor:
+def lars_trust(w: Tensor, g: Tensor, h: dict[str, float], c: Coeffs) -> Tensor:
     """The trust ratio from the tensor's norms in float64 (``lars_trust`` in sgd_math.h)."""
     decayed = bool(h["lars_decayed_grad"])
     w_norm = torch.linalg.vector_norm(w, dtype=torch.float64)
     g_norm = torch.linalg.vector_norm(
-        lars_norm_term(w, g, c.grad_mul, h["weight_decay"], decayed), dtype=torch.float64
+        lars_norm_term(w, g, c, h["weight_decay"], decayed), dtype=torch.float64
     )
-    if not decayed:
-        g_norm = g_norm * abs(inv_scale)
     return trust_ratio(
         w_norm,
         g_norm,
@@ -150,6 +171,7 @@ def sgd_step(
     first_step: list[bool],
     grad_scale: Tensor | None,
     found_inf: Tensor | None,
+    grad_sq_sum: Tensor | None,
 ) -> None:
     """Same contract as ``torch.ops.lightning_fusedsgd.sgd_step`` (argument slots in csrc/bucket.h): updates
     params, momentum buffers (one per param whose group has momentum) and masters in place."""
@@ -165,12 +187,20 @@ def sgd_step(
         w = synced_master(master, param) if master is not None else param.to(opmath)
         g = grads[i].to(opmath)
         b = next(buffers) if h["momentum"] != 0 else None
-        coeffs = make_coeffs(h, inv_scale, first_step[i])
+        coeffs = make_coeffs(h, inv_scale, grad_sq_sum, first_step[i])
+        if isinstance(coeffs.clip_coef, Tensor):
+            coeffs.clip_coef = coeffs.clip_coef.to(opmath)
         if h["lars"]:
-            coeffs.trust = lars_trust(w, g, h, coeffs, inv_scale).to(opmath)
+            coeffs.trust = lars_trust(w, g, h, coeffs).to(opmath)
         w_new, b_new = sgd_element(w, g, None if b is None or coeffs.first else b.to(opmath), coeffs)
         if master is not None:
             master.copy_(w_new)
         param.copy_(w_new)
         if b is not None:
             b.copy_(b_new)
+
+
+def grad_sq_sum(grads: list[Tensor]) -> Tensor:
+    """Same contract as ``torch.ops.lightning_fusedsgd.grad_sq_sum``: the sum of squares of every gradient,
+    a float64 scalar on their device."""
+    return torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) ** 2 for g in grads]).sum()

@@ -38,8 +38,10 @@ def bucket(dtype=torch.float32, master=False, momentum=True):
         dict(hparams=dict(momentum=0.9, lars=1.0, weight_decay=1e-4)),
         dict(hparams=dict(momentum=0.9), dtype=torch.bfloat16, master=True),
         dict(hparams=dict(momentum=0.9), scaler=True),
+        dict(hparams=dict(momentum=0.9, lars=1.0, max_grad_norm=0.5), scaler=True, clip=True),
+        dict(hparams=dict(momentum=0.9, max_grad_value=0.1)),
     ],
-    ids=["nesterov", "no-momentum", "lars", "bf16-master", "grad-scaler"],
+    ids=["nesterov", "no-momentum", "lars", "bf16-master", "grad-scaler", "clip-norm", "clip-value"],
 )
 def test_sgd_step_passes_opcheck(case):
     params, grads, buffers, masters = bucket(
@@ -56,8 +58,21 @@ def test_sgd_step_passes_opcheck(case):
         [False, True, False],
         scale,
         found_inf,
+        OPS.grad_sq_sum(grads) if case.get("clip") else None,
     )
     torch.library.opcheck(OPS.sgd_step.default, args)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_grad_sq_sum_passes_opcheck_and_sums_squares(dtype):
+    grads = bucket(dtype)[1]
+    torch.library.opcheck(OPS.grad_sq_sum.default, (grads,))
+    expected = sum(float(g.double().square().sum()) for g in grads)
+    assert OPS.grad_sq_sum(grads).dtype == torch.float64
+    # fp32 sums of 16K-element chunks (double for fp64): about sqrt(16K) float32 roundings
+    assert OPS.grad_sq_sum(grads).item() == pytest.approx(
+        expected, rel=1e-5 if dtype != torch.float64 else 1e-12
+    )
 
 
 def test_sgd_step_schema_declares_what_it_writes():
@@ -108,8 +123,9 @@ def compiled_and_eager_runs(make_optimizer, dtype=torch.float32, scaler=False, s
         ),
         (lambda p: FusedSGD(p, lr=0.1, momentum=0.9, master_weights=True), torch.bfloat16, False),
         (lambda p: FusedSGD(p, lr=0.1, momentum=0.9), torch.float32, True),
+        (lambda p: FusedLARS(p, lr=0.1, momentum=0.9, max_grad_norm=1.0), torch.float32, True),
     ],
-    ids=["plain", "nesterov", "lars", "bf16-master", "grad-scaler"],
+    ids=["plain", "nesterov", "lars", "bf16-master", "grad-scaler", "clip-norm-lars-grad-scaler"],
 )
 def test_compiled_step_traces_without_graph_breaks_and_matches_eager(make_optimizer, dtype, scaler):
     ((eager, eager_opt), (compiled, compiled_opt)), breaks = compiled_and_eager_runs(

@@ -27,10 +27,24 @@ inline void check_same_layout(const at::Tensor& param, const at::Tensor& other, 
               "lightning_fusedsgd::sgd_step: each ", what, " must match its param's device, shape and strides");
 }
 
-inline void check_scalar(const std::optional<at::Tensor>& value, const at::Device& device, const char* what) {
-  TORCH_CHECK(!value.has_value() || (value->device() == device && value->scalar_type() == at::kFloat &&
+inline void check_scalar(const std::optional<at::Tensor>& value, const at::Device& device, const char* what,
+                         at::ScalarType dtype = at::kFloat) {
+  TORCH_CHECK(!value.has_value() || (value->device() == device && value->scalar_type() == dtype &&
                                      value->numel() == 1),
-              "lightning_fusedsgd::sgd_step: ", what, " must be a one-element float32 tensor on ", device);
+              "lightning_fusedsgd::sgd_step: ", what, " must be a one-element ", dtype, " tensor on ", device);
+}
+
+inline bool supported_dtype(at::ScalarType dtype) {
+  return dtype == at::kFloat || dtype == at::kDouble || dtype == at::kBFloat16 || dtype == at::kHalf;
+}
+
+// grad_sq_sum's argument: dense gradients of one device and one supported dtype.
+inline void check_grads(at::TensorList grads) {
+  for (const at::Tensor& g : grads) {
+    TORCH_CHECK(g.device() == grads[0].device() && g.scalar_type() == grads[0].scalar_type() &&
+                    supported_dtype(g.scalar_type()) && g.is_non_overlapping_and_dense(),
+                "lightning_fusedsgd::grad_sq_sum: dense gradients of one device and one float dtype");
+  }
 }
 
 // The argument slots, in the op's order (schema in fused_sgd.cpp):
@@ -42,11 +56,14 @@ inline void check_scalar(const std::optional<at::Tensor>& value, const at::Devic
 //   group_hparams    CPU float64 [groups, kNumHParams]: one row per group, columns as LFSGD_HPARAMS
 //   tensor_group     [n] each param's row; first_step [n]: seed the buffer with the gradient
 //   grad_scale, found_inf: GradScaler's one-element float32 tensors on the params' device, or none
+//   grad_sq_sum      one-element float64 on the params' device: the sum of squares of every gradient the
+//                    optimizer steps (grad_sq_sum over all its buckets); needed where a group has max_grad_norm
 inline BucketArgs check_bucket(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
                                at::TensorList master_params, const at::Tensor& group_hparams,
                                at::IntArrayRef tensor_group, const c10::List<bool>& first_step,
                                const std::optional<at::Tensor>& grad_scale,
-                               const std::optional<at::Tensor>& found_inf) {
+                               const std::optional<at::Tensor>& found_inf,
+                               const std::optional<at::Tensor>& grad_sq_sum) {
   const size_t n = params.size();
   TORCH_CHECK(grads.size() == n && tensor_group.size() == n && first_step.size() == n,
               "lightning_fusedsgd::sgd_step: one grad, group and first_step entry per param");
@@ -63,12 +80,12 @@ inline BucketArgs check_bucket(at::TensorList params, at::TensorList grads, at::
   if (n == 0) return args;
   const at::Tensor& first = params[0];
   const auto dtype = first.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kBFloat16 || dtype == at::kHalf,
-              "lightning_fusedsgd::sgd_step: unsupported param dtype ", dtype);
+  TORCH_CHECK(supported_dtype(dtype), "lightning_fusedsgd::sgd_step: unsupported param dtype ", dtype);
   TORCH_CHECK(!args.master || dtype == at::kBFloat16 || dtype == at::kHalf,
               "lightning_fusedsgd::sgd_step: master weights are for bf16/fp16 params");
   check_scalar(grad_scale, first.device(), "grad_scale");
   check_scalar(found_inf, first.device(), "found_inf");
+  check_scalar(grad_sq_sum, first.device(), "grad_sq_sum", at::kDouble);
   const auto buffer_dtype = args.master ? at::kFloat : dtype;
   size_t slot = 0;
   for (size_t t = 0; t < n; ++t) {
@@ -82,6 +99,8 @@ inline BucketArgs check_bucket(at::TensorList params, at::TensorList grads, at::
     TORCH_CHECK(grads[t].scalar_type() == dtype, "lightning_fusedsgd::sgd_step: grads must have their params' dtype");
     const GroupHParams& h = args.groups[tensor_group[t]];
     args.any_lars = args.any_lars || h.lars;
+    TORCH_CHECK(h.max_grad_norm <= 0.0 || grad_sq_sum.has_value(),
+                "lightning_fusedsgd::sgd_step: a group with max_grad_norm needs grad_sq_sum");
     args.buffer_slot.push_back(h.momentum != 0.0 ? static_cast<int64_t>(slot++) : -1);
     if (h.momentum != 0.0) {
       TORCH_CHECK(slot <= momentum_buffers.size(),

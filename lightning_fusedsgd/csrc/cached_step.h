@@ -42,9 +42,10 @@ class CachedStep : public torch::CustomClassHolder {
 
   // Runs the step and returns true, or returns false having changed nothing when the plan no longer holds:
   // a param gained or lost its grad or moved to other memory, or a param, grad, momentum buffer or master
-  // is laid out differently from what was recorded.
+  // is laid out differently from what was recorded. `clip_norm`: a group clips by global norm, so the
+  // gradients' sum of squares is taken over every bucket first.
   bool run(const at::Tensor& group_hparams, const std::optional<at::Tensor>& grad_scale,
-           const std::optional<at::Tensor>& found_inf) {
+           const std::optional<at::Tensor>& found_inf, bool clip_norm) {
     std::vector<at::Tensor> grads;
     grads.reserve(layouts_.size());
     for (size_t i = 0; i < params_.size(); ++i) {
@@ -65,21 +66,33 @@ class CachedStep : public torch::CustomClassHolder {
     for (const Bucket& bucket : buckets_) {
       if (!state_unchanged(bucket)) return false;
     }
-    static const auto op = c10::Dispatcher::singleton()
-                               .findSchemaOrThrow("lightning_fusedsgd::sgd_step", "")
-                               .typed<void(at::TensorList, at::TensorList, at::TensorList, at::TensorList,
-                                           const at::Tensor&, at::IntArrayRef, const c10::List<bool>&,
-                                           const std::optional<at::Tensor>&, const std::optional<at::Tensor>&)>();
+    static const auto step_op =
+        c10::Dispatcher::singleton()
+            .findSchemaOrThrow("lightning_fusedsgd::sgd_step", "")
+            .typed<void(at::TensorList, at::TensorList, at::TensorList, at::TensorList, const at::Tensor&,
+                        at::IntArrayRef, const c10::List<bool>&, const std::optional<at::Tensor>&,
+                        const std::optional<at::Tensor>&, const std::optional<at::Tensor>&)>();
+    static const auto sq_sum_op = c10::Dispatcher::singleton()
+                                      .findSchemaOrThrow("lightning_fusedsgd::grad_sq_sum", "")
+                                      .typed<at::Tensor(at::TensorList)>();
     // Straight to the CPU or CUDA kernel: the autograd and in-place fallbacks of a custom op box every
     // argument (thousands of tensors on large models). The step runs under no_grad, and the pybind module
     // this replaces bumped no version counters either.
     const at::AutoDispatchBelowADInplaceOrView below_autograd;
-    for (const Bucket& bucket : buckets_) {
-      std::vector<at::Tensor> bucket_grads;
-      bucket_grads.reserve(bucket.slots.size());
-      for (int64_t slot : bucket.slots) bucket_grads.push_back(grads[slot]);
-      op.call(bucket.params, bucket_grads, bucket.momentum_buffers, bucket.master_params, group_hparams,
-              bucket.tensor_group, bucket.first_step, grad_scale, found_inf);
+    std::vector<std::vector<at::Tensor>> bucket_grads(buckets_.size());
+    std::optional<at::Tensor> grad_sq_sum;
+    for (size_t b = 0; b < buckets_.size(); ++b) {
+      bucket_grads[b].reserve(buckets_[b].slots.size());
+      for (int64_t slot : buckets_[b].slots) bucket_grads[b].push_back(grads[slot]);
+      if (clip_norm) {
+        at::Tensor sum = sq_sum_op.call(bucket_grads[b]);
+        grad_sq_sum = grad_sq_sum.has_value() ? *grad_sq_sum + sum : sum;
+      }
+    }
+    for (size_t b = 0; b < buckets_.size(); ++b) {
+      const Bucket& bucket = buckets_[b];
+      step_op.call(bucket.params, bucket_grads[b], bucket.momentum_buffers, bucket.master_params, group_hparams,
+                   bucket.tensor_group, bucket.first_step, grad_scale, found_inf, grad_sq_sum);
     }
     return true;
   }

@@ -75,29 +75,40 @@ inline typename OpMath<P>::type load_weight(const P* w, const float* m, int64_t 
 
 // A chunk's sums of squares of w and of the LARS gradient term (lars_norm_term), accumulated in S: the
 // opmath type, or double.
-template <typename S, bool kMaster, typename P, typename O>
-void sum_squares(const P* w, const float* m, const P* gr, const Chunk& chunk, bool decayed, O grad_mul,
-                 O weight_decay, double& sum_w, double& sum_g) {
+template <typename S, bool kDecayed, bool kMaster, typename P, typename O>
+void sum_squares(const P* w, const float* m, const P* gr, const Chunk& chunk, const Coeffs<O>& c, O weight_decay,
+                 double& sum_w, double& sum_g) {
   S sw = 0, sg = 0;
-  if (decayed) {
 #pragma omp simd reduction(+ : sw, sg)
-    for (int64_t i = chunk.begin; i < chunk.end; ++i) {
-      const O wi = load_weight<kMaster>(w, m, i);
-      const S gi = lars_norm_term<O>(wi, load(gr, i), grad_mul, weight_decay, true);
-      sw += static_cast<S>(wi) * wi;
-      sg += gi * gi;
-    }
-  } else {
-#pragma omp simd reduction(+ : sw, sg)
-    for (int64_t i = chunk.begin; i < chunk.end; ++i) {
-      const S wi = load_weight<kMaster>(w, m, i);
-      const S gi = load(gr, i);
-      sw += wi * wi;
-      sg += gi * gi;
-    }
+  for (int64_t i = chunk.begin; i < chunk.end; ++i) {
+    const O wi = load_weight<kMaster>(w, m, i);
+    const S gi = lars_norm_term<O>(wi, load(gr, i), c, weight_decay, kDecayed);
+    sw += static_cast<S>(wi) * wi;
+    sg += gi * gi;
   }
   sum_w = sw;
   sum_g = sg;
+}
+
+// fp32 sums are exact enough where they are normal numbers; squares of values below about 1e-19 underflow
+// and above about 1e19 overflow. A chunk whose sums leave that range (zero, tiny, inf, NaN) is summed again in
+// double, as torch's CPU norm sums fp32, so the whole float range works at the cost of fp32 sums everywhere
+// else.
+inline bool exact_in_opmath(double sum) {
+  constexpr double kMinExact = 1e-30;  // far above 16K subnormal squares (16384 x 1.2e-38)
+  return sum >= kMinExact && sum <= 1e38;
+}
+
+// A chunk's sum of squares of the raw gradient (the global norm that clipping takes), in S.
+template <typename S, typename P>
+double grad_sum_squares(const P* gr, const Chunk& chunk) {
+  S sum = 0;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = chunk.begin; i < chunk.end; ++i) {
+    const S gi = load(gr, i);
+    sum += gi * gi;
+  }
+  return sum;
 }
 
 // One bucket's step on the CPU: each tensor's pointers and coefficients, the work list, and the LARS partial
@@ -109,8 +120,8 @@ class BucketStep {
 
   BucketStep(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
              at::TensorList master_params, const BucketArgs& args, at::IntArrayRef tensor_group,
-             const c10::List<bool>& first_step, double inv_scale)
-      : groups_(args.groups), tensor_group_(tensor_group), inv_scale_(inv_scale) {
+             const c10::List<bool>& first_step, double inv_scale, double grad_sq_sum)
+      : groups_(args.groups), tensor_group_(tensor_group) {
     const size_t n = params.size();
     w_ptr_.resize(n);
     g_ptr_.resize(n);
@@ -124,7 +135,7 @@ class BucketStep {
       g_ptr_[t] = grads[t].data_ptr<P>();
       if (args.buffer_slot[t] >= 0) b_ptr_[t] = momentum_buffers[args.buffer_slot[t]].data_ptr<B>();
       if (kMaster) m_ptr_[t] = master_params[t].data_ptr<float>();
-      coeffs_[t] = make_coeffs<O>(h, inv_scale, first_step[t]);
+      coeffs_[t] = make_coeffs<O>(h, inv_scale, grad_sq_sum, first_step[t]);
       lars_[t] = h.lars;
     }
     work_ = make_work_list(params, lars_);
@@ -156,23 +167,15 @@ class BucketStep {
  private:
   void norm_chunk(const Chunk& chunk, int64_t c) {
     const int32_t t = chunk.tensor;
-    const GroupHParams& h = groups_[tensor_group_[t]];
-    const O grad_mul = coeffs_[t].grad_mul;
-    const O weight_decay = static_cast<O>(h.weight_decay);
-    double sum_w, sum_g;
-    sum_squares<O, kMaster>(w_ptr_[t], m_ptr_[t], g_ptr_[t], chunk, h.lars_decayed_grad, grad_mul, weight_decay,
-                            sum_w, sum_g);
-    // fp32 sums are exact enough where they are normal numbers; squares of weights below about 1e-19
-    // underflow and above about 1e19 overflow. A chunk whose sums leave that range (zero, tiny, inf, NaN)
-    // is summed again in double, as torch's CPU norm sums fp32, so the whole float range works at the cost
-    // of fp32 sums everywhere else.
-    constexpr double kMinExact = 1e-30;  // far above 16K subnormal squares (16384 x 1.2e-38)
-    if (!(sum_w >= kMinExact && sum_w <= 1e38 && sum_g >= kMinExact && sum_g <= 1e38)) {
-      sum_squares<double, kMaster>(w_ptr_[t], m_ptr_[t], g_ptr_[t], chunk, h.lars_decayed_grad, grad_mul,
-                                   weight_decay, sum_w, sum_g);
-    }
-    w_sq_[c] = sum_w;
-    g_sq_[c] = sum_g;
+    const bool decayed = groups_[tensor_group_[t]].lars_decayed_grad;
+    const auto sum = [&](auto accumulator) {
+      using S = decltype(accumulator);
+      const O weight_decay = static_cast<O>(groups_[tensor_group_[t]].weight_decay);
+      (decayed ? sum_squares<S, true, kMaster, P, O> : sum_squares<S, false, kMaster, P, O>)(
+          w_ptr_[t], m_ptr_[t], g_ptr_[t], chunk, coeffs_[t], weight_decay, w_sq_[c], g_sq_[c]);
+    };
+    sum(O{});
+    if (!exact_in_opmath(w_sq_[c]) || !exact_in_opmath(g_sq_[c])) sum(double{});
   }
 
   // Sums the chunk partials in a fixed order, so the ratio does not depend on the thread count. Each thread
@@ -184,7 +187,7 @@ class BucketStep {
       sum_w += w_sq_[c];
       sum_g += g_sq_[c];
     }
-    return static_cast<O>(lars_trust(sum_w, sum_g, groups_[tensor_group_[t]], inv_scale_));
+    return static_cast<O>(lars_trust(sum_w, sum_g, groups_[tensor_group_[t]]));
   }
 
   // `trust_tensor` / `trust`: the calling thread's last computed ratio (static schedules give each thread
@@ -227,7 +230,6 @@ class BucketStep {
 
   const std::vector<GroupHParams>& groups_;
   at::IntArrayRef tensor_group_;
-  double inv_scale_;
   std::vector<P*> w_ptr_;
   std::vector<const P*> g_ptr_;
   std::vector<B*> b_ptr_;
@@ -238,21 +240,45 @@ class BucketStep {
   std::vector<double> w_sq_, g_sq_;
 };
 
-// lightning_fusedsgd::sgd_step for CPU tensors (argument slots in bucket.h). The grad scale and found_inf
-// are read on the host, which costs nothing for CPU tensors.
+// lightning_fusedsgd::sgd_step for CPU tensors (argument slots in bucket.h). The grad scale, found_inf and
+// the gradients' sum of squares are read on the host, which costs nothing for CPU tensors.
 void sgd_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
                   at::TensorList master_params, const at::Tensor& group_hparams, at::IntArrayRef tensor_group,
                   const c10::List<bool>& first_step, const std::optional<at::Tensor>& grad_scale,
-                  const std::optional<at::Tensor>& found_inf) {
+                  const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& grad_sq_sum) {
   const BucketArgs args = check_bucket(params, grads, momentum_buffers, master_params, group_hparams,
-                                       tensor_group, first_step, grad_scale, found_inf);
+                                       tensor_group, first_step, grad_scale, found_inf, grad_sq_sum);
   if (params.empty() || (found_inf.has_value() && found_inf->item<float>() != 0.0f)) return;
   const double inv_scale = grad_scale.has_value() ? inverse_scale(grad_scale->item<float>()) : 1.0;
+  const double sq_sum = grad_sq_sum.has_value() ? grad_sq_sum->item<double>() : 0.0;
   dispatch_bucket_types(params[0].scalar_type(), args.master, [&](auto param, auto buffer, auto master) {
     BucketStep<decltype(param), decltype(buffer), decltype(master)::value>(
-        params, grads, momentum_buffers, master_params, args, tensor_group, first_step, inv_scale)
+        params, grads, momentum_buffers, master_params, args, tensor_group, first_step, inv_scale, sq_sum)
         .run();
   });
+}
+
+// lightning_fusedsgd::grad_sq_sum for CPU tensors: the sum of squares of every gradient, in a fixed order.
+at::Tensor grad_sq_sum_cpu(at::TensorList grads) {
+  check_grads(grads);
+  const WorkList work = make_work_list(grads, std::vector<bool>(grads.size(), false));
+  std::vector<double> partials(work.chunks.size());
+  if (!grads.empty()) {
+    dispatch_bucket_types(grads[0].scalar_type(), false, [&](auto grad, auto, auto) {
+      using P = decltype(grad);
+      using O = typename OpMath<P>::type;
+#pragma omp parallel for schedule(static) num_threads(num_threads_for(work))
+      for (int64_t c = 0; c < static_cast<int64_t>(work.chunks.size()); ++c) {
+        const Chunk& chunk = work.chunks[c];
+        const P* g = grads[chunk.tensor].data_ptr<P>();
+        partials[c] = grad_sum_squares<O>(g, chunk);
+        if (!exact_in_opmath(partials[c])) partials[c] = grad_sum_squares<double>(g, chunk);
+      }
+    });
+  }
+  double total = 0;
+  for (double partial : partials) total += partial;
+  return at::scalar_tensor(total, at::TensorOptions().dtype(at::kDouble));
 }
 
 std::vector<std::string> hparam_names() { return {std::begin(kHParamNames), std::end(kHParamNames)}; }
@@ -261,13 +287,19 @@ std::vector<std::string> hparam_names() { return {std::begin(kHParamNames), std:
 }  // namespace lfsgd
 
 // The schema declares what the op writes: params (a!), momentum buffers (b!) and masters (c!); grads, the
-// table and the scalars are only read. The CUDA kernel (fused_sgd_cuda.cu) registers for the same schema.
+// table and the scalars are only read. grad_sq_sum gives the sum of squares that global-norm clipping needs:
+// the optimizer adds up its buckets' and passes the total to every bucket's sgd_step. The CUDA kernel (fused_sgd_cuda.cu) registers for the same schema.
 TORCH_LIBRARY(lightning_fusedsgd, m) {
   m.def(
       "sgd_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_buffers, Tensor(c!)[] master_params, "
-      "Tensor group_hparams, int[] tensor_group, bool[] first_step, Tensor? grad_scale, Tensor? found_inf) -> ()");
+      "Tensor group_hparams, int[] tensor_group, bool[] first_step, Tensor? grad_scale, Tensor? found_inf, "
+      "Tensor? grad_sq_sum) -> ()");
+  m.def("grad_sq_sum(Tensor[] grads) -> Tensor");
   m.def("hparam_names() -> str[]", &lfsgd::hparam_names);
   lfsgd::register_cached_step(m);
 }
 
-TORCH_LIBRARY_IMPL(lightning_fusedsgd, CPU, m) { m.impl("sgd_step", &lfsgd::sgd_step_cpu); }
+TORCH_LIBRARY_IMPL(lightning_fusedsgd, CPU, m) {
+  m.impl("sgd_step", &lfsgd::sgd_step_cpu);
+  m.impl("grad_sq_sum", &lfsgd::grad_sq_sum_cpu);
+}

@@ -1,6 +1,6 @@
 // The CUDA kernel of lightning_fusedsgd::sgd_step (the op is defined in fused_sgd.cpp): one launch per
 // (device, dtype) bucket over a work list of fixed-size chunks across all tensors (two launches with LARS:
-// norms, then update). The math lives in sgd_math.h, the argument checks in bucket.h. Nothing here reads
+// norms, then update), and of grad_sq_sum, the gradients' sum of squares for norm clipping. The math lives in sgd_math.h, the argument checks in bucket.h. Nothing here reads
 // device memory from the host: the grad scale, found_inf and the LARS norms stay on the device, so a step
 // never synchronizes.
 #include <ATen/ATen.h>
@@ -51,6 +51,20 @@ __device__ inline double inverse_scale_of(const float* grad_scale) {
 
 __device__ inline bool skipped(const float* found_inf) { return found_inf != nullptr && *found_inf != 0.0f; }
 
+// The step's scalars, all read on the device: GradScaler's grad scale and found_inf, and the gradients' sum of
+// squares for norm clipping (each null when absent).
+struct StepScalars {
+  const float* grad_scale;
+  const float* found_inf;
+  const double* grad_sq_sum;
+};
+
+template <typename O>
+__device__ inline Coeffs<O> coeffs_of(const GroupHParams& h, const TensorArgs& t, const StepScalars& s) {
+  return make_coeffs<O>(h, inverse_scale_of(s.grad_scale), s.grad_sq_sum == nullptr ? 0.0 : *s.grad_sq_sum,
+                        t.first != 0);
+}
+
 // The weight of element i in opmath: the param, or its master re-synced with the param (sgd_math.h).
 template <bool kMaster, typename P>
 __device__ inline typename OpMath<P>::type load_weight(const P* w, const float* m, int64_t i) {
@@ -82,15 +96,14 @@ __device__ inline double block_sum(double value, double* scratch) {
 template <typename P, bool kMaster>
 __global__ void __launch_bounds__(kThreads)
     norm_kernel(const TensorArgs* tensors, const ChunkArgs* chunks, const GroupHParams* groups, double* partials,
-                const float* grad_scale, const float* found_inf) {
+                StepScalars scalars) {
   using O = typename OpMath<P>::type;
-  if (skipped(found_inf)) return;
+  if (skipped(scalars.found_inf)) return;
   const ChunkArgs chunk = chunks[blockIdx.x];
   const TensorArgs t = tensors[chunk.tensor];
   if (!t.lars) return;
   const GroupHParams& h = groups[t.group];
-  const double inv_scale = inverse_scale_of(grad_scale);
-  const O grad_mul = static_cast<O>(h.maximize ? -inv_scale : inv_scale);
+  const Coeffs<O> c = coeffs_of<O>(h, t, scalars);
   const O weight_decay = static_cast<O>(h.weight_decay);
   const P* w = static_cast<const P*>(t.param);
   const P* g = static_cast<const P*>(t.grad);
@@ -98,7 +111,7 @@ __global__ void __launch_bounds__(kThreads)
   double sum_w = 0, sum_g = 0;
   for (int64_t i = chunk.begin + threadIdx.x; i < chunk.end; i += kThreads) {
     const O wi = load_weight<kMaster>(w, t.master, i);
-    const O gi = lars_norm_term<O>(wi, static_cast<O>(g[i]), grad_mul, weight_decay, h.lars_decayed_grad);
+    const O gi = lars_norm_term<O>(wi, static_cast<O>(g[i]), c, weight_decay, h.lars_decayed_grad);
     sum_w += static_cast<double>(wi) * wi;
     sum_g += static_cast<double>(gi) * gi;
   }
@@ -116,15 +129,14 @@ __global__ void __launch_bounds__(kThreads)
 template <typename P, typename B, bool kMaster>
 __global__ void __launch_bounds__(kThreads)
     update_kernel(const TensorArgs* tensors, const ChunkArgs* chunks, const GroupHParams* groups,
-                  const double* partials, const float* grad_scale, const float* found_inf) {
+                  const double* partials, StepScalars scalars) {
   using O = typename OpMath<P>::type;
-  if (skipped(found_inf)) return;
+  if (skipped(scalars.found_inf)) return;
   const ChunkArgs chunk = chunks[blockIdx.x];
   const TensorArgs t = tensors[chunk.tensor];
   const GroupHParams& h = groups[t.group];
-  const double inv_scale = inverse_scale_of(grad_scale);
   const bool has_momentum = h.momentum != 0.0;
-  Coeffs<O> c = make_coeffs<O>(h, inv_scale, t.first != 0);
+  Coeffs<O> c = coeffs_of<O>(h, t, scalars);
   if (t.lars) {
     __shared__ O trust;
     __shared__ double scratch[kThreads / 32];
@@ -135,7 +147,7 @@ __global__ void __launch_bounds__(kThreads)
     }
     const double sum_w = block_sum(part_w, scratch);
     const double sum_g = block_sum(part_g, scratch);
-    if (threadIdx.x == 0) trust = static_cast<O>(lars_trust(sum_w, sum_g, h, inv_scale));
+    if (threadIdx.x == 0) trust = static_cast<O>(lars_trust(sum_w, sum_g, h));
     __syncthreads();
     c.trust = trust;
   }
@@ -168,15 +180,12 @@ __global__ void __launch_bounds__(kThreads)
 
 template <typename P, typename B, bool kMaster>
 void launch(const TensorArgs* tensors, const ChunkArgs* chunks, const GroupHParams* groups, double* partials,
-            int64_t num_chunks, bool any_lars, const float* grad_scale, const float* found_inf,
-            cudaStream_t stream) {
+            int64_t num_chunks, bool any_lars, StepScalars scalars, cudaStream_t stream) {
   if (any_lars) {
-    norm_kernel<P, kMaster>
-        <<<num_chunks, kThreads, 0, stream>>>(tensors, chunks, groups, partials, grad_scale, found_inf);
+    norm_kernel<P, kMaster><<<num_chunks, kThreads, 0, stream>>>(tensors, chunks, groups, partials, scalars);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
-  update_kernel<P, B, kMaster>
-      <<<num_chunks, kThreads, 0, stream>>>(tensors, chunks, groups, partials, grad_scale, found_inf);
+  update_kernel<P, B, kMaster><<<num_chunks, kThreads, 0, stream>>>(tensors, chunks, groups, partials, scalars);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -184,9 +193,9 @@ void launch(const TensorArgs* tensors, const ChunkArgs* chunks, const GroupHPara
 void sgd_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
                    at::TensorList master_params, const at::Tensor& group_hparams, at::IntArrayRef tensor_group,
                    const c10::List<bool>& first_step, const std::optional<at::Tensor>& grad_scale,
-                   const std::optional<at::Tensor>& found_inf) {
+                   const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& grad_sq_sum) {
   const BucketArgs bucket = check_bucket(params, grads, momentum_buffers, master_params, group_hparams,
-                                         tensor_group, first_step, grad_scale, found_inf);
+                                         tensor_group, first_step, grad_scale, found_inf, grad_sq_sum);
   if (params.empty()) return;
   const int64_t n = static_cast<int64_t>(params.size());
   const at::Device device = params[0].device();
@@ -211,8 +220,9 @@ void sgd_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList m
     args.num_chunks = static_cast<int64_t>(chunks.size()) - args.first_chunk;
   }
   if (chunks.empty()) return;
-  const float* scale_ptr = grad_scale.has_value() ? grad_scale->data_ptr<float>() : nullptr;
-  const float* found_inf_ptr = found_inf.has_value() ? found_inf->data_ptr<float>() : nullptr;
+  const StepScalars scalars{grad_scale.has_value() ? grad_scale->data_ptr<float>() : nullptr,
+                            found_inf.has_value() ? found_inf->data_ptr<float>() : nullptr,
+                            grad_sq_sum.has_value() ? grad_sq_sum->data_ptr<double>() : nullptr};
 
   // Tensor table, chunk list and group hyperparameters travel in one pinned buffer and one asynchronous
   // copy; the caching host allocator keeps the buffer alive until the copy has run.
@@ -243,11 +253,68 @@ void sgd_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList m
   dispatch_bucket_types(params[0].scalar_type(), bucket.master, [&](auto param, auto buffer, auto master) {
     launch<decltype(param), decltype(buffer), decltype(master)::value>(tensor_args, chunk_args, group_args,
                                                                         partial_ptr, num_chunks, bucket.any_lars,
-                                                                        scale_ptr, found_inf_ptr, stream);
+                                                                        scalars, stream);
   });
+}
+
+// grad_sq_sum: each block sums the squares of one chunk in double, then the partials are added on the device.
+template <typename P>
+__global__ void __launch_bounds__(kThreads)
+    grad_sq_sum_kernel(const P* const* grads, const ChunkArgs* chunks, double* partials) {
+  const ChunkArgs chunk = chunks[blockIdx.x];
+  const P* g = grads[chunk.tensor];
+  double sum = 0;
+  for (int64_t i = chunk.begin + threadIdx.x; i < chunk.end; i += kThreads) {
+    const double gi = static_cast<double>(g[i]);
+    sum += gi * gi;
+  }
+  __shared__ double scratch[kThreads / 32];
+  const double total = block_sum(sum, scratch);
+  if (threadIdx.x == 0) partials[blockIdx.x] = total;
+}
+
+// lightning_fusedsgd::grad_sq_sum for CUDA tensors: a float64 scalar on the device, with no host sync.
+at::Tensor grad_sq_sum_cuda(at::TensorList grads) {
+  check_grads(grads);
+  TORCH_CHECK(!grads.empty() && grads[0].is_cuda(), "lightning_fusedsgd::grad_sq_sum (CUDA): CUDA tensors only");
+  const at::Device device = grads[0].device();
+  std::vector<const void*> pointers;
+  std::vector<ChunkArgs> chunks;
+  for (int64_t t = 0; t < static_cast<int64_t>(grads.size()); ++t) {
+    pointers.push_back(grads[t].data_ptr());
+    for (int64_t begin = 0; begin < grads[t].numel(); begin += kChunkElems) {
+      chunks.push_back({t, begin, std::min(begin + kChunkElems, grads[t].numel())});
+    }
+  }
+  const auto options = at::TensorOptions().dtype(at::kDouble).device(device);
+  if (chunks.empty()) return at::zeros({}, options);
+  const size_t pointer_bytes = pointers.size() * sizeof(void*);
+  const size_t chunk_bytes = chunks.size() * sizeof(ChunkArgs);
+  at::Tensor host = at::empty({static_cast<int64_t>(pointer_bytes + chunk_bytes)},
+                              at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+  std::memcpy(host.data_ptr<uint8_t>(), pointers.data(), pointer_bytes);
+  std::memcpy(host.data_ptr<uint8_t>() + pointer_bytes, chunks.data(), chunk_bytes);
+  const c10::cuda::CUDAGuard guard(device);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  at::Tensor args = at::empty({host.numel()}, at::TensorOptions().dtype(at::kByte).device(device));
+  args.copy_(host, /*non_blocking=*/true);
+  const int64_t num_chunks = static_cast<int64_t>(chunks.size());
+  at::Tensor partials = at::empty({num_chunks}, options);
+  const uint8_t* dev = args.data_ptr<uint8_t>();
+  dispatch_bucket_types(grads[0].scalar_type(), false, [&](auto grad, auto, auto) {
+    using P = decltype(grad);
+    grad_sq_sum_kernel<P><<<num_chunks, kThreads, 0, stream>>>(
+        reinterpret_cast<const P* const*>(dev), reinterpret_cast<const ChunkArgs*>(dev + pointer_bytes),
+        partials.data_ptr<double>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return partials.sum();
 }
 
 }  // namespace
 }  // namespace lfsgd
 
-TORCH_LIBRARY_IMPL(lightning_fusedsgd, CUDA, m) { m.impl("sgd_step", &lfsgd::sgd_step_cuda); }
+TORCH_LIBRARY_IMPL(lightning_fusedsgd, CUDA, m) {
+  m.impl("sgd_step", &lfsgd::sgd_step_cuda);
+  m.impl("grad_sq_sum", &lfsgd::grad_sq_sum_cuda);
+}

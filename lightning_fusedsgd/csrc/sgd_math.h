@@ -29,7 +29,9 @@ namespace lfsgd {
   X(double, trust_coefficient)  \
   X(double, lars_eps)           \
   X(bool, trust_clip)           \
-  X(bool, lars_decayed_grad)
+  X(bool, lars_decayed_grad)    \
+  X(double, max_grad_norm)      \
+  X(double, max_grad_value)
 
 struct GroupHParams {
 #define LFSGD_FIELD(type, name) type name;
@@ -67,10 +69,20 @@ LFSGD_HOST_DEVICE inline double inverse_scale(float grad_scale) {
   return static_cast<double>(static_cast<float>(1.0 / grad_scale));
 }
 
+// clip_grad_norm_'s coefficient, min(1, max_norm / (||g|| + 1e-6)), from the sum of squares of every
+// stepped gradient as the kernels receive it (still scaled: ||g|| is unscaled here). A NaN norm gives NaN,
+// as torch's clamp does.
+LFSGD_HOST_DEVICE inline double clip_coef(double grad_sq_sum, double max_norm, double inv_scale) {
+  const double coef = max_norm / (sqrt(grad_sq_sum) * fabs(inv_scale) + 1e-6);
+  return coef > 1.0 ? 1.0 : coef;
+}
+
 // Everything the element update needs, resolved once per tensor. `T` is the opmath type.
 template <typename T>
 struct Coeffs {
   T grad_mul;             // sign / grad_scale: unscale and maximize in one exact multiply
+  T clip_value;           // clip_grad_value_'s bound, inf when off
+  T clip_coef;            // clip_grad_norm_'s coefficient, 1 when off
   T wd_coupled;           // lambda, or 0 when weight decay is applied after momentum
   T trust;                // LARS trust ratio r, 1 for plain SGD
   T momentum;             // mu
@@ -82,10 +94,15 @@ struct Coeffs {
   bool nesterov;
 };
 
+// `grad_sq_sum`: the sum of squares of every stepped gradient, read when the group clips by norm.
 template <typename T>
-LFSGD_HOST_DEVICE inline Coeffs<T> make_coeffs(const GroupHParams& h, double inv_scale, bool first) {
+LFSGD_HOST_DEVICE inline Coeffs<T> make_coeffs(const GroupHParams& h, double inv_scale, double grad_sq_sum,
+                                               bool first) {
   const double weight_decay = h.weight_decay;
+  const double clip = h.max_grad_norm > 0.0 ? clip_coef(grad_sq_sum, h.max_grad_norm, inv_scale) : 1.0;
   return Coeffs<T>{static_cast<T>(h.maximize ? -inv_scale : inv_scale),
+                   static_cast<T>(h.max_grad_value),
+                   static_cast<T>(clip),
                    static_cast<T>(h.wd_after_momentum ? 0.0 : weight_decay),
                    T(1),
                    static_cast<T>(h.momentum),
@@ -97,9 +114,18 @@ LFSGD_HOST_DEVICE inline Coeffs<T> make_coeffs(const GroupHParams& h, double inv
                    h.nesterov};
 }
 
+// The gradient as clip_grad_value_ / clip_grad_norm_ leave it: unscaled and sign-corrected, then clipped
+// (only one clip is on). Comparisons keep NaN, as torch's clamp does.
+template <typename T>
+LFSGD_HOST_DEVICE inline T clipped_grad(T g, const Coeffs<T>& c) {
+  g = g * c.grad_mul;
+  g = g < -c.clip_value ? -c.clip_value : (g > c.clip_value ? c.clip_value : g);
+  return g * c.clip_coef;
+}
+
 template <typename T>
 LFSGD_HOST_DEVICE inline void sgd_element(T& w, T g, T& b, const Coeffs<T>& c) {
-  g = g * c.grad_mul;
+  g = clipped_grad(g, c);
   g = g + c.wd_coupled * w;
   g = g * c.trust;
   if (c.has_momentum) {
@@ -110,11 +136,12 @@ LFSGD_HOST_DEVICE inline void sgd_element(T& w, T g, T& b, const Coeffs<T>& c) {
   w = w - c.lr * g;
 }
 
-// The gradient term whose squares the LARS norm pass sums: g_raw for the default denominator, the
-// unscaled, sign-corrected g_raw + lambda w for "decayed_grad".
+// The gradient term whose squares the LARS norm pass sums: g_raw (clipped_grad) for the default
+// denominator, g_raw + lambda w for "decayed_grad".
 template <typename T>
-LFSGD_HOST_DEVICE inline T lars_norm_term(T w, T g, T grad_mul, T weight_decay, bool decayed_grad) {
-  return decayed_grad ? g * grad_mul + weight_decay * w : g;
+LFSGD_HOST_DEVICE inline T lars_norm_term(T w, T g, const Coeffs<T>& c, T weight_decay, bool decayed_grad) {
+  const T raw = clipped_grad(g, c);
+  return decayed_grad ? raw + weight_decay * w : raw;
 }
 
 // Master weights follow outside writes. The param must hold its master's rounding; where it does not, it
@@ -138,12 +165,10 @@ LFSGD_HOST_DEVICE inline double trust_ratio(double w_norm, double g_norm, double
   return r;
 }
 
-// The trust ratio from a tensor's sums of squares (of w and of lars_norm_term). The default denominator
-// sums the raw, still scaled gradient, so its norm is unscaled here.
-LFSGD_HOST_DEVICE inline double lars_trust(double sum_w, double sum_g, const GroupHParams& h, double inv_scale) {
-  const double g_norm = h.lars_decayed_grad ? sqrt(sum_g) : sqrt(sum_g) * fabs(inv_scale);
-  return trust_ratio(sqrt(sum_w), g_norm, h.weight_decay, h.trust_coefficient, h.lars_eps, h.lars_decayed_grad,
-                     h.trust_clip, h.lr);
+// The trust ratio from a tensor's sums of squares (of w and of lars_norm_term).
+LFSGD_HOST_DEVICE inline double lars_trust(double sum_w, double sum_g, const GroupHParams& h) {
+  return trust_ratio(sqrt(sum_w), sqrt(sum_g), h.weight_decay, h.trust_coefficient, h.lars_eps,
+                     h.lars_decayed_grad, h.trust_clip, h.lr);
 }
 
 }  // namespace lfsgd
