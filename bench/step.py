@@ -1,5 +1,8 @@
 """Step time of FusedSGD against torch.optim.SGD (foreach, fused) and the data-movement floor.
 
+Case (e) clips by global norm: FusedSGD(max_grad_norm=...) against its own plain step and against
+``torch.nn.utils.clip_grad_norm_(foreach=True)`` followed by torch's fused SGD.
+
 Usage: ``python bench/step.py [--repeats N] [--quick]``. Prints a markdown table and writes
 ``bench/results/step.json``. The floor is a kernel in our extension with the same reads and writes as
 a momentum step and no arithmetic, run over the same tensors through the same work list.
@@ -46,6 +49,28 @@ def contenders(params: list[torch.Tensor], master_weights: bool) -> dict[str, ob
     }
 
 
+MAX_GRAD_NORM = 1.0
+
+
+def clipping_contenders(params: list[torch.Tensor]) -> dict[str, object]:
+    """(e): our clipped step, our plain step, and torch's clip_grad_norm_ + fused SGD pair, and the floor."""
+    steps = contenders(params, master_weights=False)
+    clipped = FusedSGD(clone_params(params), backend="compiled", max_grad_norm=MAX_GRAD_NORM, **HPARAMS)
+    torch_params = clone_params(params)
+    fused_torch = torch.optim.SGD(torch_params, fused=True, **HPARAMS)
+
+    def torch_pair() -> None:
+        torch.nn.utils.clip_grad_norm_(torch_params, MAX_GRAD_NORM, foreach=True)
+        fused_torch.step()
+
+    return {
+        "FusedSGD clipped": clipped.step,
+        "FusedSGD": steps["FusedSGD"],
+        "torch clip_grad_norm_ + fused": torch_pair,
+        "floor": steps["floor"],
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=20)
@@ -59,11 +84,12 @@ def main() -> None:
         (f"(b) one flat tensor, {flat / 1e6:.0f}M, fp32", [torch.Size([flat])], torch.float32, False),
         ("(c) 2,000 tensors x 4,096, fp32", [torch.Size([4096])] * 2000, torch.float32, False),
         ("(d) ResNet-50, bf16 + fp32 master weights", rn50, torch.bfloat16, True),
+        (f"(e) ResNet-50, fp32, max_grad_norm={MAX_GRAD_NORM:g}", rn50, torch.float32, False),
     ]
     rows = []
     for name, shapes, dtype, master in cases:
         params = make_params(shapes, dtype)
-        steps = contenders(params, master)
+        steps = clipping_contenders(params) if name.startswith("(e)") else contenders(params, master)
         if master:  # (d) is compared with (a)'s fp32 step in the same interleaved loop: the machine drifts
             fp32 = FusedSGD(make_params(shapes, torch.float32), backend="compiled", **HPARAMS)
             steps["FusedSGD fp32 (a)"] = fp32.step
@@ -80,6 +106,12 @@ def main() -> None:
         "floor",
     )
     print(f"\n(d) bf16 + master weights / fp32 FusedSGD step on (a)'s shapes: {bf16_over_fp32:.2f}")
+    clip = rows[-1][1]
+    ours = clip["FusedSGD clipped"]
+    print(
+        f"(e) clipped / plain FusedSGD: {ours / clip['FusedSGD']:.2f}; "
+        f"torch's pair / clipped FusedSGD: {clip['torch clip_grad_norm_ + fused'] / ours:.2f}"
+    )
     path = write_json(
         "step",
         {

@@ -271,7 +271,15 @@ class WarmupLR(LRScheduler):
     :class:`WarmupSchedule`). Step it once after every optimizer step: with Lightning, return it
     with ``"interval": "step"``. Group lrs may be floats or 0-d tensors; tensors are filled in place.
 
-    ``state_dict`` holds the step counter, the peaks and the schedule as plain Python values.
+    The position t counts APPLIED optimizer steps: when the optimizer skipped its last step (a GradScaler
+    found inf/NaN; :class:`FusedSGD` says so in ``last_step_applied``), ``step()`` leaves the lr where it
+    is and counts the skip in ``skipped_steps``, so the applied steps use f(0), f(1), ... with nothing lost
+    to a skip. Lightning's ``global_step`` counts optimizer step calls, skipped ones included: it is
+    ``last_epoch + skipped_steps``. With other optimizers a skip cannot be seen, and every call advances.
+    Reading the flag is free on the CPU; on CUDA it synchronizes once per step under a GradScaler.
+
+    ``state_dict`` holds the step counter, the skipped steps, the peaks and the schedule as plain Python
+    values.
     :meth:`load_state_dict` restores the step and immediately sets every group to ``f(step)``, so
     the next optimizer step uses the lr an uninterrupted run would, whichever order the optimizer
     and scheduler states are loaded in. The schedule and peaks this scheduler was constructed with
@@ -317,7 +325,20 @@ class WarmupLR(LRScheduler):
             power=power,
             end_lr=end_lr,
         )
+        self.skipped_steps = 0
+        # The optimizer's step outcome already acted on (each step under a GradScaler makes a new one).
+        self._seen_outcome = getattr(optimizer, "last_step_applied", True)
         super().__init__(optimizer, last_epoch)
+
+    def step(self, epoch: int | None = None) -> None:
+        """Advance to the next applied step, or stay after a skipped one (see the class docstring)."""
+        applied = getattr(self.optimizer, "last_step_applied", True)
+        if epoch is None and applied is not self._seen_outcome:
+            self._seen_outcome = applied
+            if not bool(applied):
+                self.skipped_steps += 1
+                return
+        super().step(epoch)
 
     def get_lr(self) -> list[float]:
         """Return f(``last_epoch``) for every group, from its peak."""
@@ -328,7 +349,11 @@ class WarmupLR(LRScheduler):
 
     def state_dict(self) -> dict[str, Any]:
         """Return the state, with the schedule as a plain dict so ``weights_only=True`` loads it."""
-        state = {key: value for key, value in self.__dict__.items() if key not in ("optimizer", "schedule")}
+        state = {
+            key: value
+            for key, value in self.__dict__.items()
+            if key not in ("optimizer", "schedule", "_seen_outcome")
+        }
         state["schedule"] = dataclasses.asdict(self.schedule)
         return state
 

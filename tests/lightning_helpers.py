@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_fusedsgd.checkpoint import read_checkpoint_file
-from lightning_fusedsgd.lightning import clip_gradients, configure_fused_sgd
+from lightning_fusedsgd.lightning import configure_fused_sgd
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS_PER_EPOCH = 3  # conf/debug/tiny.yaml's trainer.limit_train_batches
@@ -58,21 +58,6 @@ class TinyClassifier(pl.LightningModule):
 
     def configure_optimizers(self) -> Any:
         return configure_fused_sgd(self, **self.factory_kwargs)
-
-
-class ClippingTinyClassifier(TinyClassifier):
-    """Adds the documented clipping hook and records the gradient norm it leaves for the optimizer."""
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.clipped_norms: list[float] = []
-
-    def configure_gradient_clipping(
-        self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None
-    ) -> None:
-        clip_gradients(self, optimizer, gradient_clip_val, gradient_clip_algorithm)
-        grads = [p.grad.float() for p in self.parameters() if p.grad is not None]
-        self.clipped_norms.append(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item())
 
 
 class StopAt(pl.Callback):

@@ -7,6 +7,7 @@ import json
 import time
 
 import pytest
+import torch
 from lightning.pytorch.cli import LightningCLI
 from lightning_helpers import run_train_py
 
@@ -24,7 +25,7 @@ SHORT_RUN = [
 
 
 def test_train_py_writes_every_output_and_ends_with_the_summary(tmp_path):
-    result = run_train_py([*SHORT_RUN, f"hydra.run.dir={tmp_path}"])
+    result = run_train_py([*SHORT_RUN, "trainer.gradient_clip_val=1.0", f"hydra.run.dir={tmp_path}"])
     assert result.returncode == 0, result.stderr[-3000:]
     last_line = result.stdout.strip().splitlines()[-1]
     assert last_line.startswith("summary: name=quickstart val_acc=")
@@ -37,7 +38,10 @@ def test_train_py_writes_every_output_and_ends_with_the_summary(tmp_path):
     assert {"step", "train/loss", "val/acc", "val/acc5"} <= set(header)
     assert any(column.startswith("lr-FusedSGD") for column in header)
     metrics = json.loads((tmp_path / "metrics.json").read_text())
-    assert metrics["global_step"] == 6 and metrics["epochs"] == 2
+    assert metrics["global_step"] == 6 and metrics["epochs"] == 2 and metrics["skipped_steps"] == 0
+    # Lightning's gradient_clip_val reached the fused step (it is saved with the optimizer's groups).
+    saved = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
+    assert {group["max_grad_norm"] for group in saved["optimizer_states"][0]["param_groups"]} == {1.0}
     assert 0.0 <= metrics["val/acc"] <= 1.0
     assert metrics["last_checkpoint"].endswith("last.ckpt")
     assert (tmp_path / "curves.png").read_bytes().startswith(b"\x89PNG")

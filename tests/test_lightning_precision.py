@@ -1,16 +1,22 @@
 """FusedSGD under Lightning's precision plugins on CPU.
 
-bf16-mixed, bf16-true with master weights, 16-mixed with a GradScaler, and gradient clipping.
+bf16-mixed, bf16-true with master weights, 16-mixed with a GradScaler; Lightning's gradient clipping done
+inside the fused step under each of them (against torch.optim.SGD clipped by Lightning); skipped steps that
+leave the schedule where it is.
 """
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
-from lightning_helpers import ClippingTinyClassifier, TinyClassifier, cpu_trainer
+from lightning_helpers import TinyClassifier, cpu_trainer
 
+from lightning_fusedsgd import param_groups
 from lightning_fusedsgd.lightning import Schedule
+from lightning_fusedsgd.lightning.callbacks import RunSummary
 
 CONSTANT = Schedule(decay="constant")
 
@@ -66,33 +72,129 @@ def test_16_mixed_grad_scaler_steps_through_the_kernel():
     assert all(not torch.equal(a, b) for a, b in zip(before, _params(module)) if a.numel() > 8)
 
 
-def test_lightning_refuses_clipping_for_self_unscaling_optimizers():
-    # Documents Lightning 2.x behaviour, which is why clip_gradients exists.
-    module = TinyClassifier(schedule=CONSTANT)
-    with pytest.raises(RuntimeError, match="does not allow for gradient clipping"):
-        _fp16_trainer(gradient_clip_val=1.0).fit(module)
+class TorchSGDClassifier(TinyClassifier):
+    """The same module with torch.optim.SGD on the same groups: Lightning clips it itself."""
+
+    def configure_optimizers(self):
+        kwargs = self.factory_kwargs
+        groups = param_groups(self, kwargs.get("weight_decay", 1e-4))
+        return torch.optim.SGD(groups, lr=kwargs["lr"], momentum=0.9)
 
 
-@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
-def test_clip_gradients_works_under_mixed_precision(precision):
-    plugins = [MixedPrecision(precision, "cpu")]
+# What each Trainer precision needs on the CPU (16-mixed: see _fp16_trainer), and the weights' tolerance.
+PRECISIONS = {
+    "32-true": (dict(precision="32-true"), 1e-5),
+    "bf16-mixed": (dict(precision="bf16-mixed"), 1e-4),
+    "16-mixed": (dict(plugins=[MixedPrecision("16-mixed", "cpu")]), 1e-4),
+    # bf16 weights stepped in bf16 by torch.optim.SGD, whose clip_grad_norm_ takes the norm in bf16: one
+    # rounding of the weights apart at most.
+    "bf16-true": (dict(precision="bf16-true"), 1e-2),
+}
+CLIP = {"norm": 0.05, "value": 0.002}  # both clip every step of these runs
+
+
+def _fit(module, clip, accumulate=1, **trainer_kwargs):
+    algorithm, value = clip if clip else (None, None)
+    trainer = cpu_trainer(
+        max_steps=4,
+        gradient_clip_val=value,
+        gradient_clip_algorithm=algorithm,
+        accumulate_grad_batches=accumulate,
+        **trainer_kwargs,
+    )
+    trainer.fit(module)
+    return trainer
+
+
+@pytest.mark.parametrize("algorithm", list(CLIP))
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+def test_gradient_clip_val_clips_in_the_fused_step_like_lightning_clips_torch_sgd(precision, algorithm):
+    """A module with no configure_gradient_clipping of its own: Trainer(gradient_clip_val=...) works under
+    every precision, with one fused call per step, and equals torch.optim.SGD clipped by Lightning."""
+    trainer_kwargs, tolerance = PRECISIONS[precision]
+    factory = dict(schedule=CONSTANT, lr=0.5, reference_batch_size=None, master_weights=False)
+    clip = (algorithm, CLIP[algorithm])
     torch.manual_seed(0)
-    clipped = ClippingTinyClassifier(schedule=CONSTANT, lr=1.0)
-    cpu_trainer(max_steps=4, plugins=plugins, gradient_clip_val=0.05).fit(clipped)
-    assert len(clipped.clipped_norms) == 4
-    assert max(clipped.clipped_norms) <= 0.05 * (1 + 1e-3)  # unscaled norms, clipped
+    ours = TinyClassifier(**factory)
+    torch.manual_seed(0)
+    theirs = TorchSGDClassifier(**factory)
+    initial = _params(ours)
+    trainer = _fit(ours, clip, **trainer_kwargs)
+    _fit(theirs, clip, **trainer_kwargs)
+    assert not torch.equal(initial[0], _params(ours)[0])  # steps were applied, not all skipped
+    optimizer = trainer.optimizers[0]
+    assert optimizer.last_backends and all(b.startswith("compiled") for b in optimizer.last_backends.values())
+    assert optimizer.param_groups[0][f"max_grad_{algorithm}"] == CLIP[algorithm]
+    for a, b in zip(_params(ours), _params(theirs)):
+        torch.testing.assert_close(a, b, rtol=tolerance, atol=tolerance)
 
 
-def test_unscale_then_clip_matches_in_kernel_unscaling():
-    # A threshold no gradient reaches: unscaling before the step (clip path) must give the same
-    # weights as letting the kernel unscale, so nothing is unscaled twice or skipped.
+def test_gradient_clip_val_changes_the_run():
+    """The clip thresholds above are active: without clipping the weights differ."""
+    factory = dict(schedule=CONSTANT, lr=0.5, reference_batch_size=None)
+    runs = []
+    for clip in (("norm", CLIP["norm"]), None):
+        torch.manual_seed(0)
+        module = TinyClassifier(**factory)
+        _fit(module, clip)
+        runs.append(_params(module))
+    assert not torch.allclose(runs[0][0], runs[1][0], rtol=1e-3, atol=1e-4)
+
+
+def test_clipping_with_accumulation_clips_the_accumulated_gradient_once_per_step():
+    factory = dict(schedule=CONSTANT, lr=0.5, reference_batch_size=None)
+    clip = ("norm", CLIP["norm"])
     torch.manual_seed(0)
-    reference = TinyClassifier(schedule=CONSTANT, lr=1.0)
-    initial = _params(reference)
+    ours = TinyClassifier(**factory)
     torch.manual_seed(0)
-    clipped = ClippingTinyClassifier(schedule=CONSTANT, lr=1.0)
-    _fp16_trainer().fit(reference)
-    _fp16_trainer(gradient_clip_val=1e6).fit(clipped)
-    assert not torch.equal(initial[0], _params(reference)[0])  # steps were taken, not all skipped
-    for a, b in zip(_params(reference), _params(clipped)):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    theirs = TorchSGDClassifier(**factory)
+    trainer = _fit(ours, clip, accumulate=2)
+    _fit(theirs, clip, accumulate=2)
+    assert trainer.global_step == 4
+    for a, b in zip(_params(ours), _params(theirs)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_a_module_with_its_own_clipping_hook_keeps_it():
+    calls = []
+
+    class OwnClipping(TinyClassifier):
+        def configure_gradient_clipping(
+            self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None
+        ):
+            calls.append(gradient_clip_val)
+
+    _fit(OwnClipping(schedule=CONSTANT), ("norm", 1.0))
+    assert calls == [1.0] * 4
+
+
+class OverflowAt(TinyClassifier):
+    """Makes the loss of some batches inf, so the GradScaler skips those optimizer steps."""
+
+    def __init__(self, overflow_steps, **kwargs):
+        super().__init__(**kwargs)
+        self.overflow_steps = set(overflow_steps)
+        self.lrs = []
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.lrs.append(self.trainer.optimizers[0].param_groups[0]["lr"])
+        return loss * float("inf") if self.trainer.global_step in self.overflow_steps else loss
+
+
+def test_skipped_steps_do_not_advance_the_schedule_under_lightning(tmp_path):
+    schedule = Schedule(decay="linear", warmup=3, unit="step")
+    module = OverflowAt({1, 2}, schedule=schedule, lr=1.0, reference_batch_size=None)
+    trainer = cpu_trainer(
+        max_epochs=1, plugins=[MixedPrecision("16-mixed", "cpu")], callbacks=[RunSummary(str(tmp_path))]
+    )
+    trainer.fit(module)
+    metrics = json.loads((tmp_path / "metrics.json").read_text())  # what train.py writes
+    assert metrics["skipped_steps"] == 2 and metrics["metrics"]["train/skipped_steps"] == 2
+    scheduler = trainer.lr_scheduler_configs[0].scheduler
+    steps = trainer.global_step
+    assert scheduler.skipped_steps == 2 and scheduler.last_epoch == steps - 2
+    applied = [lr for step, lr in enumerate(module.lrs) if step not in (1, 2)]
+    expected = scheduler.schedule.curve(1.0, steps - 2)
+    assert applied == pytest.approx(expected)
+    assert module.lrs[1] == module.lrs[2] == module.lrs[3] == pytest.approx(expected[1])

@@ -344,3 +344,61 @@ def test_scaled_lr(base_lr: float, batch: int, reference: int, expected: float) 
 def test_scaled_lr_rejects_bad_input(args: tuple, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         scaled_lr(*args)
+
+
+def _scaled_loop(steps, overflow, state=None, stop=None):
+    """A plain AMP loop with FusedSGD: ``scaler.step(opt); scaler.update(); scheduler.step()`` every
+    iteration, an inf loss at the ``overflow`` iterations. Returns the lr each iteration ran with, the
+    weights, and (with ``stop``) the states saved after iteration ``stop``."""
+    from lightning_fusedsgd import FusedSGD
+
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(64, generator=generator))
+    optimizer = FusedSGD([weight], lr=PEAK, momentum=0.9)
+    scheduler = WarmupLR(optimizer, **BASE, decay="cosine", end_lr=END)
+    scaler = torch.amp.GradScaler("cpu", init_scale=128.0)
+    first = 0
+    if state is not None:
+        for target, saved in zip((weight.data, optimizer, scheduler, scaler), state):
+            target.copy_(saved) if isinstance(saved, torch.Tensor) else target.load_state_dict(saved)
+        first = stop + 1
+    lrs, saved = [], None
+    for step in range(first, steps):
+        data = torch.randn(64, generator=torch.Generator().manual_seed(step))
+        loss = (weight * data).sum() ** 2 * (math.inf if step in overflow else 1.0)
+        optimizer.zero_grad()
+        scaler.scale(loss).backward()
+        lrs.append(optimizer.param_groups[0]["lr"])
+        scaler.step(optimizer)
+        scaler.update()
+        scheduler.step()
+        if step == stop:
+            saved = [copy_state(x) for x in (weight.detach(), optimizer, scheduler, scaler)]
+    return lrs, weight.detach().clone(), saved
+
+
+def copy_state(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.clone()
+    buffer = io.BytesIO()
+    torch.save(obj.state_dict(), buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+def test_skipped_steps_do_not_advance_the_schedule_in_a_plain_loop() -> None:
+    overflow = {1, 4, 5}
+    lrs, _, _ = _scaled_loop(12, overflow)
+    schedule = WarmupSchedule(**BASE, decay="cosine", end_lr=END)
+    applied = [lr for step, lr in enumerate(lrs) if step not in overflow]
+    assert applied == pytest.approx(schedule.curve(PEAK, len(applied)))  # f(0), f(1), ... nothing lost
+    assert lrs[1] == lrs[2] and lrs[4] == lrs[5] == lrs[6]  # a skipped step's lr is used by the next one
+
+
+def test_resume_across_a_skipped_step_continues_the_uninterrupted_run() -> None:
+    overflow = {3, 4}
+    lrs, weight, saved = _scaled_loop(10, overflow, stop=4)
+    resumed_lrs, resumed_weight, _ = _scaled_loop(10, overflow, state=saved, stop=4)
+    assert resumed_lrs == lrs[5:]
+    assert torch.equal(resumed_weight, weight)
+    assert saved[2]["skipped_steps"] == 2 and saved[2]["last_epoch"] == 3

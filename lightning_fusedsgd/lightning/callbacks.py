@@ -20,8 +20,9 @@ class RunSummary(pl.Callback):
     """Records lr, training loss and validation accuracy per step; writes the run's results at the end.
 
     On rank 0 at the end of ``fit``: ``<output_dir>/metrics.json`` (final logged metrics, best
-    accuracy, steps, wall time, checkpoint paths), ``<output_dir>/curves.png`` (lr, training loss and
-    validation accuracy against the global step) and a last printed line
+    accuracy, steps, the optimizer steps skipped for inf/NaN gradients under a GradScaler, also logged as
+    ``train/skipped_steps``, wall time, checkpoint paths), ``<output_dir>/curves.png`` (lr, training loss
+    and validation accuracy against the global step) and a last printed line
     ``summary: name=... val_acc=... ...``. The recorded curves are saved in checkpoints, so a resumed
     run's files cover the whole run.
 
@@ -38,17 +39,25 @@ class RunSummary(pl.Callback):
         self.lr: list[tuple[int, float]] = []
         self.train_loss: list[tuple[int, float]] = []
         self.val_acc: list[tuple[int, float]] = []
+        self.skipped_steps = 0
         self.start_time = 0.0
         self._last_step = 0
+        self._seen_outcome: Any = None
         self.summary: dict[str, Any] = {}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"lr": self.lr, "train_loss": self.train_loss, "val_acc": self.val_acc}
+        return {
+            "lr": self.lr,
+            "train_loss": self.train_loss,
+            "val_acc": self.val_acc,
+            "skipped_steps": self.skipped_steps,
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.lr = list(state_dict.get("lr", []))
         self.train_loss = list(state_dict.get("train_loss", []))
         self.val_acc = list(state_dict.get("val_acc", []))
+        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.start_time = time.perf_counter()
@@ -66,6 +75,12 @@ class RunSummary(pl.Callback):
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if isinstance(loss, torch.Tensor):
             self.train_loss.append((step, loss.item()))
+        # FusedSGD's flag: a new tensor per step under a GradScaler (read once, as the loss above is).
+        applied = getattr(trainer.optimizers[0], "last_step_applied", True)
+        if applied is not self._seen_outcome:
+            self._seen_outcome = applied
+            self.skipped_steps += not bool(applied)
+        pl_module.log("train/skipped_steps", float(self.skipped_steps), on_step=True, on_epoch=False)
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
@@ -89,6 +104,7 @@ class RunSummary(pl.Callback):
             f"best_{self.monitor}": best,
             "epochs": trainer.current_epoch,
             "global_step": trainer.global_step,
+            "skipped_steps": self.skipped_steps,
             "wall_time_s": round(time.perf_counter() - self.start_time, 1),
             "metrics": metrics,
             "last_checkpoint": _last_checkpoint(checkpoints),

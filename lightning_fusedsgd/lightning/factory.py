@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
 from collections.abc import Sequence
 from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
@@ -139,9 +139,11 @@ def configure_fused_sgd(
 ) -> dict[str, Any]:
     """Build parameter groups -> :class:`FusedSGD` -> :class:`WarmupLR` for ``module``'s trainer.
 
-    Call it from ``configure_optimizers``. The peak lr follows the linear scaling rule with the
-    global batch ``per-device batch x trainer.world_size (devices x nodes) x accumulate_grad_batches``;
-    the schedule spans ``trainer.estimated_stepping_batches``. Logs one line with the resolved values.
+    Call it from ``configure_optimizers``. Lightning's ``gradient_clip_val`` then clips inside the fused
+    step under every precision (see :func:`clip_gradients`). The peak lr follows the linear scaling rule
+    with the global batch ``per-device batch x trainer.world_size (devices x nodes) x
+    accumulate_grad_batches``; the schedule spans ``trainer.estimated_stepping_batches``. Logs one line
+    with the resolved values.
 
     Args:
         module: The LightningModule, attached to a trainer.
@@ -223,6 +225,7 @@ def configure_fused_sgd(
     scheduler = schedule.build(
         optimizer, total_steps=total_steps, steps_per_epoch=steps_per_epoch, peak_lr=peak_lr
     )
+    _clip_in_the_step(module)
 
     scaling = "" if reference_batch_size is None else f" = {lr:g} x {global_batch}/{reference_batch_size}"
     rank_zero_info(
@@ -277,45 +280,52 @@ def _per_device_batch_size(trainer: pl.Trainer) -> int:
 def clip_gradients(
     module: pl.LightningModule,
     optimizer: torch.optim.Optimizer,
-    gradient_clip_val: float | None,
+    gradient_clip_val: float | None = None,
     gradient_clip_algorithm: str | None = None,
 ) -> None:
-    """Gradient clipping that also works with FusedSGD under Lightning's mixed precision.
+    """Lightning's gradient clipping, done inside FusedSGD's step: a ``configure_gradient_clipping``.
 
-    Lightning's ``MixedPrecision.clip_gradients`` raises for any optimizer that unscales gradients
-    itself (``_step_supports_amp_scaling``, as FusedSGD does), under ``16-mixed`` and ``bf16-mixed``
-    alike, because with a GradScaler the gradients are still scaled when clipping would run. This
-    function instead unscales them with the scaler first (``GradScaler.unscale_``, which also records
-    overflow); the scaler's ``step`` then hands FusedSGD ``grad_scale=None`` and the overflow flag, so the
-    kernel does not unscale twice and still skips the step on inf/NaN. The cost is one extra pass over
-    the gradients, which is why the default path leaves unscaling to the kernel. Under ``bf16-mixed``
-    there is no scaler and the gradients are clipped directly. Every other precision goes through
-    Lightning's own ``clip_gradients``.
+    Lightning's ``MixedPrecision.clip_gradients`` refuses every optimizer that unscales gradients itself
+    (``_step_supports_amp_scaling``, as FusedSGD), under ``16-mixed`` and ``bf16-mixed`` alike. For a
+    FusedSGD this hands the threshold to the optimizer instead (``max_grad_norm`` or ``max_grad_value`` on
+    every group), and the step that follows clips the unscaled gradients in the kernel: one fused call under
+    every precision, no extra pass over the gradients in Python. Lightning calls it once per optimizer
+    step, so with ``accumulate_grad_batches`` the accumulated gradient is clipped. Other optimizers go
+    through Lightning's own ``clip_gradients``. With no ``gradient_clip_val`` (None) the optimizer's own
+    clipping settings are left as they are.
 
-    Use it from ``configure_gradient_clipping`` (``ImageClassifier`` does)::
+    :func:`configure_fused_sgd` installs it on the module unless the module's class defines its own
+    ``configure_gradient_clipping``; a module that builds FusedSGD itself adds one line to its class::
 
-        def configure_gradient_clipping(self, optimizer, gradient_clip_val, gradient_clip_algorithm):
-            clip_gradients(self, optimizer, gradient_clip_val, gradient_clip_algorithm)
+        configure_gradient_clipping = lightning_fusedsgd.lightning.clip_gradients
 
     Args:
         module: The LightningModule being trained.
         optimizer: The optimizer about to step.
-        gradient_clip_val: Clip threshold (``trainer.gradient_clip_val``); ``None`` or 0 does nothing.
+        gradient_clip_val: Clip threshold (``trainer.gradient_clip_val``); 0 turns clipping off.
         gradient_clip_algorithm: ``"norm"`` (default) or ``"value"``.
+
+    Raises:
+        ConfigError: If the algorithm is neither ``"norm"`` nor ``"value"``.
     """
-    if not gradient_clip_val:
-        return
     optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap a LightningOptimizer
-    precision = module.trainer.precision_plugin
-    if not (
-        isinstance(precision, MixedPrecision) and getattr(optimizer, "_step_supports_amp_scaling", False)
-    ):
+    if not isinstance(optimizer, FusedSGD):
         module.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
         return
-    if precision.scaler is not None:
-        precision.scaler.unscale_(optimizer)
-    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-    if (gradient_clip_algorithm or "norm") == "value":
-        torch.nn.utils.clip_grad_value_(params, gradient_clip_val)
-    else:
-        torch.nn.utils.clip_grad_norm_(params, gradient_clip_val)
+    if gradient_clip_val is None:
+        return
+    algorithm = str(getattr(gradient_clip_algorithm, "value", gradient_clip_algorithm or "norm"))
+    if algorithm not in ("norm", "value"):
+        raise ConfigError(
+            f"gradient_clip_algorithm must be 'norm' or 'value', got {gradient_clip_algorithm!r}"
+        )
+    threshold = float(gradient_clip_val) or None
+    for group in optimizer.param_groups:
+        group["max_grad_norm"] = threshold if algorithm == "norm" else None
+        group["max_grad_value"] = threshold if algorithm == "value" else None
+
+
+def _clip_in_the_step(module: pl.LightningModule) -> None:
+    """Makes ``clip_gradients`` the module's ``configure_gradient_clipping``, unless its class has its own."""
+    if type(module).configure_gradient_clipping is pl.LightningModule.configure_gradient_clipping:
+        module.configure_gradient_clipping = types.MethodType(clip_gradients, module)

@@ -13,7 +13,7 @@ from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_fusedsgd.lightning.errors import ConfigError
-from lightning_fusedsgd.lightning.factory import clip_gradients, configure_fused_sgd
+from lightning_fusedsgd.lightning.factory import configure_fused_sgd
 
 __all__ = ["ImageClassifier", "build_resnet"]
 
@@ -133,13 +133,3 @@ class ImageClassifier(pl.LightningModule):
         if self.optimizer_factory is None:
             return configure_fused_sgd(self)
         return self.optimizer_factory(self)
-
-    def configure_gradient_clipping(
-        self,
-        optimizer: torch.optim.Optimizer,
-        gradient_clip_val: float | None = None,
-        gradient_clip_algorithm: str | None = None,
-    ) -> None:
-        # Lightning refuses to clip under a GradScaler for optimizers that unscale themselves;
-        # clip_gradients unscales first instead (see its docstring).
-        clip_gradients(self, optimizer, gradient_clip_val, gradient_clip_algorithm)
