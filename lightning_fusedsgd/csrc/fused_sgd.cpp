@@ -75,14 +75,14 @@ inline typename OpMath<P>::type load_weight(const P* w, const float* m, int64_t 
 
 // A chunk's sums of squares of w and of the LARS gradient term (lars_norm_term), accumulated in S: the
 // opmath type, or double.
-template <typename S, bool kDecayed, bool kMaster, typename P, typename O>
+template <typename S, bool kDecayed, bool kClipValue, bool kMaster, typename P, typename O>
 void sum_squares(const P* w, const float* m, const P* gr, const Chunk& chunk, const Coeffs<O>& c, O weight_decay,
                  double& sum_w, double& sum_g) {
   S sw = 0, sg = 0;
 #pragma omp simd reduction(+ : sw, sg)
   for (int64_t i = chunk.begin; i < chunk.end; ++i) {
     const O wi = load_weight<kMaster>(w, m, i);
-    const S gi = lars_norm_term<O>(wi, load(gr, i), c, weight_decay, kDecayed);
+    const S gi = lars_norm_term<kClipValue, O>(wi, load(gr, i), c, weight_decay, kDecayed);
     sw += static_cast<S>(wi) * wi;
     sg += gi * gi;
   }
@@ -168,11 +168,15 @@ class BucketStep {
   void norm_chunk(const Chunk& chunk, int64_t c) {
     const int32_t t = chunk.tensor;
     const bool decayed = groups_[tensor_group_[t]].lars_decayed_grad;
+    const bool clip_value = std::isfinite(coeffs_[t].clip_value);
     const auto sum = [&](auto accumulator) {
       using S = decltype(accumulator);
       const O weight_decay = static_cast<O>(groups_[tensor_group_[t]].weight_decay);
-      (decayed ? sum_squares<S, true, kMaster, P, O> : sum_squares<S, false, kMaster, P, O>)(
-          w_ptr_[t], m_ptr_[t], g_ptr_[t], chunk, coeffs_[t], weight_decay, w_sq_[c], g_sq_[c]);
+      const auto run = decayed ? (clip_value ? sum_squares<S, true, true, kMaster, P, O>
+                                             : sum_squares<S, true, false, kMaster, P, O>)
+                               : (clip_value ? sum_squares<S, false, true, kMaster, P, O>
+                                             : sum_squares<S, false, false, kMaster, P, O>);
+      run(w_ptr_[t], m_ptr_[t], g_ptr_[t], chunk, coeffs_[t], weight_decay, w_sq_[c], g_sq_[c]);
     };
     sum(O{});
     if (!exact_in_opmath(w_sq_[c]) || !exact_in_opmath(g_sq_[c])) sum(double{});
@@ -202,6 +206,16 @@ class BucketStep {
       }
       c.trust = trust;
     }
+    if (std::isfinite(c.clip_value)) {
+      update_elements<true>(chunk, t, c);
+    } else {
+      update_elements<false>(chunk, t, c);
+    }
+  }
+
+  // `c` by value: the loop's stores could alias a referenced Coeffs, which stops vectorization.
+  template <bool kClipValue>
+  void update_elements(const Chunk& chunk, int32_t t, const Coeffs<O> c) const {
     P* w = w_ptr_[t];
     const P* gr = g_ptr_[t];
     B* b = b_ptr_[t];
@@ -211,7 +225,7 @@ class BucketStep {
       for (int64_t i = chunk.begin; i < chunk.end; ++i) {
         O wi = load_weight<kMaster>(w, m, i);
         O bi = c.first ? O(0) : static_cast<O>(load(b, i));
-        sgd_element(wi, static_cast<O>(load(gr, i)), bi, c);
+        sgd_element<kClipValue>(wi, static_cast<O>(load(gr, i)), bi, c);
         if (kMaster) m[i] = static_cast<float>(wi);
         store(w, i, wi);
         store(b, i, bi);
@@ -221,7 +235,7 @@ class BucketStep {
       for (int64_t i = chunk.begin; i < chunk.end; ++i) {
         O wi = load_weight<kMaster>(w, m, i);
         O bi = 0;
-        sgd_element(wi, static_cast<O>(load(gr, i)), bi, c);
+        sgd_element<kClipValue>(wi, static_cast<O>(load(gr, i)), bi, c);
         if (kMaster) m[i] = static_cast<float>(wi);
         store(w, i, wi);
       }

@@ -111,7 +111,7 @@ __global__ void __launch_bounds__(kThreads)
   double sum_w = 0, sum_g = 0;
   for (int64_t i = chunk.begin + threadIdx.x; i < chunk.end; i += kThreads) {
     const O wi = load_weight<kMaster>(w, t.master, i);
-    const O gi = lars_norm_term<O>(wi, static_cast<O>(g[i]), c, weight_decay, h.lars_decayed_grad);
+    const O gi = lars_norm_term<true, O>(wi, static_cast<O>(g[i]), c, weight_decay, h.lars_decayed_grad);
     sum_w += static_cast<double>(wi) * wi;
     sum_g += static_cast<double>(gi) * gi;
   }

@@ -115,17 +115,19 @@ LFSGD_HOST_DEVICE inline Coeffs<T> make_coeffs(const GroupHParams& h, double inv
 }
 
 // The gradient as clip_grad_value_ / clip_grad_norm_ leave it: unscaled and sign-corrected, then clipped
-// (only one clip is on). Comparisons keep NaN, as torch's clamp does.
-template <typename T>
+// (only one clip is on). Comparisons keep NaN, as torch's clamp does. kClipValue = false leaves the clamp
+// out, for a clip_value of inf: the CPU kernel's loops vectorize only without it when they also re-sync
+// bf16 masters.
+template <bool kClipValue, typename T>
 LFSGD_HOST_DEVICE inline T clipped_grad(T g, const Coeffs<T>& c) {
   g = g * c.grad_mul;
-  g = g < -c.clip_value ? -c.clip_value : (g > c.clip_value ? c.clip_value : g);
+  if constexpr (kClipValue) g = g < -c.clip_value ? -c.clip_value : (g > c.clip_value ? c.clip_value : g);
   return g * c.clip_coef;
 }
 
-template <typename T>
+template <bool kClipValue = true, typename T>
 LFSGD_HOST_DEVICE inline void sgd_element(T& w, T g, T& b, const Coeffs<T>& c) {
-  g = clipped_grad(g, c);
+  g = clipped_grad<kClipValue>(g, c);
   g = g + c.wd_coupled * w;
   g = g * c.trust;
   if (c.has_momentum) {
@@ -138,9 +140,9 @@ LFSGD_HOST_DEVICE inline void sgd_element(T& w, T g, T& b, const Coeffs<T>& c) {
 
 // The gradient term whose squares the LARS norm pass sums: g_raw (clipped_grad) for the default
 // denominator, g_raw + lambda w for "decayed_grad".
-template <typename T>
+template <bool kClipValue = true, typename T>
 LFSGD_HOST_DEVICE inline T lars_norm_term(T w, T g, const Coeffs<T>& c, T weight_decay, bool decayed_grad) {
-  const T raw = clipped_grad(g, c);
+  const T raw = clipped_grad<kClipValue>(g, c);
   return decayed_grad ? raw + weight_decay * w : raw;
 }
 
