@@ -247,11 +247,12 @@ class FusedSGD(Optimizer):
         self._check_groups()
         grad_scale: Tensor | None = getattr(self, "grad_scale", None)
         found_inf: Tensor | None = getattr(self, "found_inf", None)
-        self._last_step["applied"] = True if found_inf is None else (found_inf == 0).reshape(())
+        applied = True if found_inf is None else (found_inf == 0).reshape(())
         clip_norm = self.param_groups[0]["max_grad_norm"] is not None
         # Under torch.compile the step is traced from the plan (no cached C++ step, no address checks).
         tracing = torch.compiler.is_compiling()
         if not tracing and self._run_cached(grad_scale, found_inf, clip_norm):
+            self._last_step["applied"] = applied
             return loss
         plan = plan_step(self, tracing=tracing)
         if (
@@ -262,6 +263,7 @@ class FusedSGD(Optimizer):
         ):
             # Skipped step: nothing is written, and no (uninitialized) buffer is stored. On CUDA this syncs
             # only on steps that would create state; otherwise the kernels skip on found_inf themselves.
+            self._last_step["applied"] = applied
             return loss
         table = self._hparam_table()
         # Resolve every backend before running any, so a refusal leaves all buckets untouched.
@@ -297,6 +299,7 @@ class FusedSGD(Optimizer):
                 self.state[param][key] = value
         if not tracing:
             self._cached_plan = CachedPlan.capture_if_reusable(self, plan)
+        self._last_step["applied"] = applied  # set once the step went through: a refused one changes nothing
         return loss
 
     @staticmethod

@@ -168,3 +168,15 @@ def test_clipping_options_are_checked_before_anything_changes():
     with pytest.raises(ValueError, match="max_grad_norm differs between parameter groups"):
         optimizer.step()
     assert all(torch.equal(p, b) for p, b in zip(params, before)) and not optimizer.state
+
+
+def test_a_refused_step_does_not_report_a_skip():
+    params = make_params("cpu")
+    optimizer = FusedSGD(params, lr=0.1, max_grad_norm=1.0)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    params[0].grad = params[0].grad.to_sparse()  # refused by the plan, before any write
+    optimizer.grad_scale, optimizer.found_inf = torch.tensor(1.0), torch.tensor(1.0)
+    with pytest.raises(RuntimeError, match="sparse gradients"):
+        optimizer.step()
+    assert optimizer.last_step_applied is True
