@@ -96,12 +96,12 @@ def extensions() -> list[Extension]:
 
 
 class BuildKernels(cpp_extension.BuildExtension if torch is not None else build_ext):
-    """Compiles the kernels into the wheel, each extension at once on its own (parallel) worker, and writes
-    _lib/build.json; builds nothing for editable and in-place builds."""
+    """Compiles the wheel's kernels, the extensions in parallel, and writes _lib/build.json; builds nothing
+    for editable and in-place builds."""
 
     def run(self) -> None:
         if self.editable_mode or self.inplace:
-            print(f"{PACKAGE}: editable install, the kernels compile on first use (kernels.py)")
+            print(f"{PACKAGE}: an editable or in-place build: the kernels compile on first use (kernels.py)")
             return
         if torch is None:
             raise SystemExit(
@@ -123,8 +123,9 @@ class BuildKernels(cpp_extension.BuildExtension if torch is not None else build_
         # One translation unit per instruction set: the capabilities share fused_sgd.cpp, and objects are
         # named after their source, so each compiles a one-line file of its own that includes it.
         for ext in self.extensions:
-            if ext.name.rsplit(".", 1)[1].startswith("cpu_"):
-                unit = Path(self.build_temp, "capabilities", f"{ext.name.rsplit('.', 1)[1]}.cpp").resolve()
+            library = ext.name.rsplit(".", 1)[1]
+            unit = Path(self.build_temp, "capabilities", f"{library}.cpp").resolve()
+            if library.startswith("cpu_") and ext.sources != [str(unit)]:
                 unit.parent.mkdir(parents=True, exist_ok=True)
                 text = f'#include "{Path(ext.sources[0]).name}"\n'
                 if not unit.exists() or unit.read_text() != text:  # kept as is: an unchanged build is skipped
