@@ -3,24 +3,40 @@
 The ops are registered with ``TORCH_LIBRARY`` (schemas in ``csrc/fused_sgd.cpp``): ``sgd_step`` and
 ``grad_sq_sum`` with their CPU kernels, their CUDA kernels (``csrc/fused_sgd_cuda.cu``, a second library that
 registers for the same schemas) and fake kernels for tracing (``torch.compile``), ``hparam_names``, and the
-``CachedStep`` class
-(``torch.classes.lightning_fusedsgd.CachedStep``). No pybind module: the dispatcher calls them, and dynamo
-can trace a call into ``sgd_step``.
+``CachedStep`` class (``torch.classes.lightning_fusedsgd.CachedStep``). No pybind module: the dispatcher
+calls them, and dynamo can trace a call into ``sgd_step``.
 
-The libraries in ``csrc/`` are compiled on first use with ninja through ``torch.utils.cpp_extension``
-and cached under ``$LIGHTNING_FUSEDSGD_CACHE`` (default ``~/.cache/lightning_fusedsgd``), keyed by a
-hash of the sources, the flags, the torch version and the machine: the CPU's instruction set for the
-CPU kernel (built with ``-march=native``), the CUDA version and the GPUs' compute capabilities for the
-CUDA kernel. ``python -m lightning_fusedsgd`` prebuilds them.
+Where the libraries come from, in order:
 
-Where a kernel cannot be built, ``backends.compiled_or_fallback`` decides what runs instead;
-``LIGHTNING_FUSEDSGD_REQUIRE_COMPILED=1`` (CI) makes a failed build an error.
+1. **The wheel** (``pip wheel --no-build-isolation .``, see setup.py): prebuilt, portable libraries under
+   ``_lib/``. The CPU kernel is compiled three times, whole, once per instruction set of
+   ``CPU_CAPABILITIES`` (baseline x86-64, AVX2 + FMA, AVX-512); at load the one this CPU runs is picked
+   from torch's own CPU capability (which honours ``ATEN_CPU_CAPABILITY``), and
+   ``LIGHTNING_FUSEDSGD_CPU_CAPABILITY`` can pick a lower one. Whole libraries rather than per-ISA
+   namespaces in one library: inline functions of the headers (ours and torch's) compiled with AVX-512
+   flags would otherwise be merged by the linker into code that the baseline path calls too. The CUDA
+   library is there when the wheel was built with nvcc, for the architectures in ``_lib/build.json``.
+   The libraries link against one torch's C++ API (the LibTorch stable ABI cannot express the
+   ``CachedStep`` class or the dispatcher calls), so ``_lib/build.json`` records the torch version they
+   were built for, and a library is only loaded under that torch.
+2. **Compiled on first use** (JIT): editable installs (``make install``), and the fallback where the
+   wheel's library cannot be used, with one message that says why. Built with ninja through
+   ``torch.utils.cpp_extension`` and cached under ``$LIGHTNING_FUSEDSGD_CACHE`` (default
+   ``~/.cache/lightning_fusedsgd``), keyed by a hash of the sources, the flags, the torch version and the
+   machine: the CPU's instruction set for the CPU kernel (built with ``-march=native``: it only ever runs
+   on the machine that compiled it, so it takes every instruction set that machine has), the CUDA
+   version and the GPUs' compute capabilities for the CUDA kernel. ``python -m lightning_fusedsgd``
+   loads (or prebuilds) them and says which.
+
+Where neither works, ``backends.compiled_or_fallback`` decides what runs instead;
+``LIGHTNING_FUSEDSGD_REQUIRE_COMPILED=1`` (CI) makes that an error.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import logging
 import os
 import platform
@@ -32,7 +48,9 @@ from typing import Any
 import torch
 
 REQUIRE_COMPILED_ENV = "LIGHTNING_FUSEDSGD_REQUIRE_COMPILED"
+CPU_CAPABILITY_ENV = "LIGHTNING_FUSEDSGD_CPU_CAPABILITY"
 _CSRC = Path(__file__).parent / "csrc"
+_PREBUILT = Path(__file__).parent / "_lib"  # the wheel's libraries and build.json (absent in a source tree)
 _HEADERS = ("sgd_math.h", "bucket.h", "cached_step.h", "work_list.h")
 
 
@@ -53,7 +71,18 @@ EXTENSIONS = {
     ),
     "cuda": _Extension("lightning_fusedsgd_cuda", ("fused_sgd_cuda.cu",), ("-O3",), (), ("-O3",)),
 }
-"""The kernels by device type."""
+"""The kernels by device type, as compiled on first use."""
+
+CPU_CAPABILITIES = {
+    "default": (),
+    "avx2": ("-mavx2", "-mfma"),
+    "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"),
+}
+"""The wheel's CPU libraries, lowest first, and their flags: the features torch checks before it reports
+its AVX2 capability (AVX2, FMA) and its AVX512 one (AVX-512 F/BW/VL/DQ, FMA)."""
+
+PREBUILT_CPU_CFLAGS = ("-O3", "-fopenmp")
+"""The wheel's CPU flags before an instruction set's: the JIT flags less -march=native."""
 
 
 class KernelBuildError(RuntimeError):
@@ -140,10 +169,84 @@ _OUTCOMES: dict[str, Path | KernelBuildError] = {}
 def _load_once(device_type: str) -> Path | KernelBuildError:
     if device_type not in _OUTCOMES:
         try:
-            _OUTCOMES[device_type] = _build_and_load(device_type, verbose=False)
+            _OUTCOMES[device_type] = _load(device_type, verbose=False)
         except KernelBuildError as error:
             _OUTCOMES[device_type] = error
     return _OUTCOMES[device_type]
+
+
+def cpu_capability() -> str:
+    """The instruction set of the wheel's CPU library to load: torch's CPU capability (its own pick for
+    ATen's kernels; ``ATEN_CPU_CAPABILITY`` lowers it), or a lower one named by
+    ``LIGHTNING_FUSEDSGD_CPU_CAPABILITY``."""
+    names = list(CPU_CAPABILITIES)
+    supported = {"AVX512": "avx512", "AVX2": "avx2"}.get(torch.backends.cpu.get_cpu_capability(), "default")
+    requested = os.environ.get(CPU_CAPABILITY_ENV, supported)
+    if requested not in names:
+        raise KernelBuildError(f"{CPU_CAPABILITY_ENV}={requested!r}: use one of {', '.join(names)}")
+    if names.index(requested) > names.index(supported):
+        raise KernelBuildError(
+            f"{CPU_CAPABILITY_ENV}={requested!r}, but this CPU runs at most {supported!r}: lower or unset it"
+        )
+    return requested
+
+
+def _build_info() -> dict[str, Any] | None:
+    """The wheel's build.json: the torch it was built for and its libraries; None in a source tree."""
+    path = _PREBUILT / "build.json"
+    return json.loads(path.read_text(encoding="utf-8")) if path.exists() else None
+
+
+def _cuda_arch_problem(arch_list: str, capabilities: list[tuple[int, int]]) -> str | None:
+    """Why a CUDA library built for ``arch_list`` (TORCH_CUDA_ARCH_LIST syntax) cannot run on GPUs of these
+    compute capabilities, or None: machine code runs on its major version at the same or a later minor,
+    PTX on any later GPU (the driver compiles it)."""
+    archs = []
+    for arch in arch_list.replace(" ", ";").split(";"):
+        major, minor = arch.removesuffix("+PTX").split(".")
+        archs.append(((int(major), int(minor)), arch.endswith("+PTX")))
+    for major, minor in capabilities:
+        if not any(
+            (ptx and arch <= (major, minor)) or (arch[0] == major and arch[1] <= minor) for arch, ptx in archs
+        ):
+            return f"it was built for CUDA architectures {arch_list}, this GPU is {major}.{minor}"
+    return None
+
+
+def _prebuilt_library(device_type: str) -> tuple[Path | None, str | None]:
+    """The wheel's library for ``device_type`` on this machine, or why it cannot be used; (None, None) where
+    there is no wheel (a source tree: compiled on first use, as designed)."""
+    info = _build_info()
+    if info is None:
+        return None, None
+    if info["torch"] != torch.__version__:
+        return None, f"it was built for torch {info['torch']}, this is torch {torch.__version__}"
+    if device_type == "cpu":
+        name = f"cpu_{cpu_capability()}"
+    else:
+        name = device_type
+        if name in info["libraries"]:
+            capabilities = [torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())]
+            problem = _cuda_arch_problem(info["cuda_arch_list"], capabilities)
+            if problem is not None:
+                return None, problem
+    if name not in info["libraries"]:
+        return None, f"the wheel was built without a {name} library"
+    return _PREBUILT.parent / info["libraries"][name], None
+
+
+@torch.compiler.disable  # loading is never traced (a graph break, before the first load only)
+def _load(device_type: str, verbose: bool) -> Path:
+    """Loads the wheel's library for ``device_type``, else the one compiled from source."""
+    library, problem = _prebuilt_library(device_type)
+    if library is not None:
+        try:
+            torch.ops.load_library(str(library))
+        except OSError as error:
+            problem = f"it does not load: {error}"
+        else:
+            return _registered(device_type, library)
+    return _build_and_load(device_type, verbose, problem)
 
 
 def _complete_cpu_library() -> None:
@@ -171,9 +274,13 @@ def _grad_sq_sum_fake(grads: list[torch.Tensor]) -> torch.Tensor:
     return grads[0].new_empty((), dtype=torch.float64)
 
 
-@torch.compiler.disable  # building and loading is never traced (a graph break, before the first load only)
-def _build_and_load(device_type: str, verbose: bool) -> Path:
+def _build_and_load(device_type: str, verbose: bool, prebuilt_problem: str | None = None) -> Path:
+    """Loads the library compiled from source, compiling it first where the cache has none.
+    ``prebuilt_problem``: why the wheel's library is not used (None: there is no wheel)."""
     extension = EXTENSIONS[device_type]
+    unused = ""  # the one message saying why the wheel's library is not used, where there is a wheel
+    if prebuilt_problem:
+        unused = f"the wheel's {device_type} kernel cannot be used ({prebuilt_problem}); "
     key = _build_key(device_type)
     name = f"{extension.name}_{key}"
     build_dir = cache_dir() / key
@@ -185,13 +292,18 @@ def _build_and_load(device_type: str, verbose: bool) -> Path:
         except OSError:
             pass  # a damaged cache: go through cpp_extension's locked build below
         else:
+            if unused:
+                print(
+                    f"lightning_fusedsgd: {unused}loading it as compiled from source: {library}",
+                    file=sys.stderr,
+                )
             return _registered(device_type, library)
     _quiet_cpp_extension()
     from torch.utils import cpp_extension
 
     build_dir.mkdir(parents=True, exist_ok=True)
     print(
-        f"lightning_fusedsgd: compiling the {device_type} kernel into {build_dir} (first use only, "
+        f"lightning_fusedsgd: {unused}compiling the {device_type} kernel into {build_dir} (first use only, "
         f"{'about 30 s' if device_type == 'cpu' else 'a minute or two'})",
         file=sys.stderr,
     )
@@ -212,6 +324,13 @@ def _build_and_load(device_type: str, verbose: bool) -> Path:
         toolchain = "a C++ compiler (g++) and ninja" + (
             " and the CUDA toolkit (nvcc)" if device_type == "cuda" else ""
         )
+        if prebuilt_problem:  # the wheel's reason first: the fallback warning keeps a message's start only
+            raise KernelBuildError(
+                f"the wheel's lightning_fusedsgd {device_type} kernel is unusable ({prebuilt_problem}), and "
+                f"compiling it in {build_dir} failed: {error}. Install a wheel built for torch "
+                f"{torch.__version__} (README: Installing from a wheel), or {toolchain}, or use "
+                "FusedSGD(..., backend='torch')."
+            ) from error
         raise KernelBuildError(
             f"could not build the lightning_fusedsgd {device_type} kernel in {build_dir}: {error}. "
             f"Install {toolchain}, or use FusedSGD(..., backend='torch')."
@@ -227,8 +346,9 @@ def _registered(device_type: str, library: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Prebuilds the kernels: ``python -m lightning_fusedsgd [--verbose]`` (CUDA's where a GPU is seen)."""
-    parser = argparse.ArgumentParser(description="Build and cache the lightning_fusedsgd kernels.")
+    """Loads the kernels, building them where the wheel has none for this machine:
+    ``python -m lightning_fusedsgd [--verbose]`` (CUDA's where a GPU is seen)."""
+    parser = argparse.ArgumentParser(description="Load, or build and cache, the lightning_fusedsgd kernels.")
     parser.add_argument("--verbose", action="store_true", help="show the compiler's output")
     args = parser.parse_args(argv)
     device_types = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
@@ -237,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if device_type != "cpu":
                 load_extension("cpu")  # defines the op the CUDA kernel registers for
-            library = _build_and_load(device_type, verbose=args.verbose)
+            library = _load(device_type, verbose=args.verbose)
         except KernelBuildError as error:
             print(error, file=sys.stderr)
             # Without nvcc, CUDA steps fall back with a warning (as at run time); only the CPU kernel, or
