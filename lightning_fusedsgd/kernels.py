@@ -251,7 +251,7 @@ def _load(device_type: str, verbose: bool) -> Path:
 
 def _complete_cpu_library() -> None:
     """Checks that the kernels read the hyperparameter table's columns as reference.HPARAM_COLUMNS lists
-    them, and registers sgd_step's fake kernel (Python's part of the op, for tracing)."""
+    them, and registers the ops' fake kernels (Python's part of the ops, for tracing)."""
     from lightning_fusedsgd.reference import HPARAM_COLUMNS
 
     names = tuple(torch.ops.lightning_fusedsgd.hparam_names())
