@@ -189,13 +189,27 @@ void launch(const TensorArgs* tensors, const ChunkArgs* chunks, const GroupHPara
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// LARS over sharded (DTensor) params takes its norms from lars_sq_sums, which has no CUDA kernel yet.
+constexpr const char* kNoShardedLars =
+    "lightning_fusedsgd: LARS over sharded (DTensor, FSDP2) params is implemented for CPU tensors only; the CUDA "
+    "kernel of lars_sq_sums is not written yet. Use FusedSGD(..., backend='torch') for sharded LARS on CUDA, or "
+    "LARS without sharding.";
+
+// lightning_fusedsgd::lars_sq_sums for CUDA tensors: refused (kNoShardedLars) before anything is written.
+at::Tensor lars_sq_sums_cuda(at::TensorList, at::TensorList, at::TensorList, const at::Tensor&, at::IntArrayRef,
+                             const std::optional<at::Tensor>&) {
+  TORCH_CHECK(false, kNoShardedLars);
+}
+
 // lightning_fusedsgd::sgd_step for CUDA tensors (argument slots in bucket.h).
 void sgd_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
                    at::TensorList master_params, const at::Tensor& group_hparams, at::IntArrayRef tensor_group,
                    const c10::List<bool>& first_step, const std::optional<at::Tensor>& grad_scale,
-                   const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& grad_sq_sum) {
+                   const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& grad_sq_sum,
+                   const std::optional<at::Tensor>& lars_sq_sums) {
   const BucketArgs bucket = check_bucket(params, grads, momentum_buffers, master_params, group_hparams,
-                                         tensor_group, first_step, grad_scale, found_inf, grad_sq_sum);
+                                         tensor_group, first_step, grad_scale, found_inf, grad_sq_sum, lars_sq_sums);
+  TORCH_CHECK(!lars_sq_sums.has_value(), kNoShardedLars);
   if (params.empty()) return;
   const int64_t n = static_cast<int64_t>(params.size());
   const at::Device device = params[0].device();
@@ -317,4 +331,5 @@ at::Tensor grad_sq_sum_cuda(at::TensorList grads) {
 TORCH_LIBRARY_IMPL(lightning_fusedsgd, CUDA, m) {
   m.impl("sgd_step", &lfsgd::sgd_step_cuda);
   m.impl("grad_sq_sum", &lfsgd::grad_sq_sum_cuda);
+  m.impl("lars_sq_sums", &lfsgd::lars_sq_sums_cuda);
 }
