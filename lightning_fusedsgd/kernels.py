@@ -2,10 +2,9 @@
 
 The ops are registered with ``TORCH_LIBRARY`` (schemas in ``csrc/fused_sgd.cpp``): ``sgd_step``,
 ``grad_sq_sum`` and ``lars_sq_sums`` with their CPU kernels, their CUDA kernels (``csrc/fused_sgd_cuda.cu``,
-a second library that registers for the same schemas; its ``lars_sq_sums`` refuses, not written yet) and
-fake kernels for tracing (``torch.compile``), ``hparam_names``, and the ``CachedStep`` class
-(``torch.classes.lightning_fusedsgd.CachedStep``). No pybind module: the dispatcher calls them, and dynamo
-can trace a call into ``sgd_step``.
+a second library that registers for the same schemas) and fake kernels for tracing (``torch.compile``),
+``hparam_names``, and the ``CachedStep`` class (``torch.classes.lightning_fusedsgd.CachedStep``). No pybind
+module: the dispatcher calls them, and dynamo can trace a call into ``sgd_step``.
 
 The libraries in ``csrc/`` are compiled on first use with ninja through ``torch.utils.cpp_extension``
 and cached under ``$LIGHTNING_FUSEDSGD_CACHE`` (default ``~/.cache/lightning_fusedsgd``), keyed by a

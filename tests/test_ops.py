@@ -79,10 +79,11 @@ def test_grad_sq_sum_passes_opcheck_and_sums_squares(dtype):
 
 
 @pytest.mark.parametrize("dtype, master", [(torch.float32, False), (torch.bfloat16, True)])
-def test_lars_sq_sums_passes_opcheck(dtype, master):
-    params, grads, _, masters = bucket(dtype, master)
+def test_lars_sq_sums_passes_opcheck(dtype, master, device):
+    kernels.load_extension(device.type)
+    params, grads, _, masters = ([t.to(device) for t in tensors] for tensors in bucket(dtype, master))
     hparams = table(lars=1.0, weight_decay=1e-4, lars_decayed_grad=1.0, max_grad_value=math.inf)
-    args = (params, grads, masters, hparams, [0, 0, 0], torch.tensor([4.0]))
+    args = (params, grads, masters, hparams, [0, 0, 0], torch.tensor([4.0], device=device))
     torch.library.opcheck(OPS.lars_sq_sums.default, args)
     assert OPS.lars_sq_sums(*args).shape == (3, 3)
 
@@ -90,12 +91,12 @@ def test_lars_sq_sums_passes_opcheck(dtype, master):
 @pytest.mark.parametrize("backend", ["compiled", "torch"])
 @pytest.mark.parametrize("denominator", [0.0, 1.0], ids=["grad_plus_decay", "decayed_grad"])
 @pytest.mark.parametrize("max_grad_norm", [0.0, 0.5], ids=["no-clip", "clip-norm"])
-def test_given_lars_sq_sums_replace_the_norm_pass(backend, denominator, max_grad_norm):
+def test_given_lars_sq_sums_replace_the_norm_pass(backend, denominator, max_grad_norm, device):
     """sgd_step given lars_sq_sums (what a sharded step passes after its all-reduce) equals sgd_step's own
     norm pass, under a GradScaler's scale and norm clipping: clipped_term_sq_sum's algebra, on one process."""
-    ops = OPS if backend == "compiled" else reference
-    params, grads, buffers, _ = bucket()
-    scale = torch.tensor([8.0])
+    ops = kernels.load_extension(device.type) if backend == "compiled" else reference
+    params, grads, buffers, _ = ([t.to(device) for t in tensors] for tensors in bucket())
+    scale = torch.tensor([8.0], device=device)
     grads = [g * scale for g in grads]
     hparams = table(
         momentum=0.9,
