@@ -22,6 +22,8 @@ if TYPE_CHECKING:
 # The process groups over which a tensor's local sums of squares add up to its global ones: its mesh and the
 # mesh dimensions on which it is sharded (a replicated dimension holds the same sums on every rank).
 ReduceKey = tuple[Hashable, tuple[int, ...]]
+# Columns of a lars_sq_sums row (kNumLarsSums in csrc/sgd_math.h).
+LARS_SUMS = 3
 
 
 def is_sharded(tensor: Tensor | None) -> bool:
@@ -130,8 +132,8 @@ def global_norm_sums(
         offset = 0
         for key, rows, _ in entries:
             if rows:
-                count = 3 * len(rows)
-                reduced = vector[offset : offset + count].view(len(rows), 3)
+                count = LARS_SUMS * len(rows)
+                reduced = vector[offset : offset + count].view(len(rows), LARS_SUMS)
                 lars_sums[key][rows] = reduced.to(lars_sums[key].device)
                 offset += count
         for _, _, sq in entries:
