@@ -91,11 +91,14 @@ def test_lars_sq_sums_passes_opcheck(dtype, master, device):
 @pytest.mark.parametrize("backend", ["compiled", "torch"])
 @pytest.mark.parametrize("denominator", [0.0, 1.0], ids=["grad_plus_decay", "decayed_grad"])
 @pytest.mark.parametrize("max_grad_norm", [0.0, 0.5], ids=["no-clip", "clip-norm"])
-def test_given_lars_sq_sums_replace_the_norm_pass(backend, denominator, max_grad_norm, device):
+@pytest.mark.parametrize("weight_scale", [1.0, 1e-25], ids=["normal", "tiny-weights"])
+def test_given_lars_sq_sums_replace_the_norm_pass(backend, denominator, max_grad_norm, weight_scale, device):
     """sgd_step given lars_sq_sums (what a sharded step passes after its all-reduce) equals sgd_step's own
-    norm pass, under a GradScaler's scale and norm clipping: clipped_term_sq_sum's algebra, on one process."""
+    norm pass, under a GradScaler's scale and norm clipping: clipped_term_sq_sum's algebra, on one process.
+    Tiny weights: their fp32 squares underflow, so the CPU sums must fall back to double."""
     ops = kernels.load_extension(device.type) if backend == "compiled" else reference
     params, grads, buffers, _ = ([t.to(device) for t in tensors] for tensors in bucket())
+    params = [p * weight_scale for p in params]
     scale = torch.tensor([8.0], device=device)
     grads = [g * scale for g in grads]
     hparams = table(

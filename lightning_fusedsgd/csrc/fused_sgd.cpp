@@ -99,19 +99,19 @@ inline bool exact_in_opmath(double sum) {
   return sum >= kMinExact && sum <= 1e38;
 }
 
-// A chunk's sums for lars_sq_sums: of w^2, of the LARS term (lars_norm_term) squared and of w times it, in
-// double: these partial sums are added across shards, so they are taken once, in the widest type.
-template <bool kClipValue, bool kMaster, typename P, typename O>
+// A chunk's sums for lars_sq_sums: of w^2, of the LARS term (lars_norm_term) squared and of w times it,
+// accumulated in S (the opmath type, or double where the sums leave exact_in_opmath's range, as the norm pass).
+template <typename S, bool kDecayed, bool kClipValue, bool kMaster, typename P, typename O>
 void lars_partial_sums(const P* w, const float* m, const P* gr, const Chunk& chunk, const Coeffs<O>& c,
-                       O weight_decay, bool decayed, double* sums) {
-  double sw = 0, st = 0, swt = 0;
+                       O weight_decay, double* sums) {
+  S sw = 0, st = 0, swt = 0;
 #pragma omp simd reduction(+ : sw, st, swt)
   for (int64_t i = chunk.begin; i < chunk.end; ++i) {
     const O wi = load_weight<kMaster>(w, m, i);
-    const O ti = lars_norm_term<kClipValue, O>(wi, load(gr, i), c, weight_decay, decayed);
-    sw += static_cast<double>(wi) * wi;
-    st += static_cast<double>(ti) * ti;
-    swt += static_cast<double>(wi) * ti;
+    const S ti = lars_norm_term<kClipValue, O>(wi, load(gr, i), c, weight_decay, kDecayed);
+    sw += static_cast<S>(wi) * wi;
+    st += ti * ti;
+    swt += static_cast<S>(wi) * ti;
   }
   sums[0] = sw;
   sums[1] = st;
@@ -325,11 +325,20 @@ at::Tensor lars_sq_sums_cpu(at::TensorList params, at::TensorList grads, at::Ten
       if (!h.lars) continue;
       h.max_grad_norm = 0.0;  // the norm clip is applied to the reduced sums (clipped_term_sq_sum)
       const Coeffs<O> coeffs = make_coeffs<O>(h, inv_scale, 0.0, false);
-      const auto run = std::isfinite(coeffs.clip_value) ? lars_partial_sums<true, kMaster, P, O>
-                                                        : lars_partial_sums<false, kMaster, P, O>;
-      run(params[t].data_ptr<P>(), kMaster ? master_params[t].data_ptr<float>() : nullptr,
-          grads[t].data_ptr<P>(), chunk, coeffs, static_cast<O>(h.weight_decay), h.lars_decayed_grad,
-          &partials[kNumLarsSums * c]);
+      const bool clip_value = std::isfinite(coeffs.clip_value);
+      double* sums = &partials[kNumLarsSums * c];
+      const auto sum = [&](auto accumulator) {
+        using S = decltype(accumulator);
+        const auto run = h.lars_decayed_grad ? (clip_value ? lars_partial_sums<S, true, true, kMaster, P, O>
+                                                           : lars_partial_sums<S, true, false, kMaster, P, O>)
+                                             : (clip_value ? lars_partial_sums<S, false, true, kMaster, P, O>
+                                                           : lars_partial_sums<S, false, false, kMaster, P, O>);
+        run(params[t].data_ptr<P>(), kMaster ? master_params[t].data_ptr<float>() : nullptr,
+            grads[t].data_ptr<P>(), chunk, coeffs, static_cast<O>(h.weight_decay), sums);
+      };
+      sum(O{});
+      // In range, |sum w t| <= sqrt(sum w^2 sum t^2) is too (Cauchy-Schwarz).
+      if (!exact_in_opmath(sums[0]) || !exact_in_opmath(sums[1])) sum(double{});
     }
   });
   double* rows = out.data_ptr<double>();
