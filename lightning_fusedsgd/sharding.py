@@ -96,7 +96,7 @@ def global_norm_sums(
     lars_sums: dict[Any, Tensor] = {}
     # Per reduce key: (bucket key, LARS row indices, gradient sum of squares or None) of each bucket.
     pieces: dict[ReduceKey, list[tuple[Any, list[int], Tensor | None]]] = {}
-    unsharded_sq: list[Tensor] = []
+    grad_sqs: list[Tensor] = []  # the clip norm's sums: local ones, then each process group's reduced one
     for key, bucket in plan.buckets.items():
         ops = backends[key][1]
         lars = [bool(groups[g]["lars"]) for g in bucket.tensor_group]
@@ -116,12 +116,11 @@ def global_norm_sums(
             sq = ops.grad_sq_sum([bucket.grads[i] for i in indices]) if clip_norm else None
             if rk is None:
                 if sq is not None:
-                    unsharded_sq.append(sq)
+                    grad_sqs.append(sq)
                 continue
             rows = [i for i in indices if lars[i]]
             if rows or sq is not None:
                 pieces.setdefault(rk, []).append((key, rows, sq))
-    global_sq = list(unsharded_sq)
     for (mesh, dims), entries in pieces.items():
         device = entries[0][0][0]
         parts = [lars_sums[key][rows].reshape(-1).to(device) for key, rows, _ in entries if rows]
@@ -138,9 +137,9 @@ def global_norm_sums(
                 offset += count
         for _, _, sq in entries:
             if sq is not None:
-                global_sq.append(vector[offset])
+                grad_sqs.append(vector[offset])
                 offset += 1
     if not clip_norm:
         return lars_sums, None
-    first = global_sq[0].device
-    return lars_sums, torch.stack([s.reshape(()).to(first) for s in global_sq]).sum()
+    first = grad_sqs[0].device
+    return lars_sums, torch.stack([s.reshape(()).to(first) for s in grad_sqs]).sum()
