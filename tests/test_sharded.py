@@ -66,6 +66,7 @@ def test_fsdp2_equals_torch_sgd(runs, name):
         ("max_grad_norm", 1),
         ("lars_decayed_grad_max_grad_norm", 1),
         ("lars_weights_only_max_grad_norm", 1),
+        ("reference_backend_lars_decayed_grad_max_grad_norm", 1),
     ],
 )
 def test_collectives_per_step(runs, name, expected):
