@@ -162,19 +162,24 @@ def _sharded_runs(out: dict[str, Any], checkpoint_dir: Path) -> None:
             "all_reduces": counts,
             "placed": _state_placed_like_params(optimizer),
         }
-    # Mid-run checkpoint: state dicts after 2 steps, into a fresh model and optimizer, one more step; and the
-    # same state saved with torch.distributed.checkpoint for a one-process run to load.
+    # Mid-run checkpoint: state dicts after 2 steps, into a fresh model and optimizer, one more step (fp32,
+    # and bf16 whose fp32 masters must stay fp32); and the fp32 state saved with torch.distributed.checkpoint
+    # for a one-process run to load.
+    for name in ("lars", "bf16_master_lars"):
+        dtype, kwargs = SCENARIOS[name]
+        data = batches(dtype)
+        model = _shard(make_model(dtype))
+        optimizer = FusedSGD(model.parameters(), lr=LR, **kwargs)
+        train(model, optimizer, data[:2])
+        model_state, optim_state = get_state_dict(model, optimizer)
+        if name == "lars":
+            save({"model": model_state, "optim": optim_state}, checkpoint_id=str(checkpoint_dir))
+        resumed = _shard(make_model(dtype))
+        resumed_optimizer = FusedSGD(resumed.parameters(), lr=LR, **kwargs)
+        set_state_dict(resumed, resumed_optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+        train(resumed, resumed_optimizer, data[2:])
+        out[f"resumed_{name}"] = snapshot(resumed, resumed_optimizer)
     data = batches()
-    model = _shard(make_model())
-    optimizer = FusedSGD(model.parameters(), lr=LR, **_LARS)
-    train(model, optimizer, data[:2])
-    model_state, optim_state = get_state_dict(model, optimizer)
-    save({"model": model_state, "optim": optim_state}, checkpoint_id=str(checkpoint_dir))
-    resumed = _shard(make_model())
-    resumed_optimizer = FusedSGD(resumed.parameters(), lr=LR, **_LARS)
-    set_state_dict(resumed, resumed_optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
-    train(resumed, resumed_optimizer, data[2:])
-    out["resumed"] = snapshot(resumed, resumed_optimizer)
     # A one-process state dict cannot be loaded into sharded params by load_state_dict: refused, unchanged.
     plain = make_model()
     plain_optimizer = FusedSGD(plain.parameters(), lr=LR, **_LARS)

@@ -88,9 +88,12 @@ def test_zero_redundancy_optimizer_equals_one_process(runs):
     assert all(stepped > 0 for stepped in results["zero"]["ranks_stepped"]), "each rank steps its partition"
 
 
-def test_state_dict_round_trip_mid_run_equals_uninterrupted(runs):
+@pytest.mark.parametrize("name", ["lars", "bf16_master_lars"])
+def test_state_dict_round_trip_mid_run_equals_uninterrupted(runs, name):
     results, _ = runs
-    _assert_same(results["resumed"], results["lars"])
+    resumed = results[f"resumed_{name}"]
+    _assert_same(resumed, results[name])
+    assert all(master.dtype == torch.float32 for master in resumed["master_param"].values())
 
 
 def test_dcp_checkpoint_of_two_ranks_continues_in_one_process(runs):
