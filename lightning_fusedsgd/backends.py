@@ -68,7 +68,8 @@ def step_function(
     requested: str, device: torch.device, bucket: Bucket, groups: list[dict[str, Any]]
 ) -> tuple[str, Any]:
     """The backend that runs ``bucket`` (of ``groups``) when ``requested`` is asked for (see ``kernels``):
-    its name and its ops, ``sgd_step`` and ``grad_sq_sum`` with the op library's signatures."""
+    its name and its ops, ``sgd_step``, ``grad_sq_sum`` and ``lars_sq_sums`` with the op library's
+    signatures."""
     backend = requested
     if backend == "auto":
         backend = compiled_or_fallback("auto", device.type)
@@ -110,9 +111,10 @@ def _torch_fused_step(
     grad_scale: Tensor | None,
     found_inf: Tensor | None,
     grad_sq_sum: Tensor | None,
+    lars_sq_sums: Tensor | None = None,
 ) -> None:
     """Runs a bucket through ``torch._fused_sgd_``, one call per (group, first step) subset."""
-    del master_params, grad_sq_sum  # never present: see _torch_fused_eligible
+    del master_params, grad_sq_sum, lars_sq_sums  # never present: see _torch_fused_eligible
     rows = group_hparams.tolist()
     h = {name: i for i, name in enumerate(HPARAM_COLUMNS)}
     buffers = iter(momentum_buffers)

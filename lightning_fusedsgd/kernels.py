@@ -1,10 +1,10 @@
 """Builds and loads the compiled kernels: the ``torch.ops.lightning_fusedsgd`` operator library.
 
-The ops are registered with ``TORCH_LIBRARY`` (schemas in ``csrc/fused_sgd.cpp``): ``sgd_step`` and
-``grad_sq_sum`` with their CPU kernels, their CUDA kernels (``csrc/fused_sgd_cuda.cu``, a second library that
-registers for the same schemas) and fake kernels for tracing (``torch.compile``), ``hparam_names``, and the
-``CachedStep`` class (``torch.classes.lightning_fusedsgd.CachedStep``). No pybind module: the dispatcher
-calls them, and dynamo can trace a call into ``sgd_step``.
+The ops are registered with ``TORCH_LIBRARY`` (schemas in ``csrc/fused_sgd.cpp``): ``sgd_step``,
+``grad_sq_sum`` and ``lars_sq_sums`` with their CPU kernels, their CUDA kernels (``csrc/fused_sgd_cuda.cu``,
+a second library that registers for the same schemas) and fake kernels for tracing (``torch.compile``),
+``hparam_names``, and the ``CachedStep`` class (``torch.classes.lightning_fusedsgd.CachedStep``). No pybind
+module: the dispatcher calls them, and dynamo can trace a call into ``sgd_step``.
 
 Where the libraries come from, in order:
 
@@ -262,6 +262,7 @@ def _complete_cpu_library() -> None:
         )
     torch.library.register_fake("lightning_fusedsgd::sgd_step")(_sgd_step_fake)
     torch.library.register_fake("lightning_fusedsgd::grad_sq_sum")(_grad_sq_sum_fake)
+    torch.library.register_fake("lightning_fusedsgd::lars_sq_sums")(_lars_sq_sums_fake)
 
 
 def _sgd_step_fake(*args: Any) -> None:
@@ -272,6 +273,12 @@ def _sgd_step_fake(*args: Any) -> None:
 def _grad_sq_sum_fake(grads: list[torch.Tensor]) -> torch.Tensor:
     """grad_sq_sum returns a float64 scalar on the gradients' device."""
     return grads[0].new_empty((), dtype=torch.float64)
+
+
+def _lars_sq_sums_fake(params: list[torch.Tensor], *args: Any) -> torch.Tensor:
+    """lars_sq_sums returns a float64 [params, 3] table on the params' device."""
+    del args
+    return params[0].new_empty((len(params), 3), dtype=torch.float64)
 
 
 def _build_and_load(device_type: str, verbose: bool, prebuilt_problem: str | None = None) -> Path:

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_fusedsgd import sharding
 from lightning_fusedsgd.backends import BACKENDS, step_function
 from lightning_fusedsgd.checkpoint import (
     check_optimizer_state_dict,
@@ -275,7 +276,13 @@ class FusedSGD(Optimizer):
         # Updated in place: dynamo replays in-place dict updates of a traced step, not attribute stores.
         self.last_backends.clear()
         self.last_backends.update({bucket_name(key): name for key, (name, _) in backends.items()})
-        grad_sq_sum = self._grad_sq_sum(plan, backends) if clip_norm and plan.buckets else None
+        lars_sums: dict[Any, Tensor] = {}
+        if plan.sharded:  # norms over shards: one kernel pass per bucket, one all-reduce per process group
+            lars_sums, grad_sq_sum = sharding.global_norm_sums(
+                plan, backends, groups, table, grad_scale, clip_norm
+            )
+        else:
+            grad_sq_sum = self._grad_sq_sum(plan, backends) if clip_norm and plan.buckets else None
         for key, bucket in plan.buckets.items():
             device, ops = key[0], backends[key][1]
             ops.sgd_step(
@@ -289,6 +296,7 @@ class FusedSGD(Optimizer):
                 None if grad_scale is None else grad_scale.to(device),
                 None if found_inf is None else found_inf.to(device),
                 None if grad_sq_sum is None else grad_sq_sum.to(device),
+                lars_sums.get(key),
             )
         for param, dense in plan.staged:
             param.copy_(dense)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from lightning_fusedsgd import backends, kernels
+from lightning_fusedsgd import backends, kernels, sharding
 
 if TYPE_CHECKING:
     from lightning_fusedsgd.optim import FusedSGD
@@ -33,6 +33,8 @@ class Bucket:
     master_params: list[Tensor] = field(default_factory=list)
     tensor_group: list[int] = field(default_factory=list)
     first_step: list[bool] = field(default_factory=list)
+    # Per tensor: where its partial norms are all-reduced (sharding.reduce_key), None when not sharded.
+    reduce_keys: list[sharding.ReduceKey | None] = field(default_factory=list)
 
 
 @dataclass
@@ -40,11 +42,15 @@ class Plan:
     """A step's buckets by (device, dtype, master weights); the state entries to store once the kernels ran
     (new buffers and masters, buffers converted to the param's layout or to fp32, and ``None`` for a master
     to drop because its group turned master weights off); and the (param, dense copy) pairs of params that
-    are not dense and are updated through a copy."""
+    are not dense and are updated through a copy. For DTensor params the buckets hold local shards, the new
+    state is DTensors placed like the params, and ``sharded`` says whether any tensor's norms need an
+    all-reduce."""
 
     buckets: dict[tuple[torch.device, torch.dtype, bool], Bucket] = field(default_factory=dict)
     new_state: list[tuple[Tensor, str, Tensor | None]] = field(default_factory=list)
     staged: list[tuple[Tensor, Tensor]] = field(default_factory=list)
+    dtensors: bool = False
+    sharded: bool = False
 
 
 def _is_dense(tensor: Tensor) -> bool:
@@ -169,7 +175,10 @@ def plan_step(optimizer: FusedSGD, tracing: bool = False) -> Plan:
                 continue
             place = (group, group_index, param_index)
             _check_steppable(param, place)
-            stepped.append((param, place))
+            if sharding.is_sharded(param):
+                sharding.check_grad_placement(param, param_label(*place, param))
+                plan.dtensors = True
+            stepped.append((sharding.local(param), place))
             state = optimizer.state.get(param, _NO_STATE)
             _plan_param(plan, state, param, group, group_index, param_index, tracing)
     if not tracing:
@@ -190,19 +199,24 @@ def _plan_param(
     its momentum buffer and master, converted to the param's layout where needed."""
     has_momentum = group["momentum"] != 0
     use_master = bool(group["master_weights"]) and param.dtype in LOW_PRECISION
-    dense = param if _is_dense(param) else param.contiguous()
-    if dense is not param:
-        plan.staged.append((param, dense))
+    # A DTensor param is stepped as its local shard; its state is stored as DTensors placed like it.
+    shard = sharding.local(param)
+    dense = shard if _is_dense(shard) else shard.contiguous()
+    if dense is not shard:
+        plan.staged.append((shard, dense))
     stride = dense.stride()
-    grad = param.grad
+    grad = sharding.local(param.grad)
     if grad.dtype != param.dtype or grad.stride() != stride:
         grad = torch.empty_like(dense).copy_(grad)
 
-    bucket = plan.buckets.setdefault((param.device, param.dtype, use_master), Bucket())
+    bucket = plan.buckets.setdefault((dense.device, param.dtype, use_master), Bucket())
     bucket.params.append(_real(dense))
     bucket.sources.append(param)
     bucket.grads.append(_real(grad))
     bucket.tensor_group.append(group_index)
+    reduce_key = sharding.reduce_key(param)
+    bucket.reduce_keys.append(reduce_key)
+    plan.sharded = plan.sharded or reduce_key is not None
     buffer = state.get("momentum_buffer") if has_momentum else None
     bucket.first_step.append(has_momentum and buffer is None)
     if has_momentum:
@@ -210,32 +224,39 @@ def _plan_param(
         if buffer is None:
             new_buffer = torch.zeros_like if tracing else torch.empty_like
             buffer = new_buffer(dense, dtype=buffer_dtype)
-            plan.new_state.append((param, "momentum_buffer", buffer))
-        elif (
-            buffer.shape != param.shape
-            or buffer.dtype != buffer_dtype
-            or buffer.stride() != stride
-            or buffer.device != param.device
-        ):
-            check_state_shapes(state, group, group_index, param_index, param)
-            buffer = torch.empty_like(dense, dtype=buffer_dtype).copy_(buffer)
-            plan.new_state.append((param, "momentum_buffer", buffer))
+            plan.new_state.append((param, "momentum_buffer", sharding.like_param(buffer, param)))
+        else:
+            local_buffer = sharding.local(buffer)
+            if (
+                buffer.shape != param.shape
+                or sharding.is_sharded(buffer) != sharding.is_sharded(param)
+                or local_buffer.dtype != buffer_dtype
+                or local_buffer.stride() != stride
+                or local_buffer.device != dense.device
+            ):
+                check_state_shapes(state, group, group_index, param_index, param)
+                local_buffer = torch.empty_like(dense, dtype=buffer_dtype).copy_(local_buffer)
+                plan.new_state.append((param, "momentum_buffer", sharding.like_param(local_buffer, param)))
+            buffer = local_buffer
         bucket.momentum_buffers.append(_real(buffer))
     master = state.get("master_param")
     if not use_master:
         if master is not None:  # stale once the param steps without it: seeded anew if turned back on
             plan.new_state.append((param, "master_param", None))
         return
+    local_master = None if master is None else sharding.local(master)
     if (
         master is None
         or master.shape != param.shape
-        or master.dtype != torch.float32
-        or master.stride() != stride
+        or sharding.is_sharded(master) != sharding.is_sharded(param)
+        or local_master.dtype != torch.float32
+        or local_master.stride() != stride
     ):
         check_state_shapes(state, group, group_index, param_index, param)
-        master = torch.empty_like(dense, dtype=torch.float32).copy_(dense if master is None else master)
-        plan.new_state.append((param, "master_param", master))
-    bucket.master_params.append(master)
+        source = dense if local_master is None else local_master
+        local_master = torch.empty_like(dense, dtype=torch.float32).copy_(source)
+        plan.new_state.append((param, "master_param", sharding.like_param(local_master, param)))
+    bucket.master_params.append(local_master)
 
 
 def check_state_shapes(
@@ -243,6 +264,16 @@ def check_state_shapes(
 ) -> None:
     for key in ("momentum_buffer", "master_param"):
         value = state.get(key)
+        if isinstance(value, Tensor) and sharding.is_sharded(value) != sharding.is_sharded(param):
+            kinds = ["a DTensor", "a plain tensor"]
+            if not sharding.is_sharded(value):
+                kinds.reverse()
+            raise ValueError(
+                f"The {key} of {param_label(group, group_index, param_index, param)} is {kinds[0]} but the "
+                f"parameter is {kinds[1]}: sharded (FSDP2) optimizer state is loaded with "
+                "torch.distributed.checkpoint.state_dict.set_optimizer_state_dict, which places it like the "
+                "parameters; a plain optimizer.load_state_dict cannot reshard it."
+            )
         if value is not None and value.shape != param.shape:
             raise ValueError(
                 f"The {key} of {param_label(group, group_index, param_index, param)} has shape "
@@ -291,6 +322,7 @@ class CachedPlan:
         device = devices.pop() if len(devices) == 1 else None  # one device: the scalars move once
         reusable = (
             device is not None
+            and not plan.dtensors  # the C++ step reads p.grad, which would be a DTensor
             and not plan.new_state
             and not plan.staged
             and device.type in kernels.EXTENSIONS

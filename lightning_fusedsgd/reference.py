@@ -1,8 +1,9 @@
 """The kernel's math in plain PyTorch: the oracle in tests and the fallback where nothing compiles.
 
 ``clip_coef``, ``make_coeffs``, ``clipped_grad``, ``sgd_element``, ``lars_norm_term``, ``trust_ratio``,
-``lars_trust`` and ``synced_master`` mirror ``csrc/sgd_math.h`` function for function, and ``sgd_step`` and
-``grad_sq_sum`` have the ops' signatures, so the backends are interchangeable.
+``lars_trust``, ``clipped_term_sq_sum`` and ``synced_master`` mirror ``csrc/sgd_math.h`` function for
+function, and ``sgd_step``, ``grad_sq_sum`` and ``lars_sq_sums`` have the ops' signatures, so the backends
+are interchangeable.
 """
 
 from __future__ import annotations
@@ -161,6 +162,16 @@ def lars_trust(w: Tensor, g: Tensor, h: dict[str, float], c: Coeffs) -> Tensor:
     )
 
 
+def clipped_term_sq_sum(sum_w: Tensor, sum_t: Tensor, sum_wt: Tensor, c: float | Tensor, h: dict) -> Tensor:
+    """The LARS norm term's sum of squares under norm clipping by ``c``, from ``lars_sq_sums``'s sums taken
+    before that clip (``clipped_term_sq_sum`` in sgd_math.h)."""
+    c = c.double() if isinstance(c, Tensor) else c
+    if not h["lars_decayed_grad"]:
+        return c * c * sum_t
+    d = (1.0 - c) * h["weight_decay"]
+    return torch.clamp(c * c * sum_t + 2.0 * c * d * sum_wt + d * d * sum_w, min=0.0)
+
+
 def sgd_step(
     params: list[Tensor],
     grads: list[Tensor],
@@ -172,6 +183,7 @@ def sgd_step(
     grad_scale: Tensor | None,
     found_inf: Tensor | None,
     grad_sq_sum: Tensor | None,
+    lars_sq_sums: Tensor | None = None,
 ) -> None:
     """Same contract as ``torch.ops.lightning_fusedsgd.sgd_step`` (argument slots in csrc/bucket.h): updates
     params, momentum buffers (one per param whose group has momentum) and masters in place."""
@@ -190,7 +202,20 @@ def sgd_step(
         coeffs = make_coeffs(h, inv_scale, grad_sq_sum, first_step[i])
         if isinstance(coeffs.clip_coef, Tensor):
             coeffs.clip_coef = coeffs.clip_coef.to(opmath)
-        if h["lars"]:
+        if h["lars"] and lars_sq_sums is not None:
+            sum_w, sum_t, sum_wt = lars_sq_sums[i]
+            sum_g = clipped_term_sq_sum(sum_w, sum_t, sum_wt, coeffs.clip_coef, h)
+            coeffs.trust = trust_ratio(
+                sum_w.sqrt(),
+                sum_g.sqrt(),
+                h["weight_decay"],
+                h["trust_coefficient"],
+                h["lars_eps"],
+                bool(h["lars_decayed_grad"]),
+                bool(h["trust_clip"]),
+                h["lr"],
+            ).to(opmath)
+        elif h["lars"]:
             coeffs.trust = lars_trust(w, g, h, coeffs).to(opmath)
         w_new, b_new = sgd_element(w, g, None if b is None or coeffs.first else b.to(opmath), coeffs)
         if master is not None:
@@ -204,3 +229,33 @@ def grad_sq_sum(grads: list[Tensor]) -> Tensor:
     """Same contract as ``torch.ops.lightning_fusedsgd.grad_sq_sum``: the sum of squares of every gradient,
     a float64 scalar on their device."""
     return torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) ** 2 for g in grads]).sum()
+
+
+def lars_sq_sums(
+    params: list[Tensor],
+    grads: list[Tensor],
+    master_params: list[Tensor],
+    group_hparams: Tensor,
+    tensor_group: list[int],
+    grad_scale: Tensor | None,
+) -> Tensor:
+    """Same contract as ``torch.ops.lightning_fusedsgd.lars_sq_sums``: float64 [n, 3], each LARS tensor's
+    sums of w^2, of its norm term squared and of w times that term, before norm clipping; zeros elsewhere."""
+    hparams = group_hparams.tolist()
+    inv_scale = inverse_scale(grad_scale)
+    rows = []
+    for i, param in enumerate(params):
+        h = dict(zip(HPARAM_COLUMNS, hparams[tensor_group[i]]))
+        if not h["lars"]:
+            rows.append(torch.zeros(3, dtype=torch.float64, device=param.device))
+            continue
+        master = master_params[i] if master_params else None
+        w = synced_master(master, param) if master is not None else param.to(_opmath(param.dtype))
+        coeffs = make_coeffs({**h, "max_grad_norm": 0.0}, inv_scale, None, False)
+        decayed = bool(h["lars_decayed_grad"])
+        term = lars_norm_term(w, grads[i].to(w.dtype), coeffs, h["weight_decay"], decayed)
+        w, term = w.double(), term.double()
+        rows.append(torch.stack([(w * w).sum(), (term * term).sum(), (w * term).sum()]))
+    if not rows:
+        return torch.zeros(0, 3, dtype=torch.float64)
+    return torch.stack(rows)

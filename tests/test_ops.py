@@ -3,12 +3,15 @@ FusedSGD step into one graph with no break, with eager's result."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
+from oracles import assert_close_rel
 from torch import nn
 from torch._dynamo.utils import counters
 
-from lightning_fusedsgd import FusedLARS, FusedSGD, kernels
+from lightning_fusedsgd import FusedLARS, FusedSGD, kernels, reference
 from lightning_fusedsgd.reference import HPARAM_COLUMNS
 
 OPS = kernels.load_extension("cpu")
@@ -73,6 +76,57 @@ def test_grad_sq_sum_passes_opcheck_and_sums_squares(dtype):
     assert OPS.grad_sq_sum(grads).item() == pytest.approx(
         expected, rel=1e-5 if dtype != torch.float64 else 1e-12
     )
+
+
+@pytest.mark.parametrize("dtype, master", [(torch.float32, False), (torch.bfloat16, True)])
+def test_lars_sq_sums_passes_opcheck(dtype, master, device):
+    kernels.load_extension(device.type)
+    params, grads, _, masters = ([t.to(device) for t in tensors] for tensors in bucket(dtype, master))
+    hparams = table(lars=1.0, weight_decay=1e-4, lars_decayed_grad=1.0, max_grad_value=math.inf)
+    args = (params, grads, masters, hparams, [0, 0, 0], torch.tensor([4.0], device=device))
+    torch.library.opcheck(OPS.lars_sq_sums.default, args)
+    assert OPS.lars_sq_sums(*args).shape == (3, 3)
+
+
+@pytest.mark.parametrize("backend", ["compiled", "torch"])
+@pytest.mark.parametrize("denominator", [0.0, 1.0], ids=["grad_plus_decay", "decayed_grad"])
+@pytest.mark.parametrize("max_grad_norm", [0.0, 0.5], ids=["no-clip", "clip-norm"])
+@pytest.mark.parametrize("weight_scale", [1.0, 1e-25], ids=["normal", "tiny-weights"])
+def test_given_lars_sq_sums_replace_the_norm_pass(backend, denominator, max_grad_norm, weight_scale, device):
+    """sgd_step given lars_sq_sums (what a sharded step passes after its all-reduce) equals sgd_step's own
+    norm pass, under a GradScaler's scale and norm clipping: clipped_term_sq_sum's algebra, on one process.
+    Tiny weights: their fp32 squares underflow, so the CPU sums must fall back to double."""
+    ops = kernels.load_extension(device.type) if backend == "compiled" else reference
+    params, grads, buffers, _ = ([t.to(device) for t in tensors] for tensors in bucket())
+    params = [p * weight_scale for p in params]
+    scale = torch.tensor([8.0], device=device)
+    grads = [g * scale for g in grads]
+    hparams = table(
+        momentum=0.9,
+        weight_decay=0.05,
+        lars=1.0,
+        trust_coefficient=0.5,
+        lars_decayed_grad=denominator,
+        max_grad_norm=max_grad_norm,
+        max_grad_value=math.inf,
+    )
+    groups, first = [0, 0, 0], [False, True, False]
+    grad_sq_sum = ops.grad_sq_sum(grads) if max_grad_norm else None
+    if max_grad_norm:  # the clip is active, so its coefficient enters the norms
+        assert grad_sq_sum.sqrt() / scale > 4 * max_grad_norm
+    expected, expected_buffers = [p.clone() for p in params], [b.clone() for b in buffers]
+    ops.sgd_step(expected, grads, expected_buffers, [], hparams, groups, first, scale, None, grad_sq_sum)
+    actual, actual_buffers = [p.clone() for p in params], [b.clone() for b in buffers]
+    sums = ops.lars_sq_sums(actual, grads, [], hparams, groups, scale)
+    ops.sgd_step(actual, grads, actual_buffers, [], hparams, groups, first, scale, None, grad_sq_sum, sums)
+    assert_close_rel(actual + actual_buffers, expected + expected_buffers, 1e-6)
+    plain_hparams = table(
+        momentum=0.9, weight_decay=0.05, max_grad_norm=max_grad_norm, max_grad_value=math.inf
+    )
+    plain, plain_buffers = [p.clone() for p in params], [b.clone() for b in buffers]
+    ops.sgd_step(plain, grads, plain_buffers, [], plain_hparams, groups, first, scale, None, grad_sq_sum)
+    update, plain_update = actual[1] - params[1], plain[1] - params[1]  # a first step: no old buffer
+    assert not torch.allclose(update, plain_update, rtol=0.1), "the trust ratio must matter here"
 
 
 def test_sgd_step_schema_declares_what_it_writes():

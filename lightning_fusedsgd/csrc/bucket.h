@@ -58,12 +58,16 @@ inline void check_grads(at::TensorList grads) {
 //   grad_scale, found_inf: GradScaler's one-element float32 tensors on the params' device, or none
 //   grad_sq_sum      one-element float64 on the params' device: the sum of squares of every gradient the
 //                    optimizer steps (grad_sq_sum over all its buckets); needed where a group has max_grad_norm
+//   lars_sq_sums     float64 [n, 3] on the params' device, or none: each LARS tensor's sums of squares as the
+//                    lars_sq_sums op returns them, all-reduced over the shards (sharded params); the trust
+//                    ratio is taken from them instead of the kernel's own norm pass
 inline BucketArgs check_bucket(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
                                at::TensorList master_params, const at::Tensor& group_hparams,
                                at::IntArrayRef tensor_group, const c10::List<bool>& first_step,
                                const std::optional<at::Tensor>& grad_scale,
                                const std::optional<at::Tensor>& found_inf,
-                               const std::optional<at::Tensor>& grad_sq_sum) {
+                               const std::optional<at::Tensor>& grad_sq_sum,
+                               const std::optional<at::Tensor>& lars_sq_sums) {
   const size_t n = params.size();
   TORCH_CHECK(grads.size() == n && tensor_group.size() == n && first_step.size() == n,
               "lightning_fusedsgd::sgd_step: one grad, group and first_step entry per param");
@@ -86,6 +90,12 @@ inline BucketArgs check_bucket(at::TensorList params, at::TensorList grads, at::
   check_scalar(grad_scale, first.device(), "grad_scale");
   check_scalar(found_inf, first.device(), "found_inf");
   check_scalar(grad_sq_sum, first.device(), "grad_sq_sum", at::kDouble);
+  TORCH_CHECK(!lars_sq_sums.has_value() ||
+                  (lars_sq_sums->device() == first.device() && lars_sq_sums->scalar_type() == at::kDouble &&
+                   lars_sq_sums->dim() == 2 && lars_sq_sums->size(0) == static_cast<int64_t>(n) &&
+                   lars_sq_sums->size(1) == kNumLarsSums && lars_sq_sums->is_contiguous()),
+              "lightning_fusedsgd::sgd_step: lars_sq_sums must be a contiguous float64 [params, ", kNumLarsSums,
+              "] tensor on ", first.device(), " (the lars_sq_sums op's result)");
   const auto buffer_dtype = args.master ? at::kFloat : dtype;
   size_t slot = 0;
   for (size_t t = 0; t < n; ++t) {
@@ -118,6 +128,43 @@ inline BucketArgs check_bucket(at::TensorList params, at::TensorList grads, at::
   TORCH_CHECK(slot == momentum_buffers.size(),
               "lightning_fusedsgd::sgd_step: one momentum buffer per param whose group has momentum");
   return args;
+}
+
+// lars_sq_sums's arguments: params, grads and masters as sgd_step takes them (slots above), and each param's
+// group row. Returns the groups' hyperparameters.
+inline std::vector<GroupHParams> check_norm_inputs(at::TensorList params, at::TensorList grads,
+                                                   at::TensorList master_params, const at::Tensor& group_hparams,
+                                                   at::IntArrayRef tensor_group,
+                                                   const std::optional<at::Tensor>& grad_scale) {
+  const size_t n = params.size();
+  TORCH_CHECK(grads.size() == n && tensor_group.size() == n && (master_params.empty() || master_params.size() == n),
+              "lightning_fusedsgd::lars_sq_sums: one grad and group entry (and master, or none) per param");
+  TORCH_CHECK(group_hparams.device().is_cpu() && group_hparams.scalar_type() == at::kDouble &&
+                  group_hparams.dim() == 2 && group_hparams.size(1) == kNumHParams && group_hparams.is_contiguous(),
+              "lightning_fusedsgd::lars_sq_sums: group_hparams must be a contiguous CPU float64 [groups, ",
+              kNumHParams, "] table");
+  std::vector<GroupHParams> groups;
+  const double* rows = group_hparams.data_ptr<double>();
+  for (int64_t g = 0; g < group_hparams.size(0); ++g) groups.push_back(hparams_from_row(rows + g * kNumHParams));
+  if (n == 0) return groups;
+  const at::Tensor& first = params[0];
+  TORCH_CHECK(supported_dtype(first.scalar_type()), "lightning_fusedsgd::lars_sq_sums: unsupported param dtype ",
+              first.scalar_type());
+  check_scalar(grad_scale, first.device(), "grad_scale");
+  for (size_t t = 0; t < n; ++t) {
+    const at::Tensor& p = params[t];
+    TORCH_CHECK(tensor_group[t] >= 0 && tensor_group[t] < static_cast<int64_t>(groups.size()),
+                "lightning_fusedsgd::lars_sq_sums: tensor_group out of range");
+    TORCH_CHECK(p.device() == first.device() && p.scalar_type() == first.scalar_type() &&
+                    p.is_non_overlapping_and_dense() && grads[t].scalar_type() == p.scalar_type(),
+                "lightning_fusedsgd::lars_sq_sums: dense params of one device and dtype, grads of their dtype");
+    check_same_layout(p, grads[t], "grad");
+    if (!master_params.empty()) {
+      check_same_layout(p, master_params[t], "master param");
+      TORCH_CHECK(master_params[t].scalar_type() == at::kFloat, "lightning_fusedsgd::lars_sq_sums: masters are fp32");
+    }
+  }
+  return groups;
 }
 
 // Calls run(param, buffer, master) with value tags of the bucket's types: the param type P, the momentum buffer

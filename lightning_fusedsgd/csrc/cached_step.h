@@ -71,7 +71,8 @@ class CachedStep : public torch::CustomClassHolder {
             .findSchemaOrThrow("lightning_fusedsgd::sgd_step", "")
             .typed<void(at::TensorList, at::TensorList, at::TensorList, at::TensorList, const at::Tensor&,
                         at::IntArrayRef, const c10::List<bool>&, const std::optional<at::Tensor>&,
-                        const std::optional<at::Tensor>&, const std::optional<at::Tensor>&)>();
+                        const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+                        const std::optional<at::Tensor>&)>();
     static const auto sq_sum_op = c10::Dispatcher::singleton()
                                       .findSchemaOrThrow("lightning_fusedsgd::grad_sq_sum", "")
                                       .typed<at::Tensor(at::TensorList)>();
@@ -92,7 +93,8 @@ class CachedStep : public torch::CustomClassHolder {
     for (size_t b = 0; b < buckets_.size(); ++b) {
       const Bucket& bucket = buckets_[b];
       step_op.call(bucket.params, bucket_grads[b], bucket.momentum_buffers, bucket.master_params, group_hparams,
-                   bucket.tensor_group, bucket.first_step, grad_scale, found_inf, grad_sq_sum);
+                   bucket.tensor_group, bucket.first_step, grad_scale, found_inf, grad_sq_sum,
+                   std::nullopt);  // sharded (DTensor) params are never cached
     }
     return true;
   }

@@ -99,6 +99,25 @@ inline bool exact_in_opmath(double sum) {
   return sum >= kMinExact && sum <= 1e38;
 }
 
+// A chunk's sums for lars_sq_sums: of w^2, of the LARS term (lars_norm_term) squared and of w times it,
+// accumulated in S (the opmath type, or double where the sums leave exact_in_opmath's range, as the norm pass).
+template <typename S, bool kDecayed, bool kClipValue, bool kMaster, typename P, typename O>
+void lars_partial_sums(const P* w, const float* m, const P* gr, const Chunk& chunk, const Coeffs<O>& c,
+                       O weight_decay, double* sums) {
+  S sw = 0, st = 0, swt = 0;
+#pragma omp simd reduction(+ : sw, st, swt)
+  for (int64_t i = chunk.begin; i < chunk.end; ++i) {
+    const O wi = load_weight<kMaster>(w, m, i);
+    const S ti = lars_norm_term<kClipValue, O>(wi, load(gr, i), c, weight_decay, kDecayed);
+    sw += static_cast<S>(wi) * wi;
+    st += ti * ti;
+    swt += static_cast<S>(wi) * ti;
+  }
+  sums[0] = sw;
+  sums[1] = st;
+  sums[2] = swt;
+}
+
 // A chunk's sum of squares of the raw gradient (the global norm that clipping takes), in S.
 template <typename S, typename P>
 double grad_sum_squares(const P* gr, const Chunk& chunk) {
@@ -120,7 +139,7 @@ class BucketStep {
 
   BucketStep(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
              at::TensorList master_params, const BucketArgs& args, at::IntArrayRef tensor_group,
-             const c10::List<bool>& first_step, double inv_scale, double grad_sq_sum)
+             const c10::List<bool>& first_step, double inv_scale, double grad_sq_sum, const double* lars_sums)
       : groups_(args.groups), tensor_group_(tensor_group) {
     const size_t n = params.size();
     w_ptr_.resize(n);
@@ -136,7 +155,13 @@ class BucketStep {
       if (args.buffer_slot[t] >= 0) b_ptr_[t] = momentum_buffers[args.buffer_slot[t]].data_ptr<B>();
       if (kMaster) m_ptr_[t] = master_params[t].data_ptr<float>();
       coeffs_[t] = make_coeffs<O>(h, inv_scale, grad_sq_sum, first_step[t]);
-      lars_[t] = h.lars;
+      // Given sums (sharded params, reduced across shards) replace the norm pass: the ratio is set here.
+      lars_[t] = h.lars && lars_sums == nullptr;
+      if (h.lars && lars_sums != nullptr) {
+        const double* row = lars_sums + kNumLarsSums * t;
+        const double sum_g = clipped_term_sq_sum(row[0], row[1], row[2], coeffs_[t].clip_coef, h);
+        coeffs_[t].trust = static_cast<O>(lars_trust(row[0], sum_g, h));
+      }
     }
     work_ = make_work_list(params, lars_);
     w_sq_.resize(work_.chunks.size());
@@ -259,17 +284,70 @@ class BucketStep {
 void sgd_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
                   at::TensorList master_params, const at::Tensor& group_hparams, at::IntArrayRef tensor_group,
                   const c10::List<bool>& first_step, const std::optional<at::Tensor>& grad_scale,
-                  const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& grad_sq_sum) {
+                  const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& grad_sq_sum,
+                  const std::optional<at::Tensor>& lars_sq_sums) {
   const BucketArgs args = check_bucket(params, grads, momentum_buffers, master_params, group_hparams,
-                                       tensor_group, first_step, grad_scale, found_inf, grad_sq_sum);
+                                       tensor_group, first_step, grad_scale, found_inf, grad_sq_sum, lars_sq_sums);
   if (params.empty() || (found_inf.has_value() && found_inf->item<float>() != 0.0f)) return;
   const double inv_scale = grad_scale.has_value() ? inverse_scale(grad_scale->item<float>()) : 1.0;
   const double sq_sum = grad_sq_sum.has_value() ? grad_sq_sum->item<double>() : 0.0;
+  const double* lars_sums = lars_sq_sums.has_value() ? lars_sq_sums->data_ptr<double>() : nullptr;
   dispatch_bucket_types(params[0].scalar_type(), args.master, [&](auto param, auto buffer, auto master) {
-    BucketStep<decltype(param), decltype(buffer), decltype(master)::value>(
-        params, grads, momentum_buffers, master_params, args, tensor_group, first_step, inv_scale, sq_sum)
+    BucketStep<decltype(param), decltype(buffer), decltype(master)::value>(params, grads, momentum_buffers,
+                                                                           master_params, args, tensor_group,
+                                                                           first_step, inv_scale, sq_sum, lars_sums)
         .run();
   });
+}
+
+// lightning_fusedsgd::lars_sq_sums for CPU tensors: each LARS tensor's row of sums (kNumLarsSums in
+// sgd_math.h) before norm clipping, zeros for the others, each summed over its chunks in a fixed order.
+at::Tensor lars_sq_sums_cpu(at::TensorList params, at::TensorList grads, at::TensorList master_params,
+                            const at::Tensor& group_hparams, at::IntArrayRef tensor_group,
+                            const std::optional<at::Tensor>& grad_scale) {
+  const std::vector<GroupHParams> groups =
+      check_norm_inputs(params, grads, master_params, group_hparams, tensor_group, grad_scale);
+  const int64_t n = static_cast<int64_t>(params.size());
+  at::Tensor out = at::zeros({n, kNumLarsSums}, at::TensorOptions().dtype(at::kDouble));
+  if (n == 0) return out;
+  const WorkList work = make_work_list(params, std::vector<bool>(n, false));
+  std::vector<double> partials(kNumLarsSums * work.chunks.size(), 0.0);
+  const double inv_scale = grad_scale.has_value() ? inverse_scale(grad_scale->item<float>()) : 1.0;
+  dispatch_bucket_types(params[0].scalar_type(), !master_params.empty(), [&](auto param, auto, auto master) {
+    using P = decltype(param);
+    using O = typename OpMath<P>::type;
+    constexpr bool kMaster = decltype(master)::value;
+#pragma omp parallel for schedule(static) num_threads(num_threads_for(work))
+    for (int64_t c = 0; c < static_cast<int64_t>(work.chunks.size()); ++c) {
+      const Chunk& chunk = work.chunks[c];
+      const int32_t t = chunk.tensor;
+      GroupHParams h = groups[tensor_group[t]];
+      if (!h.lars) continue;
+      h.max_grad_norm = 0.0;  // the norm clip is applied to the reduced sums (clipped_term_sq_sum)
+      const Coeffs<O> coeffs = make_coeffs<O>(h, inv_scale, 0.0, false);
+      const bool clip_value = std::isfinite(coeffs.clip_value);
+      double* sums = &partials[kNumLarsSums * c];
+      const auto sum = [&](auto accumulator) {
+        using S = decltype(accumulator);
+        const auto run = h.lars_decayed_grad ? (clip_value ? lars_partial_sums<S, true, true, kMaster, P, O>
+                                                           : lars_partial_sums<S, true, false, kMaster, P, O>)
+                                             : (clip_value ? lars_partial_sums<S, false, true, kMaster, P, O>
+                                                           : lars_partial_sums<S, false, false, kMaster, P, O>);
+        run(params[t].data_ptr<P>(), kMaster ? master_params[t].data_ptr<float>() : nullptr,
+            grads[t].data_ptr<P>(), chunk, coeffs, static_cast<O>(h.weight_decay), sums);
+      };
+      sum(O{});
+      // In range, |sum w t| <= sqrt(sum w^2 sum t^2) is too (Cauchy-Schwarz).
+      if (!exact_in_opmath(sums[0]) || !exact_in_opmath(sums[1])) sum(double{});
+    }
+  });
+  double* rows = out.data_ptr<double>();
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t c = work.tensor_first_chunk[t]; c < work.tensor_first_chunk[t + 1]; ++c) {
+      for (int k = 0; k < kNumLarsSums; ++k) rows[kNumLarsSums * t + k] += partials[kNumLarsSums * c + k];
+    }
+  }
+  return out;
 }
 
 // lightning_fusedsgd::grad_sq_sum for CPU tensors: the sum of squares of every gradient, in a fixed order.
@@ -307,8 +385,11 @@ TORCH_LIBRARY(lightning_fusedsgd, m) {
   m.def(
       "sgd_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_buffers, Tensor(c!)[] master_params, "
       "Tensor group_hparams, int[] tensor_group, bool[] first_step, Tensor? grad_scale, Tensor? found_inf, "
-      "Tensor? grad_sq_sum) -> ()");
+      "Tensor? grad_sq_sum, Tensor? lars_sq_sums=None) -> ()");
   m.def("grad_sq_sum(Tensor[] grads) -> Tensor");
+  m.def(
+      "lars_sq_sums(Tensor[] params, Tensor[] grads, Tensor[] master_params, Tensor group_hparams, "
+      "int[] tensor_group, Tensor? grad_scale) -> Tensor");
   m.def("hparam_names() -> str[]", &lfsgd::hparam_names);
   lfsgd::register_cached_step(m);
 }
@@ -316,4 +397,5 @@ TORCH_LIBRARY(lightning_fusedsgd, m) {
 TORCH_LIBRARY_IMPL(lightning_fusedsgd, CPU, m) {
   m.impl("sgd_step", &lfsgd::sgd_step_cpu);
   m.impl("grad_sq_sum", &lfsgd::grad_sq_sum_cpu);
+  m.impl("lars_sq_sums", &lfsgd::lars_sq_sums_cpu);
 }

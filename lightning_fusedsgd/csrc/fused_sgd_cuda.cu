@@ -1,6 +1,8 @@
 // The CUDA kernel of lightning_fusedsgd::sgd_step (the op is defined in fused_sgd.cpp): one launch per
 // (device, dtype) bucket over a work list of fixed-size chunks across all tensors (two launches with LARS:
-// norms, then update), and of grad_sq_sum, the gradients' sum of squares for norm clipping. The math lives in sgd_math.h, the argument checks in bucket.h. Nothing here reads
+// norms, then update; the update alone when a sharded step passes reduced lars_sq_sums), of grad_sq_sum, the
+// gradients' sum of squares for norm clipping, and of lars_sq_sums, the partial LARS sums a sharded step
+// all-reduces. The math lives in sgd_math.h, the argument checks in bucket.h. Nothing here reads
 // device memory from the host: the grad scale, found_inf and the LARS norms stay on the device, so a step
 // never synchronizes.
 #include <ATen/ATen.h>
@@ -57,6 +59,7 @@ struct StepScalars {
   const float* grad_scale;
   const float* found_inf;
   const double* grad_sq_sum;
+  const double* lars_sums;  // [n, kNumLarsSums] reduced across shards: replaces the norm pass
 };
 
 template <typename O>
@@ -137,7 +140,10 @@ __global__ void __launch_bounds__(kThreads)
   const GroupHParams& h = groups[t.group];
   const bool has_momentum = h.momentum != 0.0;
   Coeffs<O> c = coeffs_of<O>(h, t, scalars);
-  if (t.lars) {
+  if (t.lars && scalars.lars_sums != nullptr) {
+    const double* row = scalars.lars_sums + kNumLarsSums * chunk.tensor;
+    c.trust = static_cast<O>(lars_trust(row[0], clipped_term_sq_sum(row[0], row[1], row[2], c.clip_coef, h), h));
+  } else if (t.lars) {
     __shared__ O trust;
     __shared__ double scratch[kThreads / 32];
     double part_w = 0, part_g = 0;
@@ -181,7 +187,7 @@ __global__ void __launch_bounds__(kThreads)
 template <typename P, typename B, bool kMaster>
 void launch(const TensorArgs* tensors, const ChunkArgs* chunks, const GroupHParams* groups, double* partials,
             int64_t num_chunks, bool any_lars, StepScalars scalars, cudaStream_t stream) {
-  if (any_lars) {
+  if (any_lars && scalars.lars_sums == nullptr) {
     norm_kernel<P, kMaster><<<num_chunks, kThreads, 0, stream>>>(tensors, chunks, groups, partials, scalars);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
@@ -193,9 +199,10 @@ void launch(const TensorArgs* tensors, const ChunkArgs* chunks, const GroupHPara
 void sgd_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
                    at::TensorList master_params, const at::Tensor& group_hparams, at::IntArrayRef tensor_group,
                    const c10::List<bool>& first_step, const std::optional<at::Tensor>& grad_scale,
-                   const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& grad_sq_sum) {
+                   const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& grad_sq_sum,
+                   const std::optional<at::Tensor>& lars_sq_sums) {
   const BucketArgs bucket = check_bucket(params, grads, momentum_buffers, master_params, group_hparams,
-                                         tensor_group, first_step, grad_scale, found_inf, grad_sq_sum);
+                                         tensor_group, first_step, grad_scale, found_inf, grad_sq_sum, lars_sq_sums);
   if (params.empty()) return;
   const int64_t n = static_cast<int64_t>(params.size());
   const at::Device device = params[0].device();
@@ -222,7 +229,8 @@ void sgd_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList m
   if (chunks.empty()) return;
   const StepScalars scalars{grad_scale.has_value() ? grad_scale->data_ptr<float>() : nullptr,
                             found_inf.has_value() ? found_inf->data_ptr<float>() : nullptr,
-                            grad_sq_sum.has_value() ? grad_sq_sum->data_ptr<double>() : nullptr};
+                            grad_sq_sum.has_value() ? grad_sq_sum->data_ptr<double>() : nullptr,
+                            lars_sq_sums.has_value() ? lars_sq_sums->data_ptr<double>() : nullptr};
 
   // Tensor table, chunk list and group hyperparameters travel in one pinned buffer and one asynchronous
   // copy; the caching host allocator keeps the buffer alive until the copy has run.
@@ -255,6 +263,113 @@ void sgd_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList m
                                                                         partial_ptr, num_chunks, bucket.any_lars,
                                                                         scalars, stream);
   });
+}
+
+// lars_sq_sums, pass 1: each chunk of a LARS tensor writes its sums of w^2, t^2 and w t (lars_norm_term before
+// the norm clip, sgd_math.h), in double; other chunks leave their zeros.
+template <typename P, bool kMaster>
+__global__ void __launch_bounds__(kThreads)
+    lars_sums_kernel(const TensorArgs* tensors, const ChunkArgs* chunks, const GroupHParams* groups,
+                     double* partials, const float* grad_scale) {
+  using O = typename OpMath<P>::type;
+  const ChunkArgs chunk = chunks[blockIdx.x];
+  const TensorArgs t = tensors[chunk.tensor];
+  if (!t.lars) return;
+  GroupHParams h = groups[t.group];
+  h.max_grad_norm = 0.0;  // the norm clip is applied to the reduced sums (clipped_term_sq_sum)
+  const Coeffs<O> c = make_coeffs<O>(h, inverse_scale_of(grad_scale), 0.0, false);
+  const O weight_decay = static_cast<O>(h.weight_decay);
+  const P* w = static_cast<const P*>(t.param);
+  const P* g = static_cast<const P*>(t.grad);
+  double sum[kNumLarsSums] = {0, 0, 0};
+  for (int64_t i = chunk.begin + threadIdx.x; i < chunk.end; i += kThreads) {
+    const O wi = load_weight<kMaster>(w, t.master, i);
+    const O ti = lars_norm_term<true, O>(wi, static_cast<O>(g[i]), c, weight_decay, h.lars_decayed_grad);
+    sum[0] += static_cast<double>(wi) * wi;
+    sum[1] += static_cast<double>(ti) * ti;
+    sum[2] += static_cast<double>(wi) * ti;
+  }
+  __shared__ double scratch[kThreads / 32];
+  for (int k = 0; k < kNumLarsSums; ++k) {
+    const double total = block_sum(sum[k], scratch);
+    if (threadIdx.x == 0) partials[kNumLarsSums * blockIdx.x + k] = total;
+  }
+}
+
+// lars_sq_sums, pass 2: one block per tensor adds its chunks' sums in a fixed order into its row.
+__global__ void __launch_bounds__(kThreads)
+    lars_rows_kernel(const TensorArgs* tensors, const double* partials, double* rows) {
+  const TensorArgs t = tensors[blockIdx.x];
+  double sum[kNumLarsSums] = {0, 0, 0};
+  for (int64_t k = t.first_chunk + threadIdx.x; k < t.first_chunk + t.num_chunks; k += kThreads) {
+    for (int j = 0; j < kNumLarsSums; ++j) sum[j] += partials[kNumLarsSums * k + j];
+  }
+  __shared__ double scratch[kThreads / 32];
+  for (int j = 0; j < kNumLarsSums; ++j) {
+    const double total = block_sum(sum[j], scratch);
+    if (threadIdx.x == 0) rows[kNumLarsSums * blockIdx.x + j] = total;
+  }
+}
+
+// lightning_fusedsgd::lars_sq_sums for CUDA tensors: a float64 [n, kNumLarsSums] table on the device (zeros for
+// tensors without LARS), with no host sync.
+at::Tensor lars_sq_sums_cuda(at::TensorList params, at::TensorList grads, at::TensorList master_params,
+                             const at::Tensor& group_hparams, at::IntArrayRef tensor_group,
+                             const std::optional<at::Tensor>& grad_scale) {
+  const std::vector<GroupHParams> groups =
+      check_norm_inputs(params, grads, master_params, group_hparams, tensor_group, grad_scale);
+  TORCH_CHECK(!params.empty() && params[0].is_cuda(), "lightning_fusedsgd::lars_sq_sums (CUDA): CUDA tensors only");
+  const int64_t n = static_cast<int64_t>(params.size());
+  const at::Device device = params[0].device();
+  const auto options = at::TensorOptions().dtype(at::kDouble).device(device);
+  const bool master = !master_params.empty();
+  std::vector<TensorArgs> tensors(n);
+  std::vector<ChunkArgs> chunks;
+  for (int64_t t = 0; t < n; ++t) {
+    TensorArgs& args = tensors[t];
+    args.param = params[t].data_ptr();
+    args.grad = grads[t].data_ptr();
+    args.buffer = nullptr;
+    args.master = master ? master_params[t].data_ptr<float>() : nullptr;
+    args.group = tensor_group[t];
+    args.first = 0;
+    args.lars = groups[tensor_group[t]].lars ? 1 : 0;
+    args.first_chunk = static_cast<int64_t>(chunks.size());
+    for (int64_t begin = 0; begin < params[t].numel(); begin += kChunkElems) {
+      chunks.push_back({t, begin, std::min(begin + kChunkElems, params[t].numel())});
+    }
+    args.num_chunks = static_cast<int64_t>(chunks.size()) - args.first_chunk;
+  }
+  at::Tensor rows = at::zeros({n, kNumLarsSums}, options);
+  if (chunks.empty()) return rows;
+  const size_t tensor_bytes = tensors.size() * sizeof(TensorArgs);
+  const size_t chunk_bytes = chunks.size() * sizeof(ChunkArgs);
+  const size_t group_bytes = groups.size() * sizeof(GroupHParams);
+  at::Tensor host = at::empty({static_cast<int64_t>(tensor_bytes + chunk_bytes + group_bytes)},
+                              at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+  uint8_t* bytes = host.data_ptr<uint8_t>();
+  std::memcpy(bytes, tensors.data(), tensor_bytes);
+  std::memcpy(bytes + tensor_bytes, chunks.data(), chunk_bytes);
+  std::memcpy(bytes + tensor_bytes + chunk_bytes, groups.data(), group_bytes);
+  const c10::cuda::CUDAGuard guard(device);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  at::Tensor args = at::empty({host.numel()}, at::TensorOptions().dtype(at::kByte).device(device));
+  args.copy_(host, /*non_blocking=*/true);
+  const uint8_t* dev = args.data_ptr<uint8_t>();
+  const auto* tensor_args = reinterpret_cast<const TensorArgs*>(dev);
+  const auto* chunk_args = reinterpret_cast<const ChunkArgs*>(dev + tensor_bytes);
+  const auto* group_args = reinterpret_cast<const GroupHParams*>(dev + tensor_bytes + chunk_bytes);
+  const int64_t num_chunks = static_cast<int64_t>(chunks.size());
+  at::Tensor partials = at::zeros({num_chunks, kNumLarsSums}, options);
+  const float* scale = grad_scale.has_value() ? grad_scale->data_ptr<float>() : nullptr;
+  dispatch_bucket_types(params[0].scalar_type(), master, [&](auto param, auto, auto has_master) {
+    lars_sums_kernel<decltype(param), decltype(has_master)::value><<<num_chunks, kThreads, 0, stream>>>(
+        tensor_args, chunk_args, group_args, partials.data_ptr<double>(), scale);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  lars_rows_kernel<<<n, kThreads, 0, stream>>>(tensor_args, partials.data_ptr<double>(), rows.data_ptr<double>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return rows;
 }
 
 // grad_sq_sum: each block sums the squares of one chunk in double, then the partials are added on the device.
@@ -317,4 +432,5 @@ at::Tensor grad_sq_sum_cuda(at::TensorList grads) {
 TORCH_LIBRARY_IMPL(lightning_fusedsgd, CUDA, m) {
   m.impl("sgd_step", &lfsgd::sgd_step_cuda);
   m.impl("grad_sq_sum", &lfsgd::grad_sq_sum_cuda);
+  m.impl("lars_sq_sums", &lfsgd::lars_sq_sums_cuda);
 }

@@ -146,6 +146,21 @@ LFSGD_HOST_DEVICE inline T lars_norm_term(T w, T g, const Coeffs<T>& c, T weight
   return decayed_grad ? raw + weight_decay * w : raw;
 }
 
+constexpr int kNumLarsSums = 3;  // a tensor's row of lars_sq_sums: sum_w, sum_t, sum_wt
+
+// The LARS norm term's sum of squares under norm clipping by c, from sums taken before that clip (the
+// lars_sq_sums op, whose partial sums are all-reduced under sharding: the clip coefficient needs the global
+// gradient norm, which the same collective carries). sum_w = sum w^2, sum_t = sum term^2 and sum_wt =
+// sum w term, with term = lars_norm_term at c = 1. Default denominator: term = g_raw, so c^2 sum_t.
+// "decayed_grad": c g_raw + lambda w = c term + (1 - c) lambda w. A negative result (cancellation) is 0.
+LFSGD_HOST_DEVICE inline double clipped_term_sq_sum(double sum_w, double sum_t, double sum_wt, double c,
+                                                    const GroupHParams& h) {
+  if (!h.lars_decayed_grad || c == 1.0) return c * c * sum_t;
+  const double d = (1.0 - c) * h.weight_decay;
+  const double sum = c * c * sum_t + 2.0 * c * d * sum_wt + d * d * sum_w;
+  return sum < 0.0 ? 0.0 : sum;
+}
+
 // Master weights follow outside writes. The param must hold its master's rounding; where it does not, it
 // was written outside the optimizer (load_state_dict, p.data.copy_, an EMA swap) and its value becomes the
 // master from this step on. Compared bit for bit, element by element, at the cost of reading the param

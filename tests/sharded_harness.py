@@ -1,0 +1,226 @@
+"""Two-process (gloo, CPU) runs of FusedSGD over FSDP2-sharded, DDP and ZeroRedundancyOptimizer models,
+and the one-process runs that test_sharded.py compares them with. Every rank trains on the same batches, so
+FSDP2's and DDP's gradient averages equal the one-process gradients exactly and the only differences left
+are the optimizer's own rounding (the order in which norms are summed over shards)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_fusedsgd import FusedSGD
+
+WORLD = 2
+STEPS = 3
+LR = 0.1
+_LARS = dict(momentum=0.9, weight_decay=5e-4, lars=True, trust_coefficient=0.05)
+# name -> (param dtype, FusedSGD keyword arguments besides lr)
+SCENARIOS: dict[str, tuple[torch.dtype, dict[str, Any]]] = {
+    "plain": (torch.float32, dict(momentum=0.9, weight_decay=1e-3)),
+    "nesterov": (torch.float32, dict(momentum=0.9, nesterov=True, weight_decay=1e-3)),
+    "lars": (torch.float32, _LARS),
+    "lars_decayed_grad": (torch.float32, {**_LARS, "lars_denominator": "decayed_grad"}),
+    "lars_trust_clip": (torch.float32, {**_LARS, "trust_clip": True}),
+    "max_grad_norm": (torch.float32, dict(momentum=0.9, weight_decay=1e-3, max_grad_norm=0.05)),
+    "lars_max_grad_norm": (torch.float32, {**_LARS, "max_grad_norm": 0.05}),
+    "lars_decayed_grad_max_grad_norm": (
+        torch.float32,
+        {**_LARS, "lars_denominator": "decayed_grad", "max_grad_norm": 0.05},
+    ),
+    "bf16_master_lars": (torch.bfloat16, {**_LARS, "master_weights": True}),
+    # The reference backend's lars_sq_sums and given-sums sgd_step, under the same all-reduce.
+    "reference_backend_lars_decayed_grad_max_grad_norm": (
+        torch.float32,
+        {**_LARS, "lars_denominator": "decayed_grad", "max_grad_norm": 0.05, "backend": "torch"},
+    ),
+    # Biases in a group without LARS and decay: the all-reduced vector holds only the weights' rows.
+    "lars_weights_only_max_grad_norm": (torch.float32, {**_LARS, "max_grad_norm": 0.05, "split_bias": True}),
+}
+
+
+def make_optimizer(model: nn.Module, kwargs: dict[str, Any]) -> FusedSGD:
+    kwargs = dict(kwargs)
+    if not kwargs.pop("split_bias", False):
+        return FusedSGD(model.parameters(), lr=LR, **kwargs)
+    named = list(model.named_parameters())
+    groups = [
+        {"params": [p for n, p in named if not n.endswith("bias")]},
+        {"params": [p for n, p in named if n.endswith("bias")], "lars": False, "weight_decay": 0.0},
+    ]
+    return FusedSGD(groups, lr=LR, **kwargs)
+
+
+def make_model(dtype: torch.dtype = torch.float32) -> nn.Module:
+    """Shards over 2 ranks unevenly (the [3, 5] weight as 2 + 1 rows) and emptily (the [1, 3] weight and the
+    1-element bias leave rank 1 nothing)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3), nn.Tanh(), nn.Linear(3, 1)).to(dtype)
+
+
+def batches(dtype: torch.dtype = torch.float32) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    return [
+        (torch.randn(8, 6, generator=generator).to(dtype), torch.randn(8, 1, generator=generator).to(dtype))
+        for _ in range(STEPS)
+    ]
+
+
+def train(model: nn.Module, optimizer: Any, data: list, counts: list[int] | None = None) -> None:
+    for x, y in data:
+        optimizer.zero_grad()
+        ((model(x) - y) ** 2).mean().backward()
+        with _counting_all_reduce() as count:
+            optimizer.step()
+        if counts is not None:
+            counts.append(count[0])
+
+
+@contextlib.contextmanager
+def _counting_all_reduce():
+    """Counts the calls of torch.distributed.all_reduce made inside the block."""
+    original = dist.all_reduce
+    count = [0]
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        count[0] += 1
+        return original(*args, **kwargs)
+
+    dist.all_reduce = counted
+    try:
+        yield count
+    finally:
+        dist.all_reduce = original
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+    return full.detach().clone()
+
+
+def snapshot(model: nn.Module, optimizer: Any) -> dict[str, dict[str, torch.Tensor]]:
+    """Params, momentum buffers and masters by parameter name, as full tensors."""
+    out: dict[str, dict[str, torch.Tensor]] = {"param": {}, "momentum_buffer": {}, "master_param": {}}
+    for name, param in model.named_parameters():
+        name = name.removeprefix("module.")
+        out["param"][name] = _full(param)
+        for key in ("momentum_buffer", "master_param"):
+            if key in optimizer.state.get(param, {}):
+                out[key][name] = _full(optimizer.state[param][key])
+    return out
+
+
+def one_process(name: str) -> dict[str, dict[str, torch.Tensor]]:
+    dtype, kwargs = SCENARIOS[name]
+    model = make_model(dtype)
+    optimizer = make_optimizer(model, kwargs)
+    train(model, optimizer, batches(dtype))
+    return snapshot(model, optimizer)
+
+
+def _shard(model: nn.Module) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def _state_placed_like_params(optimizer: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    for param, state in optimizer.state.items():
+        for value in state.values():
+            if not (
+                isinstance(value, DTensor)
+                and value.placements == param.placements
+                and value.shape == param.shape
+                and value.to_local().shape == param.to_local().shape
+            ):
+                return False
+    return True
+
+
+def _sharded_runs(out: dict[str, Any], checkpoint_dir: Path) -> None:
+    from torch.distributed.checkpoint import save
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    for name, (dtype, kwargs) in SCENARIOS.items():
+        model = _shard(make_model(dtype))
+        optimizer = make_optimizer(model, kwargs)
+        counts: list[int] = []
+        train(model, optimizer, batches(dtype), counts)
+        out[name] = {
+            **snapshot(model, optimizer),
+            "all_reduces": counts,
+            "placed": _state_placed_like_params(optimizer),
+        }
+    # Mid-run checkpoint: state dicts after 2 steps, into a fresh model and optimizer, one more step (fp32,
+    # and bf16 whose fp32 masters must stay fp32); and the fp32 state saved with torch.distributed.checkpoint
+    # for a one-process run to load.
+    for name in ("lars", "bf16_master_lars"):
+        dtype, kwargs = SCENARIOS[name]
+        data = batches(dtype)
+        model = _shard(make_model(dtype))
+        optimizer = FusedSGD(model.parameters(), lr=LR, **kwargs)
+        train(model, optimizer, data[:2])
+        model_state, optim_state = get_state_dict(model, optimizer)
+        if name == "lars":
+            save({"model": model_state, "optim": optim_state}, checkpoint_id=str(checkpoint_dir))
+        resumed = _shard(make_model(dtype))
+        resumed_optimizer = FusedSGD(resumed.parameters(), lr=LR, **kwargs)
+        set_state_dict(resumed, resumed_optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+        train(resumed, resumed_optimizer, data[2:])
+        out[f"resumed_{name}"] = snapshot(resumed, resumed_optimizer)
+    data = batches()
+    # A one-process state dict cannot be loaded into sharded params by load_state_dict: refused, unchanged.
+    plain = make_model()
+    plain_optimizer = FusedSGD(plain.parameters(), lr=LR, **_LARS)
+    train(plain, plain_optimizer, data[:1])
+    before = snapshot(resumed, resumed_optimizer)
+    try:
+        resumed_optimizer.load_state_dict(plain_optimizer.state_dict())
+    except ValueError as error:
+        out["plain_into_sharded"] = str(error)
+    unchanged = snapshot(resumed, resumed_optimizer)
+    out["plain_into_sharded_unchanged"] = all(
+        torch.equal(before[k][n], unchanged[k][n]) for k in before for n in before[k]
+    )
+
+
+def _replicated_runs(out: dict[str, Any]) -> None:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = DistributedDataParallel(make_model())
+    optimizer = FusedSGD(model.parameters(), lr=LR, **_LARS)
+    train(model, optimizer, batches())
+    out["ddp"] = snapshot(model, optimizer)
+    model = DistributedDataParallel(make_model())
+    optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=FusedSGD, lr=LR, **_LARS)
+    train(model, optimizer, batches())
+    out["zero"] = {"param": snapshot(model, optimizer)["param"], "ranks_stepped": len(optimizer.optim.state)}
+
+
+def worker(rank: int, port: int, result_path: str, checkpoint_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    torch.set_num_threads(1)
+    try:
+        out: dict[str, Any] = {}
+        _sharded_runs(out, Path(checkpoint_dir))
+        _replicated_runs(out)
+        out_all = [None] * WORLD
+        dist.all_gather_object(out_all, {"zero_ranks_stepped": out["zero"]["ranks_stepped"]})
+        out["zero"]["ranks_stepped"] = [o["zero_ranks_stepped"] for o in out_all]
+        if rank == 0:
+            torch.save(out, result_path)
+    finally:
+        dist.destroy_process_group()

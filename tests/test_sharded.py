@@ -1,0 +1,118 @@
+"""Sharded training on 2 CPU processes (gloo): FusedSGD over FSDP2 (DTensor params, uneven and empty shards),
+DDP and ZeroRedundancyOptimizer, each against a one-process run of the same model and data; collectives per
+step; checkpoints through torch.distributed.checkpoint. One spawn runs every scenario (sharded_harness.py)."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import sharded_harness as h
+import torch
+import torch.multiprocessing as mp
+from oracles import assert_close_rel
+
+from lightning_fusedsgd import FusedSGD
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
+
+# fp32 results differ from the one-process run only by the order in which the norms are summed; masters too.
+REL_FP32 = 1e-5
+# bf16 params are the rounding of masters that agree to REL_FP32: one bf16 step apart at most.
+REL_BF16 = 2**-7
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("sharded")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    mp.spawn(h.worker, args=(port, str(tmp / "runs.pt"), str(tmp / "dcp")), nprocs=h.WORLD, join=True)
+    return torch.load(tmp / "runs.pt"), tmp / "dcp"
+
+
+def _assert_same(actual, expected, rel_param=REL_FP32):
+    for key in ("param", "momentum_buffer", "master_param"):
+        assert actual[key].keys() == expected[key].keys(), key
+        names = sorted(expected[key])
+        rel = rel_param if key == "param" else REL_FP32
+        assert_close_rel([actual[key][n] for n in names], [expected[key][n] for n in names], rel)
+
+
+@pytest.mark.parametrize("name", list(h.SCENARIOS))
+def test_fsdp2_equals_one_process(runs, name):
+    results, _ = runs
+    dtype = h.SCENARIOS[name][0]
+    _assert_same(results[name], h.one_process(name), REL_BF16 if dtype == torch.bfloat16 else REL_FP32)
+    assert results[name]["placed"], "optimizer state must be DTensors placed like their params"
+
+
+@pytest.mark.parametrize("name", ["plain", "nesterov"])
+def test_fsdp2_equals_torch_sgd(runs, name):
+    results, _ = runs
+    _, kwargs = h.SCENARIOS[name]
+    model = h.make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=h.LR, **kwargs)
+    h.train(model, optimizer, h.batches())
+    _assert_same(results[name], h.snapshot(model, optimizer))
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("plain", 0),
+        ("lars", 1),
+        ("max_grad_norm", 1),
+        ("lars_decayed_grad_max_grad_norm", 1),
+        ("lars_weights_only_max_grad_norm", 1),
+        ("reference_backend_lars_decayed_grad_max_grad_norm", 1),
+    ],
+)
+def test_collectives_per_step(runs, name, expected):
+    """The norms of every sharded tensor (and the clip norm) travel in one all-reduce per step."""
+    results, _ = runs
+    assert results[name]["all_reduces"] == [expected] * h.STEPS
+
+
+def test_ddp_equals_one_process(runs):
+    results, _ = runs
+    _assert_same(results["ddp"], h.one_process("lars"))
+
+
+def test_zero_redundancy_optimizer_equals_one_process(runs):
+    results, _ = runs
+    expected = h.one_process("lars")["param"]
+    names = sorted(expected)
+    assert_close_rel([results["zero"]["param"][n] for n in names], [expected[n] for n in names], REL_FP32)
+    assert all(stepped > 0 for stepped in results["zero"]["ranks_stepped"]), "each rank steps its partition"
+
+
+@pytest.mark.parametrize("name", ["lars", "bf16_master_lars"])
+def test_state_dict_round_trip_mid_run_equals_uninterrupted(runs, name):
+    results, _ = runs
+    resumed = results[f"resumed_{name}"]
+    _assert_same(resumed, results[name])
+    assert all(master.dtype == torch.float32 for master in resumed["master_param"].values())
+
+
+def test_dcp_checkpoint_of_two_ranks_continues_in_one_process(runs):
+    from torch.distributed.checkpoint import load
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    _, checkpoint_dir = runs
+    model = h.make_model()
+    optimizer = FusedSGD(model.parameters(), lr=h.LR, **h.SCENARIOS["lars"][1])
+    model_state, optim_state = get_state_dict(model, optimizer)
+    load({"model": model_state, "optim": optim_state}, checkpoint_id=str(checkpoint_dir))
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+    h.train(model, optimizer, h.batches()[2:])
+    _assert_same(h.snapshot(model, optimizer), h.one_process("lars"))
+
+
+def test_plain_state_into_sharded_params_is_refused_and_changes_nothing(runs):
+    results, _ = runs
+    message = results["plain_into_sharded"]
+    assert "is a plain tensor but the parameter is a DTensor" in message
+    assert "set_optimizer_state_dict" in message
+    assert results["plain_into_sharded_unchanged"]
