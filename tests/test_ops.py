@@ -18,7 +18,9 @@ OPS = kernels.load_extension("cpu")
 
 
 def table(**hparams):
-    row = {name: 0.0 for name in HPARAM_COLUMNS} | {"lr": 0.1, "trust_coefficient": 1e-3} | hparams
+    """One group's row; max_grad_value is inf (no clamp) unless given: 0 would clamp every gradient to 0."""
+    defaults = {"lr": 0.1, "trust_coefficient": 1e-3, "max_grad_value": math.inf}
+    row = {name: 0.0 for name in HPARAM_COLUMNS} | defaults | hparams
     return torch.tensor([[float(row[name]) for name in HPARAM_COLUMNS]], dtype=torch.float64)
 
 
@@ -82,7 +84,7 @@ def test_grad_sq_sum_passes_opcheck_and_sums_squares(dtype):
 def test_lars_sq_sums_passes_opcheck(dtype, master, device):
     kernels.load_extension(device.type)
     params, grads, _, masters = ([t.to(device) for t in tensors] for tensors in bucket(dtype, master))
-    hparams = table(lars=1.0, weight_decay=1e-4, lars_decayed_grad=1.0, max_grad_value=math.inf)
+    hparams = table(lars=1.0, weight_decay=1e-4, lars_decayed_grad=1.0)
     args = (params, grads, masters, hparams, [0, 0, 0], torch.tensor([4.0], device=device))
     torch.library.opcheck(OPS.lars_sq_sums.default, args)
     assert OPS.lars_sq_sums(*args).shape == (3, 3)
@@ -108,7 +110,6 @@ def test_given_lars_sq_sums_replace_the_norm_pass(backend, denominator, max_grad
         trust_coefficient=0.5,
         lars_decayed_grad=denominator,
         max_grad_norm=max_grad_norm,
-        max_grad_value=math.inf,
     )
     groups, first = [0, 0, 0], [False, True, False]
     grad_sq_sum = ops.grad_sq_sum(grads) if max_grad_norm else None
@@ -120,9 +121,7 @@ def test_given_lars_sq_sums_replace_the_norm_pass(backend, denominator, max_grad
     sums = ops.lars_sq_sums(actual, grads, [], hparams, groups, scale)
     ops.sgd_step(actual, grads, actual_buffers, [], hparams, groups, first, scale, None, grad_sq_sum, sums)
     assert_close_rel(actual + actual_buffers, expected + expected_buffers, 1e-6)
-    plain_hparams = table(
-        momentum=0.9, weight_decay=0.05, max_grad_norm=max_grad_norm, max_grad_value=math.inf
-    )
+    plain_hparams = table(momentum=0.9, weight_decay=0.05, max_grad_norm=max_grad_norm)
     plain, plain_buffers = [p.clone() for p in params], [b.clone() for b in buffers]
     ops.sgd_step(plain, grads, plain_buffers, [], plain_hparams, groups, first, scale, None, grad_sq_sum)
     update, plain_update = actual[1] - params[1], plain[1] - params[1]  # a first step: no old buffer
