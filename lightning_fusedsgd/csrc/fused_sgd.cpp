@@ -118,15 +118,27 @@ void lars_partial_sums(const P* w, const float* m, const P* gr, const Chunk& chu
   sums[2] = swt;
 }
 
-// A chunk's sum of squares of the raw gradient (the global norm that clipping takes), in S.
+// A chunk's sum of squares of the raw gradient (the global norm that clipping takes), in S. kLanes partial
+// sums keep several vector adds in flight: one accumulator would make the pass add-latency bound (half the
+// memory bandwidth here). The order is fixed, so the sum does not depend on the thread count.
 template <typename S, typename P>
 double grad_sum_squares(const P* gr, const Chunk& chunk) {
+  constexpr int64_t kLanes = 64;
+  S lanes[kLanes] = {};
+  int64_t i = chunk.begin;
+  for (; i + kLanes <= chunk.end; i += kLanes) {
+#pragma omp simd
+    for (int64_t k = 0; k < kLanes; ++k) {
+      const S gi = load(gr, i + k);
+      lanes[k] += gi * gi;
+    }
+  }
   S sum = 0;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t i = chunk.begin; i < chunk.end; ++i) {
+  for (; i < chunk.end; ++i) {
     const S gi = load(gr, i);
     sum += gi * gi;
   }
+  for (int64_t k = 0; k < kLanes; ++k) sum += lanes[k];
   return sum;
 }
 
