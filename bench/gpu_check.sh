@@ -9,7 +9,7 @@ mkdir -p "$OUT"
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
 LIGHTNING_FUSEDSGD_REQUIRE_COMPILED=1 python -m lightning_fusedsgd --verbose > "$OUT/build.log" 2>&1
 echo "build: $?" | tee "$OUT/status.txt"
-python -m pytest -q -p no:cacheprovider -k cuda tests/test_cuda.py tests/test_fused_sgd.py tests/test_lars.py \
+python -m pytest -q -p no:cacheprovider -k cuda tests/test_cuda.py tests/test_fused_sgd.py tests/test_lars.py tests/test_clipping.py \
   tests/test_ops.py > "$OUT/tests.log" 2>&1
 echo "tests: $?" | tee -a "$OUT/status.txt"
 python bench/gpu.py > "$OUT/bench_gpu.txt" 2>&1
