@@ -175,6 +175,8 @@ def plan_step(optimizer: FusedSGD, tracing: bool = False) -> Plan:
                 continue
             place = (group, group_index, param_index)
             _check_steppable(param, place)
+            if sharding.is_fsdp1_flattened(param):
+                sharding.check_fsdp1_norms(group, param_label(*place, param))
             if sharding.is_sharded(param):
                 sharding.check_grad_placement(param, param_label(*place, param))
                 plan.dtensors = True

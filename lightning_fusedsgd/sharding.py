@@ -59,6 +59,26 @@ def reduce_key(param: Tensor) -> ReduceKey | None:
     return (mesh, dims) if dims else None
 
 
+def is_fsdp1_flattened(param: Tensor) -> bool:
+    """Whether FSDP1 (``FullyShardedDataParallel``) flattened ``param``: it marks such tensors
+    ``_fsdp_flattened`` (torch.distributed.fsdp._common_utils.FSDP_FLATTENED)."""
+    return getattr(param, "_fsdp_flattened", False)
+
+
+def check_fsdp1_norms(group: dict[str, Any], label: str) -> None:
+    """Refuses LARS and norm clipping on an FSDP1 flattened param: FSDP1 makes 1-D shards of a buffer that
+    spans many tensors, with no placement to say what a rank holds, so neither a tensor's norm nor the
+    global norm can be taken from them."""
+    if group["lars"] or group["max_grad_norm"] is not None:
+        raise ValueError(
+            f"{label} is an FSDP1 (FullyShardedDataParallel) flattened parameter: LARS and max_grad_norm "
+            "need per-tensor and global norms, which its shards of a flat buffer do not give. Use FSDP2 "
+            "(torch.distributed.fsdp.fully_shard, or Lightning's ModelParallelStrategy), whose DTensor "
+            "params FusedSGD steps with one all-reduce for the norms; or, with FSDP1, lars=False and "
+            "FSDP's own FullyShardedDataParallel.clip_grad_norm_."
+        )
+
+
 def check_grad_placement(param: Tensor, label: str) -> None:
     """A sharded param's grad must be sharded as the param (FSDP2 reduce-scatters it so): the kernel pairs
     their local shards element by element."""

@@ -180,3 +180,20 @@ def test_a_refused_step_does_not_report_a_skip():
     with pytest.raises(RuntimeError, match="sparse gradients"):
         optimizer.step()
     assert optimizer.last_step_applied is True
+
+
+@pytest.mark.parametrize("options", [dict(lars=True), dict(max_grad_norm=1.0)], ids=["lars", "max_grad_norm"])
+def test_fsdp1_flattened_params_refuse_norms_and_change_nothing(options):
+    """FSDP1 needs a GPU here, so the param carries FSDP's own flattened marker (set by FSDP's helper)."""
+    from torch.distributed.fsdp._common_utils import _set_fsdp_flattened
+
+    params = make_params("cpu")
+    _set_fsdp_flattened(params[0])
+    for p in params:
+        p.grad = torch.ones_like(p)
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(ValueError, match="FSDP1 .* Use FSDP2"):
+        FusedSGD(params, lr=0.1, momentum=0.9, **options).step()
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+    FusedSGD(params, lr=0.1, momentum=0.9).step()  # plain SGD is elementwise: FSDP1 shards step as they are
+    assert not torch.equal(params[0], before[0])
