@@ -13,7 +13,9 @@
 
 #include <algorithm>
 #include <cstring>
+#include <initializer_list>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "bucket.h"
@@ -184,6 +186,44 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// Appends tensor t's chunks (kChunkElems elements each) to the work list.
+inline void append_chunks(std::vector<ChunkArgs>& chunks, int64_t t, int64_t numel) {
+  for (int64_t begin = 0; begin < numel; begin += kChunkElems) {
+    chunks.push_back({t, begin, std::min(begin + kChunkElems, numel)});
+  }
+}
+
+// A kernel's argument tables on the device: one buffer holding every table, and where each one starts.
+struct DeviceTables {
+  at::Tensor buffer;
+  std::vector<size_t> offsets;
+
+  template <typename T>
+  const T* table(size_t index) const {
+    return reinterpret_cast<const T*>(buffer.data_ptr<uint8_t>() + offsets[index]);
+  }
+};
+
+// Copies host arrays (pointer, bytes) to `device` in one pinned buffer and one asynchronous copy on the
+// current stream; the caching host allocator keeps the pinned buffer alive until the copy has run.
+inline DeviceTables upload(const at::Device& device, std::initializer_list<std::pair<const void*, size_t>> parts) {
+  DeviceTables tables;
+  size_t total = 0;
+  for (const auto& part : parts) {
+    tables.offsets.push_back(total);
+    total += part.second;
+  }
+  at::Tensor host =
+      at::empty({static_cast<int64_t>(total)}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+  size_t index = 0;
+  for (const auto& part : parts) {
+    std::memcpy(host.data_ptr<uint8_t>() + tables.offsets[index++], part.first, part.second);
+  }
+  tables.buffer = at::empty({host.numel()}, at::TensorOptions().dtype(at::kByte).device(device));
+  tables.buffer.copy_(host, /*non_blocking=*/true);
+  return tables;
+}
+
 template <typename P, typename B, bool kMaster>
 void launch(const TensorArgs* tensors, const ChunkArgs* chunks, const GroupHParams* groups, double* partials,
             int64_t num_chunks, bool any_lars, StepScalars scalars, cudaStream_t stream) {
@@ -221,9 +261,7 @@ void sgd_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList m
     args.first = first_step[t] ? 1 : 0;
     args.lars = bucket.groups[tensor_group[t]].lars ? 1 : 0;
     args.first_chunk = static_cast<int64_t>(chunks.size());
-    for (int64_t begin = 0; begin < p.numel(); begin += kChunkElems) {
-      chunks.push_back({t, begin, std::min(begin + kChunkElems, p.numel())});
-    }
+    append_chunks(chunks, t, p.numel());
     args.num_chunks = static_cast<int64_t>(chunks.size()) - args.first_chunk;
   }
   if (chunks.empty()) return;
@@ -232,26 +270,14 @@ void sgd_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList m
                             grad_sq_sum.has_value() ? grad_sq_sum->data_ptr<double>() : nullptr,
                             lars_sq_sums.has_value() ? lars_sq_sums->data_ptr<double>() : nullptr};
 
-  // Tensor table, chunk list and group hyperparameters travel in one pinned buffer and one asynchronous
-  // copy; the caching host allocator keeps the buffer alive until the copy has run.
-  const size_t tensor_bytes = tensors.size() * sizeof(TensorArgs);
-  const size_t chunk_bytes = chunks.size() * sizeof(ChunkArgs);
-  const size_t group_bytes = bucket.groups.size() * sizeof(GroupHParams);
-  at::Tensor host = at::empty({static_cast<int64_t>(tensor_bytes + chunk_bytes + group_bytes)},
-                              at::TensorOptions().dtype(at::kByte).pinned_memory(true));
-  uint8_t* bytes = host.data_ptr<uint8_t>();
-  std::memcpy(bytes, tensors.data(), tensor_bytes);
-  std::memcpy(bytes + tensor_bytes, chunks.data(), chunk_bytes);
-  std::memcpy(bytes + tensor_bytes + chunk_bytes, bucket.groups.data(), group_bytes);
-
   const c10::cuda::CUDAGuard guard(device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  at::Tensor args = at::empty({host.numel()}, at::TensorOptions().dtype(at::kByte).device(device));
-  args.copy_(host, /*non_blocking=*/true);
-  const uint8_t* dev = args.data_ptr<uint8_t>();
-  const auto* tensor_args = reinterpret_cast<const TensorArgs*>(dev);
-  const auto* chunk_args = reinterpret_cast<const ChunkArgs*>(dev + tensor_bytes);
-  const auto* group_args = reinterpret_cast<const GroupHParams*>(dev + tensor_bytes + chunk_bytes);
+  const DeviceTables tables = upload(device, {{tensors.data(), tensors.size() * sizeof(TensorArgs)},
+                                               {chunks.data(), chunks.size() * sizeof(ChunkArgs)},
+                                               {bucket.groups.data(), bucket.groups.size() * sizeof(GroupHParams)}});
+  const auto* tensor_args = tables.table<TensorArgs>(0);
+  const auto* chunk_args = tables.table<ChunkArgs>(1);
+  const auto* group_args = tables.table<GroupHParams>(2);
   const int64_t num_chunks = static_cast<int64_t>(chunks.size());
   at::Tensor partials = bucket.any_lars
                             ? at::empty({2 * num_chunks}, at::TensorOptions().dtype(at::kDouble).device(device))
@@ -335,30 +361,19 @@ at::Tensor lars_sq_sums_cuda(at::TensorList params, at::TensorList grads, at::Te
     args.first = 0;
     args.lars = groups[tensor_group[t]].lars ? 1 : 0;
     args.first_chunk = static_cast<int64_t>(chunks.size());
-    for (int64_t begin = 0; begin < params[t].numel(); begin += kChunkElems) {
-      chunks.push_back({t, begin, std::min(begin + kChunkElems, params[t].numel())});
-    }
+    append_chunks(chunks, t, params[t].numel());
     args.num_chunks = static_cast<int64_t>(chunks.size()) - args.first_chunk;
   }
   at::Tensor rows = at::zeros({n, kNumLarsSums}, options);
   if (chunks.empty()) return rows;
-  const size_t tensor_bytes = tensors.size() * sizeof(TensorArgs);
-  const size_t chunk_bytes = chunks.size() * sizeof(ChunkArgs);
-  const size_t group_bytes = groups.size() * sizeof(GroupHParams);
-  at::Tensor host = at::empty({static_cast<int64_t>(tensor_bytes + chunk_bytes + group_bytes)},
-                              at::TensorOptions().dtype(at::kByte).pinned_memory(true));
-  uint8_t* bytes = host.data_ptr<uint8_t>();
-  std::memcpy(bytes, tensors.data(), tensor_bytes);
-  std::memcpy(bytes + tensor_bytes, chunks.data(), chunk_bytes);
-  std::memcpy(bytes + tensor_bytes + chunk_bytes, groups.data(), group_bytes);
   const c10::cuda::CUDAGuard guard(device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  at::Tensor args = at::empty({host.numel()}, at::TensorOptions().dtype(at::kByte).device(device));
-  args.copy_(host, /*non_blocking=*/true);
-  const uint8_t* dev = args.data_ptr<uint8_t>();
-  const auto* tensor_args = reinterpret_cast<const TensorArgs*>(dev);
-  const auto* chunk_args = reinterpret_cast<const ChunkArgs*>(dev + tensor_bytes);
-  const auto* group_args = reinterpret_cast<const GroupHParams*>(dev + tensor_bytes + chunk_bytes);
+  const DeviceTables tables = upload(device, {{tensors.data(), tensors.size() * sizeof(TensorArgs)},
+                                               {chunks.data(), chunks.size() * sizeof(ChunkArgs)},
+                                               {groups.data(), groups.size() * sizeof(GroupHParams)}});
+  const auto* tensor_args = tables.table<TensorArgs>(0);
+  const auto* chunk_args = tables.table<ChunkArgs>(1);
+  const auto* group_args = tables.table<GroupHParams>(2);
   const int64_t num_chunks = static_cast<int64_t>(chunks.size());
   at::Tensor partials = at::zeros({num_chunks, kNumLarsSums}, options);
   const float* scale = grad_scale.has_value() ? grad_scale->data_ptr<float>() : nullptr;
@@ -397,30 +412,20 @@ at::Tensor grad_sq_sum_cuda(at::TensorList grads) {
   std::vector<ChunkArgs> chunks;
   for (int64_t t = 0; t < static_cast<int64_t>(grads.size()); ++t) {
     pointers.push_back(grads[t].data_ptr());
-    for (int64_t begin = 0; begin < grads[t].numel(); begin += kChunkElems) {
-      chunks.push_back({t, begin, std::min(begin + kChunkElems, grads[t].numel())});
-    }
+    append_chunks(chunks, t, grads[t].numel());
   }
   const auto options = at::TensorOptions().dtype(at::kDouble).device(device);
   if (chunks.empty()) return at::zeros({}, options);
-  const size_t pointer_bytes = pointers.size() * sizeof(void*);
-  const size_t chunk_bytes = chunks.size() * sizeof(ChunkArgs);
-  at::Tensor host = at::empty({static_cast<int64_t>(pointer_bytes + chunk_bytes)},
-                              at::TensorOptions().dtype(at::kByte).pinned_memory(true));
-  std::memcpy(host.data_ptr<uint8_t>(), pointers.data(), pointer_bytes);
-  std::memcpy(host.data_ptr<uint8_t>() + pointer_bytes, chunks.data(), chunk_bytes);
   const c10::cuda::CUDAGuard guard(device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  at::Tensor args = at::empty({host.numel()}, at::TensorOptions().dtype(at::kByte).device(device));
-  args.copy_(host, /*non_blocking=*/true);
+  const DeviceTables tables = upload(
+      device, {{pointers.data(), pointers.size() * sizeof(void*)}, {chunks.data(), chunks.size() * sizeof(ChunkArgs)}});
   const int64_t num_chunks = static_cast<int64_t>(chunks.size());
   at::Tensor partials = at::empty({num_chunks}, options);
-  const uint8_t* dev = args.data_ptr<uint8_t>();
   dispatch_bucket_types(grads[0].scalar_type(), false, [&](auto grad, auto, auto) {
     using P = decltype(grad);
-    grad_sq_sum_kernel<P><<<num_chunks, kThreads, 0, stream>>>(
-        reinterpret_cast<const P* const*>(dev), reinterpret_cast<const ChunkArgs*>(dev + pointer_bytes),
-        partials.data_ptr<double>());
+    grad_sq_sum_kernel<P><<<num_chunks, kThreads, 0, stream>>>(tables.table<const P*>(0), tables.table<ChunkArgs>(1),
+                                                               partials.data_ptr<double>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return partials.sum();
