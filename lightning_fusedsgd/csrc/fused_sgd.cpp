@@ -392,7 +392,8 @@ std::vector<std::string> hparam_names() { return {std::begin(kHParamNames), std:
 
 // The schema declares what the op writes: params (a!), momentum buffers (b!) and masters (c!); grads, the
 // table and the scalars are only read. grad_sq_sum gives the sum of squares that global-norm clipping needs:
-// the optimizer adds up its buckets' and passes the total to every bucket's sgd_step. The CUDA kernel (fused_sgd_cuda.cu) registers for the same schema.
+// the optimizer adds up its buckets' and passes the total to every bucket's sgd_step. The CUDA kernel
+// (fused_sgd_cuda.cu) registers for the same schemas.
 TORCH_LIBRARY(lightning_fusedsgd, m) {
   m.def(
       "sgd_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_buffers, Tensor(c!)[] master_params, "
