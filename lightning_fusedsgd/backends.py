@@ -92,6 +92,15 @@ def step_function(
     return "torch", reference
 
 
+def schedule_function(requested: str, device: torch.device) -> Any:
+    """The ``schedule_lrs`` op that a capturable optimizer's WarmupLR runs on ``device``: our kernel, or the
+    reference (which reads the position on the host) where the optimizer's backend is ``torch`` or nothing
+    compiles."""
+    if requested in ("auto", "compiled") and compiled_or_fallback(requested, device.type) == "compiled":
+        return kernels.load_extension(device.type).schedule_lrs
+    return reference.schedule_lrs
+
+
 def _torch_fused_eligible(groups: list[dict[str, Any]], bucket: Bucket) -> bool:
     """torch's fused SGD has our semantics when no master weights, wd_after_momentum, LARS or clipping are
     used."""
@@ -112,9 +121,11 @@ def _torch_fused_step(
     found_inf: Tensor | None,
     grad_sq_sum: Tensor | None,
     lars_sq_sums: Tensor | None = None,
+    lrs: Tensor | None = None,
 ) -> None:
     """Runs a bucket through ``torch._fused_sgd_``, one call per (group, first step) subset."""
-    del master_params, grad_sq_sum, lars_sq_sums  # never present: see _torch_fused_eligible
+    # Never present: see _torch_fused_eligible (and FusedSGD refuses capturable with torch_fused).
+    del master_params, grad_sq_sum, lars_sq_sums, lrs
     rows = group_hparams.tolist()
     h = {name: i for i, name in enumerate(HPARAM_COLUMNS)}
     buffers = iter(momentum_buffers)

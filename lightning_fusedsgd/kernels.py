@@ -1,10 +1,11 @@
 """Builds and loads the compiled kernels: the ``torch.ops.lightning_fusedsgd`` operator library.
 
 The ops are registered with ``TORCH_LIBRARY`` (schemas in ``csrc/fused_sgd.cpp``): ``sgd_step``,
-``grad_sq_sum`` and ``lars_sq_sums`` with their CPU kernels, their CUDA kernels (``csrc/fused_sgd_cuda.cu``,
-a second library that registers for the same schemas) and fake kernels for tracing (``torch.compile``),
-``hparam_names``, and the ``CachedStep`` class (``torch.classes.lightning_fusedsgd.CachedStep``). No pybind
-module: the dispatcher calls them, and dynamo can trace a call into ``sgd_step``.
+``grad_sq_sum``, ``lars_sq_sums`` and ``schedule_lrs`` (the lr schedule on the device) with their CPU
+kernels, their CUDA kernels (``csrc/fused_sgd_cuda.cu``, a second library that registers for the same
+schemas) and fake kernels for tracing (``torch.compile``), ``hparam_names`` and ``decay_names``, and the
+``CachedStep`` class (``torch.classes.lightning_fusedsgd.CachedStep``). No pybind module: the dispatcher
+calls them, and dynamo can trace a call into ``sgd_step``.
 
 Where the libraries come from, in order:
 
@@ -51,7 +52,7 @@ REQUIRE_COMPILED_ENV = "LIGHTNING_FUSEDSGD_REQUIRE_COMPILED"
 CPU_CAPABILITY_ENV = "LIGHTNING_FUSEDSGD_CPU_CAPABILITY"
 _CSRC = Path(__file__).parent / "csrc"
 _PREBUILT = Path(__file__).parent / "_lib"  # the wheel's libraries and build.json (absent in a source tree)
-_HEADERS = ("sgd_math.h", "bucket.h", "cached_step.h", "work_list.h")
+_HEADERS = ("sgd_math.h", "schedule.h", "bucket.h", "cached_step.h", "work_list.h")
 
 
 @dataclass(frozen=True)
@@ -251,8 +252,10 @@ def _load(device_type: str, verbose: bool) -> Path:
 
 def _complete_cpu_library() -> None:
     """Checks that the kernels read the hyperparameter table's columns as reference.HPARAM_COLUMNS lists
-    them, and registers the ops' fake kernels (Python's part of the ops, for tracing)."""
+    them and number the decays as schedules.DECAYS does, and registers the ops' fake kernels (Python's part
+    of the ops, for tracing)."""
     from lightning_fusedsgd.reference import HPARAM_COLUMNS
+    from lightning_fusedsgd.schedules import DECAYS
 
     names = tuple(torch.ops.lightning_fusedsgd.hparam_names())
     if names != HPARAM_COLUMNS:
@@ -260,13 +263,21 @@ def _complete_cpu_library() -> None:
             f"the compiled kernel reads hyperparameters {names}, reference.HPARAM_COLUMNS lists "
             f"{HPARAM_COLUMNS}: keep LFSGD_HPARAMS in csrc/sgd_math.h and HPARAM_COLUMNS in the same order"
         )
+    decays = tuple(torch.ops.lightning_fusedsgd.decay_names())
+    if decays != DECAYS:
+        raise KernelBuildError(
+            f"the compiled kernel numbers the decays {decays}, schedules.DECAYS lists {DECAYS}: keep "
+            "kDecayNames in csrc/schedule.h and DECAYS in the same order"
+        )
     torch.library.register_fake("lightning_fusedsgd::sgd_step")(_sgd_step_fake)
+    torch.library.register_fake("lightning_fusedsgd::schedule_lrs")(_sgd_step_fake)
     torch.library.register_fake("lightning_fusedsgd::grad_sq_sum")(_grad_sq_sum_fake)
     torch.library.register_fake("lightning_fusedsgd::lars_sq_sums")(_lars_sq_sums_fake)
 
 
 def _sgd_step_fake(*args: Any) -> None:
-    """sgd_step writes its inputs in place and returns nothing: tracing needs no output metadata."""
+    """sgd_step and schedule_lrs write their inputs in place and return nothing: tracing needs no output
+    metadata."""
     del args
 
 

@@ -30,6 +30,8 @@ def _check_hyperparameters(group: dict[str, Any]) -> None:
     if isinstance(lr, Tensor) and lr.numel() != 1:
         raise ValueError(f"lr as a Tensor must have one element, got shape {tuple(lr.shape)}")
     for name in ("lr", "momentum", "weight_decay"):
+        if isinstance(group[name], Tensor) and torch.compiler.is_compiling():
+            continue  # a traced step cannot branch on a tensor's value; eager steps check it
         if group[name] < 0:
             raise ValueError(f"Invalid {name}: {float(group[name])}. It must be >= 0.")
     if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
@@ -67,6 +69,14 @@ def _check_global_norm(groups: list[dict[str, Any]]) -> None:
             "the one global norm of every group's gradients: set it on the optimizer "
             "(FusedSGD(..., max_grad_norm=...)), not per group."
         )
+
+
+def _store_lr(view: Tensor, lr: float | Tensor) -> None:
+    """Writes an lr into its slot of a capturable optimizer's lr tensor, on the device."""
+    if isinstance(lr, Tensor):
+        view.copy_(lr)
+    else:
+        view.fill_(lr)
 
 
 class FusedSGD(Optimizer):
@@ -110,12 +120,20 @@ class FusedSGD(Optimizer):
             The same for every group.
         max_grad_value: Clip each unscaled gradient element to ``[-max_grad_value, max_grad_value]``, as
             ``torch.nn.utils.clip_grad_value_`` does (per group; an alternative to ``max_grad_norm``).
+        capturable: Keep every per-step value on the params' device, so that a step can be captured in a CUDA
+            graph (``torch.cuda.graph``, ``torch.compile(mode="reduce-overhead")``) and replayed. Each group's
+            lr becomes a 0-d float64 tensor on that device, a view of one ``[groups]`` tensor
+            (:meth:`lr_tensor`) that the kernel reads there; fill it in place to change the lr without a
+            sync (an lr assigned as a number is copied into it at the next step). ``WarmupLR`` then runs
+            its schedule on the device. After the first step (which creates the momentum buffers) a step
+            reads nothing back to the host. All params must be on one device. ``state_dict()`` saves the
+            lrs as numbers, so checkpoints are those of a plain step.
 
     Attributes:
         last_step_applied: Whether the last ``step()`` changed the parameters: ``True``, or under a
             GradScaler a 0-d bool tensor on the params' device, computed from ``found_inf`` there
-            (reading it synchronizes on CUDA). ``WarmupLR`` reads it so that skipped steps do not
-            advance the schedule.
+            (reading it synchronizes on CUDA; a capturable optimizer writes the same tensor every step).
+            ``WarmupLR`` reads it so that skipped steps do not advance the schedule.
     """
 
     _step_supports_amp_scaling = True
@@ -141,9 +159,14 @@ class FusedSGD(Optimizer):
         lars_denominator: str = "grad_plus_decay",
         max_grad_norm: float | None = None,
         max_grad_value: float | None = None,
+        capturable: bool = False,
     ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"Unknown backend {backend!r}; choose one of {BACKENDS}.")
+        if capturable and backend == "torch_fused":
+            raise ValueError(
+                "backend='torch_fused' reads the lr on the host: use capturable=False, or backend='auto'."
+            )
         params = list(params) if not isinstance(params, Tensor) else [params]
         if not params:
             raise ValueError(
@@ -178,7 +201,13 @@ class FusedSGD(Optimizer):
         self.last_backends: dict[str, str] = {}
         # A dict, updated in place: dynamo replays dict updates of a traced step, not attribute stores.
         self._last_step: dict[str, Tensor | bool] = {"applied": True}
+        self.capturable = capturable
+        # capturable: every group's lr as a view of one float64 tensor on the params' device (_bind_lrs).
+        self._lrs: Tensor | None = None
+        self._lr_views: list[Tensor] = []
         super().__init__(params, defaults)
+        if capturable:
+            self._bind_lrs()
 
     @property
     def last_step_applied(self) -> Tensor | bool:
@@ -203,13 +232,54 @@ class FusedSGD(Optimizer):
             raise ValueError("A parameter group lists the same parameter twice: pass each parameter once.")
         super().add_param_group(param_group)
         self._cached_plan = None
+        if self._lrs is not None:
+            self._bind_lrs()
+
+    def lr_tensor(self) -> Tensor:
+        """The groups' lrs as one float64 ``[groups]`` tensor on the params' device, which a capturable step
+        reads (each ``group["lr"]`` is a view of it). An lr the user replaced (a number, another tensor) is
+        copied into it first, and its group's ``lr`` is the view again."""
+        if not self.capturable:
+            raise RuntimeError(
+                "lr_tensor() is the lr storage of capturable steps: pass FusedSGD(capturable=True)."
+            )
+        if self._lrs is None or len(self._lr_views) != len(self.param_groups):
+            self._bind_lrs()
+        for group, view in zip(self.param_groups, self._lr_views, strict=True):
+            if group["lr"] is not view:
+                _store_lr(view, group["lr"])
+                group["lr"] = view
+        return self._lrs
+
+    def _bind_lrs(self) -> None:
+        """Makes every group's lr a view of a new [groups] float64 tensor on the params' device."""
+        devices = {p.device for group in self.param_groups for p in group["params"]}
+        if len(devices) != 1:
+            raise ValueError(
+                f"capturable=True keeps the lrs on the params' device, and these params are on "
+                f"{sorted(map(str, devices))}: move the model to one device, or use one optimizer per device."
+            )
+        lrs = torch.empty(len(self.param_groups), dtype=torch.float64, device=devices.pop())
+        self._lr_views = list(lrs.unbind())
+        for group, view in zip(self.param_groups, self._lr_views, strict=True):
+            _store_lr(view, group["lr"])
+            group["lr"] = view
+        self._lrs = lrs
 
     def __getstate__(self) -> dict[str, Any]:
         # torch.optim.Optimizer pickles only defaults, state and groups; keep our settings too.
-        return {**super().__getstate__(), "set_grad_none": self.set_grad_none, "backend": self.backend}
+        return {
+            **super().__getstate__(),
+            "set_grad_none": self.set_grad_none,
+            "backend": self.backend,
+            "capturable": self.capturable,
+        }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
+        super().__setstate__(state)  # also called by load_state_dict, with the state and groups only
+        self.__dict__.setdefault("capturable", False)
+        self.__dict__.setdefault("_lrs", None)  # unpickled: bound again at the first step
+        self.__dict__.setdefault("_lr_views", [])
         self._cached_plan = None
         self._checked_hparams = None
         self.last_backends = {}
@@ -245,14 +315,15 @@ class FusedSGD(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        lrs = self.lr_tensor() if self.capturable else None
         self._check_groups()
         grad_scale: Tensor | None = getattr(self, "grad_scale", None)
         found_inf: Tensor | None = getattr(self, "found_inf", None)
-        applied = True if found_inf is None else (found_inf == 0).reshape(())
+        applied = True if found_inf is None else self._applied(found_inf)
         clip_norm = self.param_groups[0]["max_grad_norm"] is not None
         # Under torch.compile the step is traced from the plan (no cached C++ step, no address checks).
         tracing = torch.compiler.is_compiling()
-        if not tracing and self._run_cached(grad_scale, found_inf, clip_norm):
+        if not tracing and self._run_cached(grad_scale, found_inf, clip_norm, lrs):
             self._last_step["applied"] = applied
             return loss
         plan = plan_step(self, tracing=tracing)
@@ -297,6 +368,7 @@ class FusedSGD(Optimizer):
                 None if found_inf is None else found_inf.to(device),
                 None if grad_sq_sum is None else grad_sq_sum.to(device),
                 lars_sums.get(key),
+                lrs=lrs,
             )
         for param, dense in plan.staged:
             param.copy_(dense)
@@ -316,7 +388,20 @@ class FusedSGD(Optimizer):
         sums = [backends[key][1].grad_sq_sum(bucket.grads) for key, bucket in plan.buckets.items()]
         return torch.stack([s.to(sums[0].device) for s in sums]).sum() if len(sums) > 1 else sums[0]
 
-    def _run_cached(self, grad_scale: Tensor | None, found_inf: Tensor | None, clip_norm: bool) -> bool:
+    def _applied(self, found_inf: Tensor) -> Tensor:
+        """``found_inf == 0`` as a 0-d bool; a capturable step writes it into the same tensor every step."""
+        if not self.capturable:
+            return (found_inf == 0).reshape(())
+        applied = self._last_step.get("applied_buffer")
+        if not isinstance(applied, Tensor) or applied.device != found_inf.device:
+            applied = self._last_step["applied_buffer"] = torch.empty(
+                (), dtype=torch.bool, device=found_inf.device
+            )
+        return torch.eq(found_inf.reshape(()), 0, out=applied)
+
+    def _run_cached(
+        self, grad_scale: Tensor | None, found_inf: Tensor | None, clip_norm: bool, lrs: Tensor | None
+    ) -> bool:
         """Runs the cached C++ step if the plan still holds; False (nothing changed) otherwise."""
         cached = self._cached_plan
         if cached is None or not cached.matches(self):
@@ -328,6 +413,7 @@ class FusedSGD(Optimizer):
             None if grad_scale is None else grad_scale.to(cached.device),
             None if found_inf is None else found_inf.to(cached.device),
             clip_norm,
+            lrs,
         ):
             return False
         self.last_backends.clear()
@@ -339,13 +425,23 @@ class FusedSGD(Optimizer):
         for group in self.param_groups:
             values = {
                 **group,
-                "lr": float(group["lr"]),
+                # A capturable step reads the lr on the device (lrs); NaN makes any other use of it show.
+                "lr": math.nan if self.capturable else float(group["lr"]),
                 "lars_decayed_grad": group["lars_denominator"] == "decayed_grad",
                 "max_grad_norm": group["max_grad_norm"] or 0.0,
                 "max_grad_value": math.inf if group["max_grad_value"] is None else group["max_grad_value"],
             }
             rows.append([float(values[name]) for name in HPARAM_COLUMNS])
         return torch.tensor(rows, dtype=torch.float64)
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch.optim's state dict; a capturable optimizer's lrs are saved as numbers (read from the
+        device)."""
+        state = super().state_dict()
+        if self.capturable:
+            for group in state["param_groups"]:
+                group["lr"] = float(group["lr"])
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads optimizer state, validating shapes first (nothing changes on error).

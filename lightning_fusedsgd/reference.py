@@ -2,8 +2,9 @@
 
 ``clip_coef``, ``make_coeffs``, ``clipped_grad``, ``sgd_element``, ``lars_norm_term``, ``trust_ratio``,
 ``lars_trust``, ``clipped_term_sq_sum`` and ``synced_master`` mirror ``csrc/sgd_math.h`` function for
-function, and ``sgd_step``, ``grad_sq_sum`` and ``lars_sq_sums`` have the ops' signatures, so the backends
-are interchangeable.
+function, and ``sgd_step``, ``grad_sq_sum``, ``lars_sq_sums`` and ``schedule_lrs`` have the ops' signatures,
+so the backends are interchangeable. Unlike the ops, these read device values on the host (``found_inf``, the
+lrs and the schedule position): they are not capturable.
 """
 
 from __future__ import annotations
@@ -184,12 +185,16 @@ def sgd_step(
     found_inf: Tensor | None,
     grad_sq_sum: Tensor | None,
     lars_sq_sums: Tensor | None = None,
+    lrs: Tensor | None = None,
 ) -> None:
     """Same contract as ``torch.ops.lightning_fusedsgd.sgd_step`` (argument slots in csrc/bucket.h): updates
     params, momentum buffers (one per param whose group has momentum) and masters in place."""
     if not params or (found_inf is not None and bool(found_inf.item())):
         return
     hparams = group_hparams.tolist()
+    if lrs is not None:
+        for row, lr in zip(hparams, lrs.tolist(), strict=True):
+            row[HPARAM_COLUMNS.index("lr")] = lr
     inv_scale = inverse_scale(grad_scale)
     buffers = iter(momentum_buffers)
     for i, param in enumerate(params):
@@ -259,3 +264,21 @@ def lars_sq_sums(
     if not rows:
         return torch.zeros(0, 3, dtype=torch.float64)
     return torch.stack(rows)
+
+
+def schedule_lrs(
+    lrs: Tensor, position: Tensor, schedule: Tensor, peaks: Tensor, applied: Tensor | None, advance: bool
+) -> None:
+    """Same contract as ``torch.ops.lightning_fusedsgd.schedule_lrs`` (``schedule_step`` in csrc/schedule.h):
+    after an applied step one more applied step in ``position`` and every lr at f(applied steps), after a
+    skipped one one more skip; ``advance`` false only sets the lrs."""
+    from lightning_fusedsgd.schedules import WarmupSchedule
+
+    if advance:
+        if applied is not None and not bool(applied):
+            position[1] += 1
+            return
+        position[0] += 1
+    function = WarmupSchedule.from_row(schedule.tolist())
+    step = int(position[0])
+    lrs.copy_(torch.tensor([function.lr_at(step, peak) for peak in peaks.tolist()], dtype=torch.float64))

@@ -14,10 +14,11 @@ import math
 import numbers
 import operator
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
@@ -252,6 +253,28 @@ class WarmupSchedule:
                 found["power"] = 1.0 if self.decay == "linear" else self.power
         return found
 
+    def as_row(self) -> list[float]:
+        """The schedule as the device op ``schedule_lrs`` reads it (csrc/schedule.h): ``total_steps``,
+        ``warmup_steps``, ``start_factor``, the decay's index in :data:`DECAYS`, ``gamma``, ``power``,
+        ``end_lr``, then the milestones."""
+        header = [self.total_steps, self.warmup_steps, self.start_factor, DECAYS.index(self.decay)]
+        return [float(v) for v in (*header, self.gamma, self.power, self.end_lr, *self.milestones)]
+
+    @classmethod
+    def from_row(cls, row: Sequence[float]) -> WarmupSchedule:
+        """The schedule :meth:`as_row` encoded."""
+        total, warmup, start_factor, decay, gamma, power, end_lr, *milestones = row
+        return cls(
+            total_steps=int(total),
+            warmup_steps=int(warmup),
+            start_factor=start_factor,
+            decay=DECAYS[int(decay)],
+            milestones=tuple(int(m) for m in milestones),
+            gamma=gamma,
+            power=power,
+            end_lr=end_lr,
+        )
+
     def curve(self, peak: float, num_steps: int | None = None) -> list[float]:
         """``[f(0), ..., f(num_steps - 1)]``: the lrs of a run, ``total_steps`` of them by default."""
         return [
@@ -261,6 +284,42 @@ class WarmupSchedule:
 
 def _as_float(lr: float | torch.Tensor) -> float:
     return lr.item() if isinstance(lr, torch.Tensor) else float(lr)
+
+
+@dataclasses.dataclass
+class _DeviceSchedule:
+    """WarmupLR's position and schedule on a capturable optimizer's device, stepped by ``schedule_lrs``."""
+
+    optimizer: Any  # a FusedSGD with capturable=True
+    position: Tensor  # int64 [applied steps, skipped steps]
+    row: Tensor  # WarmupSchedule.as_row()
+    peaks: Tensor  # float64 [groups]
+    op: Callable[..., None]
+
+    @classmethod
+    def create(
+        cls, optimizer: Any, schedule: WarmupSchedule, peaks: list[float], counts: list[int]
+    ) -> _DeviceSchedule:
+        from lightning_fusedsgd import backends
+
+        lrs = optimizer.lr_tensor()
+        on_device = dict(device=lrs.device)
+        return cls(
+            optimizer,
+            torch.tensor(counts, dtype=torch.int64, **on_device),
+            torch.tensor(schedule.as_row(), dtype=torch.float64, **on_device),
+            torch.tensor(peaks, dtype=torch.float64, **on_device),
+            backends.schedule_function(optimizer.backend, lrs.device),
+        )
+
+    def run(self, applied: Tensor | None, advance: bool) -> None:
+        lrs = self.optimizer.lr_tensor()
+        if lrs.shape != self.peaks.shape:
+            raise ValueError(
+                f"the optimizer has {lrs.numel()} parameter groups, WarmupLR was created for "
+                f"{self.peaks.numel()}: create the scheduler after adding every parameter group"
+            )
+        self.op(lrs, self.position, self.row, self.peaks, applied, advance)
 
 
 class WarmupLR(LRScheduler):
@@ -276,7 +335,16 @@ class WarmupLR(LRScheduler):
     is and counts the skip in ``skipped_steps``, so the applied steps use f(0), f(1), ... with nothing lost
     to a skip. Lightning's ``global_step`` counts optimizer step calls, skipped ones included: it is
     ``last_epoch + skipped_steps``. With other optimizers a skip cannot be seen, and every call advances.
-    Reading the flag is free on the CPU; on CUDA it synchronizes once per step under a GradScaler.
+    Reading the flag is free on the CPU; on CUDA it synchronizes once per step under a GradScaler, unless
+    the optimizer is capturable.
+
+    **On a capturable optimizer** (``FusedSGD(capturable=True)``) the schedule runs on the params' device:
+    the position is a device counter ``[applied steps, skipped steps]`` (``device_position``), and each
+    ``step()`` is one ``schedule_lrs`` op that counts the optimizer's outcome (``last_step_applied``, read
+    there) and writes f(applied steps) into the groups' lr tensors. Nothing is read back to the host, so
+    ``optimizer.step(); scheduler.step()`` can be captured in a CUDA graph and replayed. Reading
+    ``last_epoch`` or ``skipped_steps``, ``get_last_lr()`` and ``state_dict()`` copy the values to the host
+    (a sync on CUDA); checkpoints have the same format in both modes.
 
     ``state_dict`` holds the step counter, the skipped steps, the peaks and the schedule as plain Python
     values.
@@ -325,13 +393,41 @@ class WarmupLR(LRScheduler):
             power=power,
             end_lr=end_lr,
         )
-        self.skipped_steps = 0
+        # [last_epoch, skipped_steps]: host ints, or the device counter on a capturable optimizer.
+        self._counts: list[int] | Tensor = [last_epoch, 0]
+        self._device: _DeviceSchedule | None = None
         # The optimizer's step outcome already acted on (each step under a GradScaler makes a new one).
         self._seen_outcome = getattr(optimizer, "last_step_applied", True)
         super().__init__(optimizer, last_epoch)
 
+    @property
+    def last_epoch(self) -> int:
+        """Applied optimizer steps taken (copied from the device on a capturable optimizer)."""
+        return int(self._counts[0])
+
+    @last_epoch.setter
+    def last_epoch(self, value: int) -> None:
+        self._counts[0] = value
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped for inf/NaN gradients, which did not advance the schedule."""
+        return int(self._counts[1])
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self._counts[1] = value
+
+    @property
+    def device_position(self) -> Tensor | None:
+        """The device counter ``[applied steps, skipped steps]`` on a capturable optimizer, else None."""
+        return self._device.position if self._device is not None else None
+
     def step(self, epoch: int | None = None) -> None:
         """Advance to the next applied step, or stay after a skipped one (see the class docstring)."""
+        if getattr(self.optimizer, "capturable", False):
+            self._step_on_device(epoch)
+            return
         applied = getattr(self.optimizer, "last_step_applied", True)
         if epoch is None and applied is not self._seen_outcome:
             self._seen_outcome = applied
@@ -339,6 +435,30 @@ class WarmupLR(LRScheduler):
                 self.skipped_steps += 1
                 return
         super().step(epoch)
+
+    def _step_on_device(self, epoch: int | None) -> None:
+        if epoch is not None:
+            raise ValueError(
+                "WarmupLR on a capturable optimizer keeps its position on the device: call step() without an "
+                "epoch, and resume with load_state_dict"
+            )
+        self._step_count += 1
+        if self._device is None:  # the constructor's initial step: the lrs of the position
+            peaks = [_as_float(peak) for peak in self.base_lrs]
+            self._device = _DeviceSchedule.create(
+                self.optimizer, self.schedule, peaks, [self.last_epoch + 1, self.skipped_steps]
+            )
+            self._counts = self._device.position
+            self._device.run(None, advance=False)
+            return
+        applied = getattr(self.optimizer, "last_step_applied", True)
+        self._device.run(None if applied is True else applied, advance=True)
+
+    def get_last_lr(self) -> list[float | Tensor]:
+        """The lrs set by the last ``step()``; on a capturable optimizer copies of the groups' lr tensors."""
+        if self._device is not None:
+            return [group["lr"].clone() for group in self.optimizer.param_groups]
+        return super().get_last_lr()
 
     def get_lr(self) -> list[float]:
         """Return f(``last_epoch``) for every group, from its peak."""
@@ -352,9 +472,13 @@ class WarmupLR(LRScheduler):
         state = {
             key: value
             for key, value in self.__dict__.items()
-            if key not in ("optimizer", "schedule", "_seen_outcome")
+            if key not in ("optimizer", "schedule", "_seen_outcome", "_counts", "_device")
         }
-        state["schedule"] = dataclasses.asdict(self.schedule)
+        state.update(
+            last_epoch=self.last_epoch,
+            skipped_steps=self.skipped_steps,
+            schedule=dataclasses.asdict(self.schedule),
+        )
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -398,8 +522,14 @@ class WarmupLR(LRScheduler):
                 UserWarning,
                 stacklevel=2,
             )
-        keep = ("schedule", "base_lrs")
+        counts = ("last_epoch", "skipped_steps")
+        keep = ("schedule", "base_lrs", *counts)
         self.__dict__.update({key: value for key, value in state_dict.items() if key not in keep})
+        self.last_epoch = taken
+        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
+        if self._device is not None:
+            self._device.run(None, advance=False)
+            return
         for group, lr in zip(self.optimizer.param_groups, self._lrs_at(self.last_epoch), strict=True):
             if isinstance(group["lr"], torch.Tensor):
                 group["lr"].fill_(lr)  # in place: a tensor lr may be captured by a compiled step

@@ -3,6 +3,7 @@ FusedSGD step into one graph with no break, with eager's result."""
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -88,6 +89,77 @@ def test_lars_sq_sums_passes_opcheck(dtype, master, device):
     args = (params, grads, masters, hparams, [0, 0, 0], torch.tensor([4.0], device=device))
     torch.library.opcheck(OPS.lars_sq_sums.default, args)
     assert OPS.lars_sq_sums(*args).shape == (3, 3)
+
+
+@pytest.mark.parametrize("ops", [OPS, reference], ids=["compiled", "torch"])
+@pytest.mark.parametrize("lars", [0.0, 1.0], ids=["plain", "lars-trust-clip"])
+def test_sgd_step_reads_the_lrs_on_the_device(ops, lars, device):
+    """Given ``lrs``, each group's lr comes from there (the table's lr is NaN, so any use of it would show):
+    the same update as the table's lr, for two groups, with LARS's trust clip (r / lr) too."""
+    kernels.load_extension(device.type)
+    hparams = dict(momentum=0.9, weight_decay=1e-4, lars=lars, trust_clip=lars)
+    rows = [torch.cat([table(**hparams, lr=lr) for lr in lrs]) for lrs in ((0.1, 0.02), (math.nan, math.nan))]
+    runs = []
+    for hparam_table, lrs in zip(rows, (None, torch.tensor([0.1, 0.02], dtype=torch.float64, device=device))):
+        params, grads, buffers, _ = ([t.to(device) for t in tensors] for tensors in bucket())
+        args = (
+            params,
+            grads,
+            buffers,
+            [],
+            hparam_table,
+            [0, 1, 1],
+            [False, True, False],
+            None,
+            None,
+            None,
+            None,
+        )
+        if lrs is not None and ops is OPS and device.type == "cpu":
+            torch.library.opcheck(OPS.sgd_step.default, copy.deepcopy(args), {"lrs": lrs})
+        ops.sgd_step(*args, lrs=lrs)
+        runs.append(params + buffers)
+    for got, want in zip(*runs):
+        assert torch.equal(got, want)
+    assert all(torch.isfinite(t).all() for t in runs[1])
+
+
+def test_schedule_lrs_passes_opcheck():
+    schedule = torch.tensor([10.0, 2.0, 0.1, 0.0, 0.1, 2.0, 0.001], dtype=torch.float64)
+    args = (
+        torch.zeros(2, dtype=torch.float64),
+        torch.tensor([3, 1]),
+        schedule,
+        torch.tensor([0.1, 0.05], dtype=torch.float64),
+        torch.tensor(True),
+        True,
+    )
+    torch.library.opcheck(OPS.schedule_lrs.default, args)
+
+
+@pytest.mark.parametrize("ops", [OPS, reference], ids=["compiled", "torch"])
+def test_schedule_lrs_counts_applied_and_skipped_steps(ops, device):
+    """An applied step advances the position and sets f(applied steps); a skipped one only counts the skip;
+    advance=False only sets the lrs. Oracle: WarmupSchedule.lr_at."""
+    from lightning_fusedsgd.schedules import WarmupSchedule
+
+    kernels.load_extension(device.type)
+    schedule = WarmupSchedule(total_steps=10, warmup_steps=2, start_factor=0.1, decay="poly", end_lr=1e-3)
+    on_device = dict(device=device, dtype=torch.float64)
+    lrs, peaks = torch.zeros(2, **on_device), torch.tensor([0.1, 0.05], **on_device)
+    row = torch.tensor(schedule.as_row(), **on_device)
+    position = torch.tensor([4, 0], device=device)
+    ops.schedule_lrs(lrs, position, row, peaks, None, False)
+    assert position.tolist() == [4, 0]
+    assert lrs.tolist() == pytest.approx([schedule.lr_at(4, 0.1), schedule.lr_at(4, 0.05)], rel=1e-15)
+    for applied, expected_position in ((True, [5, 0]), (False, [5, 1]), (None, [6, 1])):
+        flag = None if applied is None else torch.tensor(applied, device=device)
+        ops.schedule_lrs(lrs, position, row, peaks, flag, True)
+        assert position.tolist() == expected_position
+        step = expected_position[0]
+        assert lrs.tolist() == pytest.approx(
+            [schedule.lr_at(step, 0.1), schedule.lr_at(step, 0.05)], rel=1e-15
+        )
 
 
 @pytest.mark.parametrize("backend", ["compiled", "torch"])
@@ -177,8 +249,19 @@ def compiled_and_eager_runs(make_optimizer, dtype=torch.float32, scaler=False, s
         (lambda p: FusedSGD(p, lr=0.1, momentum=0.9, master_weights=True), torch.bfloat16, False),
         (lambda p: FusedSGD(p, lr=0.1, momentum=0.9), torch.float32, True),
         (lambda p: FusedLARS(p, lr=0.1, momentum=0.9, max_grad_norm=1.0), torch.float32, True),
+        (lambda p: FusedSGD(p, lr=0.1, momentum=0.9, capturable=True), torch.float32, False),
+        (lambda p: FusedLARS(p, lr=0.1, momentum=0.9, trust_clip=True, capturable=True), torch.float32, True),
     ],
-    ids=["plain", "nesterov", "lars", "bf16-master", "grad-scaler", "clip-norm-lars-grad-scaler"],
+    ids=[
+        "plain",
+        "nesterov",
+        "lars",
+        "bf16-master",
+        "grad-scaler",
+        "clip-norm-lars-grad-scaler",
+        "capturable",
+        "capturable-lars-grad-scaler",
+    ],
 )
 def test_compiled_step_traces_without_graph_breaks_and_matches_eager(make_optimizer, dtype, scaler):
     ((eager, eager_opt), (compiled, compiled_opt)), breaks = compiled_and_eager_runs(

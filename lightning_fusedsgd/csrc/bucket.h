@@ -9,6 +9,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "schedule.h"
 #include "sgd_math.h"
 
 namespace lfsgd {
@@ -61,13 +62,16 @@ inline void check_grads(at::TensorList grads) {
 //   lars_sq_sums     float64 [n, 3] on the params' device, or none: each LARS tensor's sums of squares as the
 //                    lars_sq_sums op returns them, all-reduced over the shards (sharded params); the trust
 //                    ratio is taken from them instead of the kernel's own norm pass
+//   lrs              float64 [groups] on the params' device, or none: each group's lr, read there instead of
+//                    the table's lr column (capturable steps: the lr schedule_lrs writes on the device)
 inline BucketArgs check_bucket(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
                                at::TensorList master_params, const at::Tensor& group_hparams,
                                at::IntArrayRef tensor_group, const c10::List<bool>& first_step,
                                const std::optional<at::Tensor>& grad_scale,
                                const std::optional<at::Tensor>& found_inf,
                                const std::optional<at::Tensor>& grad_sq_sum,
-                               const std::optional<at::Tensor>& lars_sq_sums) {
+                               const std::optional<at::Tensor>& lars_sq_sums,
+                               const std::optional<at::Tensor>& lrs) {
   const size_t n = params.size();
   TORCH_CHECK(grads.size() == n && tensor_group.size() == n && first_step.size() == n,
               "lightning_fusedsgd::sgd_step: one grad, group and first_step entry per param");
@@ -96,6 +100,9 @@ inline BucketArgs check_bucket(at::TensorList params, at::TensorList grads, at::
                    lars_sq_sums->size(1) == kNumLarsSums && lars_sq_sums->is_contiguous()),
               "lightning_fusedsgd::sgd_step: lars_sq_sums must be a contiguous float64 [params, ", kNumLarsSums,
               "] tensor on ", first.device(), " (the lars_sq_sums op's result)");
+  TORCH_CHECK(!lrs.has_value() || (lrs->device() == first.device() && lrs->scalar_type() == at::kDouble &&
+                                   lrs->dim() == 1 && lrs->size(0) == group_hparams.size(0) && lrs->is_contiguous()),
+              "lightning_fusedsgd::sgd_step: lrs must be a contiguous float64 [groups] tensor on ", first.device());
   const auto buffer_dtype = args.master ? at::kFloat : dtype;
   size_t slot = 0;
   for (size_t t = 0; t < n; ++t) {
@@ -165,6 +172,26 @@ inline std::vector<GroupHParams> check_norm_inputs(at::TensorList params, at::Te
     }
   }
   return groups;
+}
+
+// schedule_lrs's arguments (slots in fused_sgd.cpp's schema), all on one device.
+inline void check_schedule_inputs(const at::Tensor& lrs, const at::Tensor& position, const at::Tensor& schedule,
+                                  const at::Tensor& peaks, const std::optional<at::Tensor>& applied) {
+  const auto on_device = [&](const at::Tensor& t) { return t.device() == lrs.device() && t.is_contiguous(); };
+  TORCH_CHECK(lrs.scalar_type() == at::kDouble && lrs.dim() == 1 && lrs.is_contiguous(),
+              "lightning_fusedsgd::schedule_lrs: lrs must be a contiguous float64 [groups] tensor");
+  TORCH_CHECK(on_device(peaks) && peaks.scalar_type() == at::kDouble && peaks.sizes() == lrs.sizes(),
+              "lightning_fusedsgd::schedule_lrs: peaks must be float64 [groups] on the lrs' device");
+  TORCH_CHECK(on_device(position) && position.scalar_type() == at::kLong && position.numel() == 2,
+              "lightning_fusedsgd::schedule_lrs: position must be int64 [applied steps, skipped steps] on the lrs' "
+              "device");
+  TORCH_CHECK(on_device(schedule) && schedule.scalar_type() == at::kDouble && schedule.dim() == 1 &&
+                  schedule.size(0) >= kScheduleHeader,
+              "lightning_fusedsgd::schedule_lrs: schedule must be a float64 row of at least ", kScheduleHeader,
+              " values on the lrs' device");
+  TORCH_CHECK(!applied.has_value() || (applied->device() == lrs.device() && applied->scalar_type() == at::kBool &&
+                                       applied->numel() == 1),
+              "lightning_fusedsgd::schedule_lrs: applied must be a one-element bool tensor on the lrs' device");
 }
 
 // Calls run(param, buffer, master) with value tags of the bucket's types: the param type P, the momentum buffer

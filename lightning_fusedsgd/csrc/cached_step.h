@@ -43,9 +43,10 @@ class CachedStep : public torch::CustomClassHolder {
   // Runs the step and returns true, or returns false having changed nothing when the plan no longer holds:
   // a param gained or lost its grad or moved to other memory, or a param, grad, momentum buffer or master
   // is laid out differently from what was recorded. `clip_norm`: a group clips by global norm, so the
-  // gradients' sum of squares is taken over every bucket first.
+  // gradients' sum of squares is taken over every bucket first. `lrs`: the groups' lrs on the device
+  // (capturable steps), or none.
   bool run(const at::Tensor& group_hparams, const std::optional<at::Tensor>& grad_scale,
-           const std::optional<at::Tensor>& found_inf, bool clip_norm) {
+           const std::optional<at::Tensor>& found_inf, bool clip_norm, const std::optional<at::Tensor>& lrs) {
     std::vector<at::Tensor> grads;
     grads.reserve(layouts_.size());
     for (size_t i = 0; i < params_.size(); ++i) {
@@ -72,7 +73,7 @@ class CachedStep : public torch::CustomClassHolder {
             .typed<void(at::TensorList, at::TensorList, at::TensorList, at::TensorList, const at::Tensor&,
                         at::IntArrayRef, const c10::List<bool>&, const std::optional<at::Tensor>&,
                         const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
-                        const std::optional<at::Tensor>&)>();
+                        const std::optional<at::Tensor>&, const std::optional<at::Tensor>&)>();
     static const auto sq_sum_op = c10::Dispatcher::singleton()
                                       .findSchemaOrThrow("lightning_fusedsgd::grad_sq_sum", "")
                                       .typed<at::Tensor(at::TensorList)>();
@@ -94,7 +95,7 @@ class CachedStep : public torch::CustomClassHolder {
       const Bucket& bucket = buckets_[b];
       step_op.call(bucket.params, bucket_grads[b], bucket.momentum_buffers, bucket.master_params, group_hparams,
                    bucket.tensor_group, bucket.first_step, grad_scale, found_inf, grad_sq_sum,
-                   std::nullopt);  // sharded (DTensor) params are never cached
+                   std::nullopt /* sharded (DTensor) params are never cached */, lrs);
     }
     return true;
   }

@@ -15,6 +15,7 @@
 
 #include "bucket.h"
 #include "cached_step.h"
+#include "schedule.h"
 #include "sgd_math.h"
 #include "work_list.h"
 
@@ -291,16 +292,19 @@ class BucketStep {
   std::vector<double> w_sq_, g_sq_;
 };
 
-// lightning_fusedsgd::sgd_step for CPU tensors (argument slots in bucket.h). The grad scale, found_inf and
-// the gradients' sum of squares are read on the host, which costs nothing for CPU tensors.
+// lightning_fusedsgd::sgd_step for CPU tensors (argument slots in bucket.h). The grad scale, found_inf, the
+// gradients' sum of squares and the lrs are read on the host, which costs nothing for CPU tensors.
 void sgd_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
                   at::TensorList master_params, const at::Tensor& group_hparams, at::IntArrayRef tensor_group,
                   const c10::List<bool>& first_step, const std::optional<at::Tensor>& grad_scale,
                   const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& grad_sq_sum,
-                  const std::optional<at::Tensor>& lars_sq_sums) {
-  const BucketArgs args = check_bucket(params, grads, momentum_buffers, master_params, group_hparams,
-                                       tensor_group, first_step, grad_scale, found_inf, grad_sq_sum, lars_sq_sums);
+                  const std::optional<at::Tensor>& lars_sq_sums, const std::optional<at::Tensor>& lrs) {
+  BucketArgs args = check_bucket(params, grads, momentum_buffers, master_params, group_hparams, tensor_group,
+                                 first_step, grad_scale, found_inf, grad_sq_sum, lars_sq_sums, lrs);
   if (params.empty() || (found_inf.has_value() && found_inf->item<float>() != 0.0f)) return;
+  if (lrs.has_value()) {
+    for (size_t g = 0; g < args.groups.size(); ++g) args.groups[g].lr = lrs->data_ptr<double>()[g];
+  }
   const double inv_scale = grad_scale.has_value() ? inverse_scale(grad_scale->item<float>()) : 1.0;
   const double sq_sum = grad_sq_sum.has_value() ? grad_sq_sum->item<double>() : 0.0;
   const double* lars_sums = lars_sq_sums.has_value() ? lars_sq_sums->data_ptr<double>() : nullptr;
@@ -385,25 +389,40 @@ at::Tensor grad_sq_sum_cpu(at::TensorList grads) {
   return at::scalar_tensor(total, at::TensorOptions().dtype(at::kDouble));
 }
 
+// lightning_fusedsgd::schedule_lrs for CPU tensors (schedule_step in schedule.h).
+void schedule_lrs_cpu(const at::Tensor& lrs, const at::Tensor& position, const at::Tensor& schedule,
+                      const at::Tensor& peaks, const std::optional<at::Tensor>& applied, bool advance) {
+  check_schedule_inputs(lrs, position, schedule, peaks, applied);
+  schedule_step(lrs.data_ptr<double>(), position.data_ptr<int64_t>(), schedule.data_ptr<double>(), schedule.numel(),
+                peaks.data_ptr<double>(), lrs.numel(), applied.has_value() ? applied->data_ptr<bool>() : nullptr,
+                advance);
+}
+
 std::vector<std::string> hparam_names() { return {std::begin(kHParamNames), std::end(kHParamNames)}; }
+std::vector<std::string> decay_names() { return {std::begin(kDecayNames), std::end(kDecayNames)}; }
 
 }  // namespace
 }  // namespace lfsgd
 
 // The schema declares what the op writes: params (a!), momentum buffers (b!) and masters (c!); grads, the
-// table and the scalars are only read. grad_sq_sum gives the sum of squares that global-norm clipping needs:
+// table and the scalars are only read. lrs: each group's lr on the params' device (capturable steps), written by
+// schedule_lrs, which advances the device step counter `position` after applied steps (schedule.h). grad_sq_sum gives the sum of squares that global-norm clipping needs:
 // the optimizer adds up its buckets' and passes the total to every bucket's sgd_step. The CUDA kernel
 // (fused_sgd_cuda.cu) registers for the same schemas.
 TORCH_LIBRARY(lightning_fusedsgd, m) {
   m.def(
       "sgd_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_buffers, Tensor(c!)[] master_params, "
       "Tensor group_hparams, int[] tensor_group, bool[] first_step, Tensor? grad_scale, Tensor? found_inf, "
-      "Tensor? grad_sq_sum, Tensor? lars_sq_sums=None) -> ()");
+      "Tensor? grad_sq_sum, Tensor? lars_sq_sums=None, Tensor? lrs=None) -> ()");
   m.def("grad_sq_sum(Tensor[] grads) -> Tensor");
   m.def(
       "lars_sq_sums(Tensor[] params, Tensor[] grads, Tensor[] master_params, Tensor group_hparams, "
       "int[] tensor_group, Tensor? grad_scale) -> Tensor");
+  m.def(
+      "schedule_lrs(Tensor(a!) lrs, Tensor(b!) position, Tensor schedule, Tensor peaks, Tensor? applied, "
+      "bool advance) -> ()");
   m.def("hparam_names() -> str[]", &lfsgd::hparam_names);
+  m.def("decay_names() -> str[]", &lfsgd::decay_names);
   lfsgd::register_cached_step(m);
 }
 
@@ -411,4 +430,5 @@ TORCH_LIBRARY_IMPL(lightning_fusedsgd, CPU, m) {
   m.impl("sgd_step", &lfsgd::sgd_step_cpu);
   m.impl("grad_sq_sum", &lfsgd::grad_sq_sum_cpu);
   m.impl("lars_sq_sums", &lfsgd::lars_sq_sums_cpu);
+  m.impl("schedule_lrs", &lfsgd::schedule_lrs_cpu);
 }

@@ -2,11 +2,13 @@
 // (device, dtype) bucket over a work list of fixed-size chunks across all tensors (two launches with LARS:
 // norms, then update; the update alone when a sharded step passes reduced lars_sq_sums), of grad_sq_sum, the
 // gradients' sum of squares for norm clipping, and of lars_sq_sums, the partial LARS sums a sharded step
-// all-reduces. The math lives in sgd_math.h, the argument checks in bucket.h. Nothing here reads
-// device memory from the host: the grad scale, found_inf and the LARS norms stay on the device, so a step
-// never synchronizes.
+// all-reduces, and of schedule_lrs, the lr schedule on the device. The math lives in sgd_math.h and
+// schedule.h, the argument checks in bucket.h. Nothing here reads device memory from the host: the grad scale,
+// found_inf, the LARS norms and (capturable steps) the lrs stay on the device, so a step never synchronizes,
+// and under CUDA graph capture the argument tables are written by kernels, so a replay reads no host memory.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
@@ -19,6 +21,7 @@
 #include <vector>
 
 #include "bucket.h"
+#include "schedule.h"
 #include "sgd_math.h"
 
 namespace lfsgd {
@@ -55,14 +58,22 @@ __device__ inline double inverse_scale_of(const float* grad_scale) {
 
 __device__ inline bool skipped(const float* found_inf) { return found_inf != nullptr && *found_inf != 0.0f; }
 
-// The step's scalars, all read on the device: GradScaler's grad scale and found_inf, and the gradients' sum of
-// squares for norm clipping (each null when absent).
+// The step's scalars, all read on the device: GradScaler's grad scale and found_inf, the gradients' sum of
+// squares for norm clipping, and the groups' lrs (each null when absent).
 struct StepScalars {
   const float* grad_scale;
   const float* found_inf;
   const double* grad_sq_sum;
   const double* lars_sums;  // [n, kNumLarsSums] reduced across shards: replaces the norm pass
+  const double* lrs;        // [groups] (capturable steps): replaces the table's lr
 };
+
+// A group's hyperparameters, with its lr from the device where the step has one.
+__device__ inline GroupHParams group_of(const GroupHParams* groups, int64_t group, const StepScalars& s) {
+  GroupHParams h = groups[group];
+  if (s.lrs != nullptr) h.lr = s.lrs[group];
+  return h;
+}
 
 template <typename O>
 __device__ inline Coeffs<O> coeffs_of(const GroupHParams& h, const TensorArgs& t, const StepScalars& s) {
@@ -139,7 +150,7 @@ __global__ void __launch_bounds__(kThreads)
   if (skipped(scalars.found_inf)) return;
   const ChunkArgs chunk = chunks[blockIdx.x];
   const TensorArgs t = tensors[chunk.tensor];
-  const GroupHParams& h = groups[t.group];
+  const GroupHParams h = group_of(groups, t.group, scalars);
   const bool has_momentum = h.momentum != 0.0;
   Coeffs<O> c = coeffs_of<O>(h, t, scalars);
   if (t.lars && scalars.lars_sums != nullptr) {
@@ -204,8 +215,20 @@ struct DeviceTables {
   }
 };
 
-// Copies host arrays (pointer, bytes) to `device` in one pinned buffer and one asynchronous copy on the
-// current stream; the caching host allocator keeps the pinned buffer alive until the copy has run.
+// Bytes one kernel parameter carries (CUDA allows 4 KB of parameters per launch).
+constexpr size_t kParamBytes = 3968;
+struct ParamBytes {
+  uint8_t bytes[kParamBytes];
+};
+
+__global__ void write_bytes_kernel(uint8_t* out, ParamBytes in, int64_t count) {
+  for (int64_t i = threadIdx.x; i < count; i += blockDim.x) out[i] = in.bytes[i];
+}
+
+// Copies host arrays (pointer, bytes) to `device` in one buffer, asynchronously on the current stream: from a
+// pinned buffer, which the caching host allocator keeps alive until the copy has run; or, while the stream is
+// captured in a CUDA graph, in the parameters of small kernels, which the graph keeps by value (a copy from host
+// memory would be replayed from memory that is not kept).
 inline DeviceTables upload(const at::Device& device, std::initializer_list<std::pair<const void*, size_t>> parts) {
   DeviceTables tables;
   size_t total = 0;
@@ -213,14 +236,27 @@ inline DeviceTables upload(const at::Device& device, std::initializer_list<std::
     tables.offsets.push_back(total);
     total += part.second;
   }
+  const bool capturing = c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
   at::Tensor host =
-      at::empty({static_cast<int64_t>(total)}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+      at::empty({static_cast<int64_t>(total)}, at::TensorOptions().dtype(at::kByte).pinned_memory(!capturing));
   size_t index = 0;
   for (const auto& part : parts) {
     std::memcpy(host.data_ptr<uint8_t>() + tables.offsets[index++], part.first, part.second);
   }
   tables.buffer = at::empty({host.numel()}, at::TensorOptions().dtype(at::kByte).device(device));
-  tables.buffer.copy_(host, /*non_blocking=*/true);
+  if (!capturing) {
+    tables.buffer.copy_(host, /*non_blocking=*/true);
+    return tables;
+  }
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  for (size_t begin = 0; begin < total; begin += kParamBytes) {
+    ParamBytes piece;
+    const size_t count = std::min(kParamBytes, total - begin);
+    std::memcpy(piece.bytes, host.data_ptr<uint8_t>() + begin, count);
+    write_bytes_kernel<<<1, 256, 0, stream>>>(tables.buffer.data_ptr<uint8_t>() + begin, piece,
+                                               static_cast<int64_t>(count));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
   return tables;
 }
 
@@ -240,9 +276,9 @@ void sgd_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList m
                    at::TensorList master_params, const at::Tensor& group_hparams, at::IntArrayRef tensor_group,
                    const c10::List<bool>& first_step, const std::optional<at::Tensor>& grad_scale,
                    const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& grad_sq_sum,
-                   const std::optional<at::Tensor>& lars_sq_sums) {
-  const BucketArgs bucket = check_bucket(params, grads, momentum_buffers, master_params, group_hparams,
-                                         tensor_group, first_step, grad_scale, found_inf, grad_sq_sum, lars_sq_sums);
+                   const std::optional<at::Tensor>& lars_sq_sums, const std::optional<at::Tensor>& lrs) {
+  const BucketArgs bucket = check_bucket(params, grads, momentum_buffers, master_params, group_hparams, tensor_group,
+                                         first_step, grad_scale, found_inf, grad_sq_sum, lars_sq_sums, lrs);
   if (params.empty()) return;
   const int64_t n = static_cast<int64_t>(params.size());
   const at::Device device = params[0].device();
@@ -268,7 +304,8 @@ void sgd_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList m
   const StepScalars scalars{grad_scale.has_value() ? grad_scale->data_ptr<float>() : nullptr,
                             found_inf.has_value() ? found_inf->data_ptr<float>() : nullptr,
                             grad_sq_sum.has_value() ? grad_sq_sum->data_ptr<double>() : nullptr,
-                            lars_sq_sums.has_value() ? lars_sq_sums->data_ptr<double>() : nullptr};
+                            lars_sq_sums.has_value() ? lars_sq_sums->data_ptr<double>() : nullptr,
+                            lrs.has_value() ? lrs->data_ptr<double>() : nullptr};
 
   const c10::cuda::CUDAGuard guard(device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
@@ -431,6 +468,23 @@ at::Tensor grad_sq_sum_cuda(at::TensorList grads) {
   return partials.sum();
 }
 
+__global__ void schedule_kernel(double* lrs, int64_t* position, const double* schedule, int64_t length,
+                                const double* peaks, int64_t groups, const bool* applied, bool advance) {
+  schedule_step(lrs, position, schedule, length, peaks, groups, applied, advance);
+}
+
+// lightning_fusedsgd::schedule_lrs for CUDA tensors: one thread runs schedule_step (schedule.h) on the device.
+void schedule_lrs_cuda(const at::Tensor& lrs, const at::Tensor& position, const at::Tensor& schedule,
+                       const at::Tensor& peaks, const std::optional<at::Tensor>& applied, bool advance) {
+  check_schedule_inputs(lrs, position, schedule, peaks, applied);
+  TORCH_CHECK(lrs.is_cuda(), "lightning_fusedsgd::schedule_lrs (CUDA): CUDA tensors only");
+  const c10::cuda::CUDAGuard guard(lrs.device());
+  schedule_kernel<<<1, 1, 0, c10::cuda::getCurrentCUDAStream()>>>(
+      lrs.data_ptr<double>(), position.data_ptr<int64_t>(), schedule.data_ptr<double>(), schedule.numel(),
+      peaks.data_ptr<double>(), lrs.numel(), applied.has_value() ? applied->data_ptr<bool>() : nullptr, advance);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 }  // namespace
 }  // namespace lfsgd
 
@@ -438,4 +492,5 @@ TORCH_LIBRARY_IMPL(lightning_fusedsgd, CUDA, m) {
   m.impl("sgd_step", &lfsgd::sgd_step_cuda);
   m.impl("grad_sq_sum", &lfsgd::grad_sq_sum_cuda);
   m.impl("lars_sq_sums", &lfsgd::lars_sq_sums_cuda);
+  m.impl("schedule_lrs", &lfsgd::schedule_lrs_cuda);
 }

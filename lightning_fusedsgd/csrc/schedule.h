@@ -1,0 +1,71 @@
+// The lr schedule on the device, for capturable steps: WarmupSchedule.lr_at (schedules.py) evaluated from a
+// step counter that lives on the params' device, for the CPU op and (under nvcc) the CUDA op. Written as lr_at
+// computes it, operation for operation in double, so the two give the same lr (the CUDA libm's cos and pow
+// may differ from the host's in the last bit).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "sgd_math.h"
+
+namespace lfsgd {
+
+// The decays, in the order of schedules.DECAYS (checked when the extension loads).
+enum Decay : int { kCosine = 0, kMultistep, kPoly, kLinear, kConstant };
+constexpr const char* kDecayNames[] = {"cosine", "multistep", "poly", "linear", "constant"};
+
+// A schedule as a float64 row: these columns, then the multistep milestones (global steps, increasing).
+enum ScheduleColumn : int { kTotalSteps = 0, kWarmupSteps, kStartFactor, kDecayColumn, kGamma, kPower, kEndLr };
+constexpr int kScheduleHeader = 7;
+
+// a * b rounded on its own, never fused into a multiply-add with what follows: compilers fuse by default
+// (GCC's -ffp-contract=fast, nvcc's --fmad=true), Python, whose lr_at this mirrors, never does.
+LFSGD_HOST_DEVICE inline double unfused_product(double a, double b) {
+#ifdef __CUDA_ARCH__
+  return __dmul_rn(a, b);
+#else
+  double product = a * b;
+  asm("" : "+m"(product));  // the product is stored before it is used
+  return product;
+#endif
+}
+
+// f(step) for a group whose peak lr is `peak`; `length` is the row's length (header and milestones).
+LFSGD_HOST_DEVICE inline double scheduled_lr(const double* schedule, int64_t length, int64_t step, double peak) {
+  const double warmup = schedule[kWarmupSteps];
+  const double start_factor = schedule[kStartFactor];
+  if (step < warmup) return peak * (start_factor + (1.0 - start_factor) * static_cast<double>(step) / warmup);
+  const double total = schedule[kTotalSteps];
+  const double t = static_cast<double>(step) < total ? static_cast<double>(step) : total;
+  const int decay = static_cast<int>(schedule[kDecayColumn]);
+  if (decay == kConstant) return peak;
+  if (decay == kMultistep) {
+    int reached = 0;  // milestones <= t, as bisect_right counts them
+    for (int64_t i = kScheduleHeader; i < length; ++i) reached += schedule[i] <= t ? 1 : 0;
+    return peak * pow(schedule[kGamma], static_cast<double>(reached));
+  }
+  const double progress = (t - warmup) / (total - warmup);
+  const double shape = decay == kCosine ? 0.5 * (1.0 + cos(M_PI * progress))
+                                        : pow(1.0 - progress, decay == kLinear ? 1.0 : schedule[kPower]);
+  const double end_lr = schedule[kEndLr];
+  return end_lr + unfused_product(peak - end_lr, shape);
+}
+
+// One scheduler step. `position` is [applied steps, skipped steps]. After an applied optimizer step (`applied`
+// null or true) it counts one more applied step and sets every group's lr to f(applied steps) from its peak;
+// after a skipped one (a GradScaler found inf/NaN) it counts the skip and leaves the lrs. `advance` false
+// only sets the lrs from the position (a new or resumed scheduler).
+LFSGD_HOST_DEVICE inline void schedule_step(double* lrs, int64_t* position, const double* schedule, int64_t length,
+                                            const double* peaks, int64_t groups, const bool* applied, bool advance) {
+  if (advance) {
+    if (applied != nullptr && !*applied) {
+      position[1] += 1;
+      return;
+    }
+    position[0] += 1;
+  }
+  for (int64_t g = 0; g < groups; ++g) lrs[g] = scheduled_lr(schedule, length, position[0], peaks[g]);
+}
+
+}  // namespace lfsgd
