@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks as one run on a lent GPU machine, results under $OUT (default gpu-results/): build the CUDA
-# kernel, run every CUDA test (tests/test_cuda.py and the cuda cases of the device-parametrized tests), then
-# bench/gpu.py. Usage: OUT=/some/dir bash bench/gpu_check.sh
+# kernel, run every CUDA test (tests/test_cuda.py, the CUDA graph cases of tests/test_capturable.py and the
+# cuda cases of the device-parametrized tests), then bench/gpu.py with the training-step rows.
+# Usage: OUT=/some/dir bash bench/gpu_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-results}
@@ -10,9 +11,9 @@ nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
 LIGHTNING_FUSEDSGD_REQUIRE_COMPILED=1 python -m lightning_fusedsgd --verbose > "$OUT/build.log" 2>&1
 echo "build: $?" | tee "$OUT/status.txt"
 python -m pytest -q -p no:cacheprovider -k cuda tests/test_cuda.py tests/test_fused_sgd.py tests/test_lars.py tests/test_clipping.py \
-  tests/test_ops.py > "$OUT/tests.log" 2>&1
+  tests/test_ops.py tests/test_capturable.py > "$OUT/tests.log" 2>&1
 echo "tests: $?" | tee -a "$OUT/status.txt"
-python bench/gpu.py > "$OUT/bench_gpu.txt" 2>&1
+python bench/gpu.py --train > "$OUT/bench_gpu.txt" 2>&1
 echo "bench: $?" | tee -a "$OUT/status.txt"
 cp bench/results/gpu.json "$OUT/" 2>/dev/null
 tail -3 "$OUT/tests.log"
