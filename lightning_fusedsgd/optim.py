@@ -326,7 +326,10 @@ class FusedSGD(Optimizer):
         if not tracing and self._run_cached(grad_scale, found_inf, clip_norm, lrs):
             self._last_step["applied"] = applied
             return loss
-        plan = plan_step(self, tracing=tracing)
+        cached_plan = (
+            None if tracing or self._cached_plan is None else self._cached_plan.sharded_plan_for(self)
+        )
+        plan = cached_plan or plan_step(self, tracing=tracing)
         if (
             not tracing
             and found_inf is not None
@@ -377,7 +380,7 @@ class FusedSGD(Optimizer):
                 del self.state[param][key]
             else:
                 self.state[param][key] = value
-        if not tracing:
+        if not tracing and cached_plan is None:
             self._cached_plan = CachedPlan.capture_if_reusable(self, plan)
         self._last_step["applied"] = applied  # set once the step went through: a refused one changes nothing
         return loss
@@ -404,7 +407,7 @@ class FusedSGD(Optimizer):
     ) -> bool:
         """Runs the cached C++ step if the plan still holds; False (nothing changed) otherwise."""
         cached = self._cached_plan
-        if cached is None or not cached.matches(self):
+        if cached is None or cached.step is None or not cached.matches(self):
             return False
         # On CUDA the kernel reads found_inf itself: reading it here would synchronize.
         skipped = found_inf is not None and found_inf.device.type == "cpu" and bool(found_inf.item())

@@ -291,14 +291,18 @@ class CachedPlan:
 
     Building a plan costs a few microseconds of Python per parameter, which on models with thousands of
     small tensors is as much as the update itself. Reuse is checked in bulk: here, with C-level ``map``
-    only, the same params (by identity) and momentum/master-weights switches, the same state mapping
-    (keys and per-param dicts by identity, in order) and the same state tensors (by identity); in C++
-    (``CachedStep.run``), the same grad/no-grad pattern and params and grads laid out as recorded
-    (dtype, device, shape, strides). The C++ side keeps the kernel arguments, so a step converts no
-    tensor lists.
+    only, the same params (by identity) and momentum/master-weights/LARS/norm-clipping switches, the same
+    state mapping (keys and per-param dicts by identity, in order) and the same state tensors (by
+    identity); in C++ (``CachedStep.run``), the same grad/no-grad pattern and params and grads laid out as
+    recorded (dtype, device, shape, strides). The C++ side keeps the kernel arguments, so a step converts
+    no tensor lists.
+
+    Sharded (DTensor) params are kept as the plan itself (``sharded_plan``), since the C++ step cannot take
+    a DTensor's local shard: :meth:`sharded_plan_for` checks the same things in Python, where each grad
+    must still be placed as its param, and puts this step's local gradient shards into the buckets.
     """
 
-    group_key: list[tuple[int, bool, bool]]
+    group_key: list[tuple[int, bool, bool, bool, bool]]
     params: list[Tensor]
     state_keys: list[Tensor]
     state_dicts: list[dict[str, Any]]
@@ -306,13 +310,27 @@ class CachedPlan:
     buffers: list[Tensor | None]
     masters: list[Tensor | None]  # empty when no bucket keeps master weights
     device: torch.device
-    step: Any  # torch.classes.lightning_fusedsgd.CachedStep
+    step: Any  # torch.classes.lightning_fusedsgd.CachedStep, or None for a sharded plan
     backends: dict[str, str]  # what last_backends reports for a cached step
+    # Sharded plans: the plan, whether each param had a grad, the stepped params' local shards as recorded,
+    # and each bucket's tensors as positions among the stepped params.
+    sharded_plan: Plan | None = None
+    has_grad: list[bool] = field(default_factory=list)
+    shards: list[Tensor] = field(default_factory=list)
+    slots: list[list[int]] = field(default_factory=list)
 
     @staticmethod
-    def _group_key(optimizer: FusedSGD) -> list[tuple[int, bool, bool]]:
+    def _group_key(optimizer: FusedSGD) -> list[tuple[int, bool, bool, bool, bool]]:
+        # LARS and norm clipping too: plan_step refuses them on FSDP1 flattened params.
         return [
-            (len(g["params"]), g["momentum"] != 0, bool(g["master_weights"])) for g in optimizer.param_groups
+            (
+                len(g["params"]),
+                g["momentum"] != 0,
+                bool(g["master_weights"]),
+                bool(g["lars"]),
+                g["max_grad_norm"] is not None,
+            )
+            for g in optimizer.param_groups
         ]
 
     @classmethod
@@ -324,14 +342,76 @@ class CachedPlan:
         device = devices.pop() if len(devices) == 1 else None  # one device: the scalars move once
         reusable = (
             device is not None
-            and not plan.dtensors  # the C++ step reads p.grad, which would be a DTensor
             and not plan.new_state
             and not plan.staged
             and device.type in kernels.EXTENSIONS
             and optimizer.backend in ("auto", "compiled")
             and backends.compiled_or_fallback(optimizer.backend, device.type) == "compiled"
         )
-        return cls.capture(optimizer, buckets, device) if reusable else None
+        if not reusable:
+            return None
+        # The C++ step reads p.grad, which would be a DTensor: sharded plans are kept in Python.
+        return (
+            cls.capture_sharded(optimizer, plan, device)
+            if plan.dtensors
+            else cls.capture(optimizer, buckets, device)
+        )
+
+    @classmethod
+    def capture_sharded(cls, optimizer: FusedSGD, plan: Plan, device: torch.device) -> CachedPlan:
+        """Keeps a step of DTensor params just planned (no new state) for the next steps."""
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        stepped = [p for p in params if p.grad is not None]
+        position = {id(p): i for i, p in enumerate(stepped)}
+        stepped_dicts = [optimizer.state.get(p, _NO_STATE) for p in stepped]
+        return cls(
+            group_key=cls._group_key(optimizer),
+            params=params,
+            state_keys=list(optimizer.state),
+            state_dicts=list(optimizer.state.values()),
+            stepped_dicts=stepped_dicts,
+            buffers=list(map(_get_buffer, stepped_dicts)),
+            masters=list(map(_get_master, stepped_dicts)) if any(key[2] for key in plan.buckets) else [],
+            device=device,
+            step=None,
+            backends={},
+            sharded_plan=plan,
+            has_grad=[p.grad is not None for p in params],
+            shards=[sharding.local(p).detach() for p in stepped],
+            slots=[[position[id(p)] for p in bucket.sources] for bucket in plan.buckets.values()],
+        )
+
+    def sharded_plan_for(self, optimizer: FusedSGD) -> Plan | None:
+        """The kept sharded plan with this step's local gradient shards, or None where it no longer holds:
+        the checks of ``matches``, the same grad/no-grad pattern, each grad placed as its param, and params
+        and grads laid out (and params located) as recorded. Changes nothing when it returns None."""
+        if self.sharded_plan is None or not self.matches(optimizer):
+            return None
+        grads = []
+        shards = iter(self.shards)
+        for param, had_grad in zip(self.params, self.has_grad):
+            grad = param.grad
+            if (grad is not None) != had_grad:
+                return None
+            if grad is None:
+                continue
+            shard = next(shards)
+            if sharding.is_sharded(grad) != sharding.is_sharded(param) or (
+                sharding.is_sharded(param)
+                and (grad.placements != param.placements or grad.device_mesh != param.device_mesh)
+            ):
+                return None
+            local_param, local_grad = sharding.local(param), sharding.local(grad)
+            if not (
+                _same_layout(local_param, shard)
+                and local_param.data_ptr() == shard.data_ptr()
+                and _same_layout(local_grad, shard)
+            ):
+                return None
+            grads.append(_real(local_grad))
+        for bucket, slots in zip(self.sharded_plan.buckets.values(), self.slots):
+            bucket.grads[:] = [grads[i] for i in slots]
+        return self.sharded_plan
 
     @classmethod
     def capture(cls, optimizer: FusedSGD, buckets: dict[tuple, Bucket], device: torch.device) -> CachedPlan:
@@ -383,6 +463,16 @@ class CachedPlan:
             and all(map(operator.is_, map(_get_buffer, self.stepped_dicts), self.buffers))
             and all(map(operator.is_, map(_get_master, self.stepped_dicts), self.masters))
         )
+
+
+def _same_layout(tensor: Tensor, recorded: Tensor) -> bool:
+    return (
+        tensor.layout == torch.strided
+        and tensor.dtype == recorded.dtype
+        and tensor.device == recorded.device
+        and tensor.shape == recorded.shape
+        and tensor.stride() == recorded.stride()
+    )
 
 
 _get_buffer = operator.methodcaller("get", "momentum_buffer")

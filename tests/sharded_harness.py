@@ -17,7 +17,7 @@ from torch import nn
 from lightning_fusedsgd import FusedSGD
 
 WORLD = 2
-STEPS = 3
+STEPS = 5  # the first creates the buffers, the second keeps the plan, the others reuse it
 LR = 0.1
 _LARS = dict(momentum=0.9, weight_decay=5e-4, lars=True, trust_coefficient=0.05)
 # name -> (param dtype, FusedSGD keyword arguments besides lr)
@@ -79,6 +79,26 @@ def train(model: nn.Module, optimizer: Any, data: list, counts: list[int] | None
             optimizer.step()
         if counts is not None:
             counts.append(count[0])
+
+
+@contextlib.contextmanager
+def _counting_plans():
+    """Counts the steps that planned from scratch (plan_step) inside the block, rather than reusing the kept
+    plan."""
+    import lightning_fusedsgd.optim as optim
+
+    original = optim.plan_step
+    count = [0]
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        count[0] += 1
+        return original(*args, **kwargs)
+
+    optim.plan_step = counted
+    try:
+        yield count
+    finally:
+        optim.plan_step = original
 
 
 @contextlib.contextmanager
@@ -156,10 +176,12 @@ def _sharded_runs(out: dict[str, Any], checkpoint_dir: Path) -> None:
         model = _shard(make_model(dtype))
         optimizer = make_optimizer(model, kwargs)
         counts: list[int] = []
-        train(model, optimizer, batches(dtype), counts)
+        with _counting_plans() as planned:
+            train(model, optimizer, batches(dtype), counts)
         out[name] = {
             **snapshot(model, optimizer),
             "all_reduces": counts,
+            "planned": planned[0],
             "placed": _state_placed_like_params(optimizer),
         }
     # Mid-run checkpoint: state dicts after 2 steps, into a fresh model and optimizer, one more step (fp32,

@@ -75,6 +75,16 @@ def test_collectives_per_step(runs, name, expected):
     assert results[name]["all_reduces"] == [expected] * h.STEPS
 
 
+@pytest.mark.parametrize("name", list(h.SCENARIOS))
+def test_later_steps_reuse_the_kept_sharded_plan(runs, name):
+    """Only the first step (which creates the momentum buffers) and the second (which keeps its plan) plan
+    from scratch; the others reuse the kept plan with their new gradient shards, whose results
+    test_fsdp2_equals_one_process checks. The reference backend keeps no plan."""
+    results, _ = runs
+    reference = h.SCENARIOS[name][1].get("backend") == "torch"
+    assert results[name]["planned"] == (h.STEPS if reference else 2)
+
+
 def test_ddp_equals_one_process(runs):
     results, _ = runs
     _assert_same(results["ddp"], h.one_process("lars"))
