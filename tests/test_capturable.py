@@ -309,3 +309,41 @@ def test_cuda_graph_replays_of_a_resnet18_step_equal_eager_steps():
     replayed = _resnet18_training(capture=True, steps=6)
     for p, q in zip(replayed, eager):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+
+
+def test_lightning_fit_and_resume_with_capturable_equal_the_host_schedule(tmp_path):
+    """configure_fused_sgd(capturable=True) under Lightning's 16-mixed GradScaler: a fit equals the same fit
+    with the host schedule (weights bit for bit, the schedule position); and resuming its checkpoint with
+    the device schedule continues as resuming it with the host one does (Lightning's own resume is tested
+    in test_resume)."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+    from lightning_helpers import TinyClassifier, cpu_trainer
+
+    from lightning_fusedsgd.lightning import Schedule
+
+    def fit(capturable, max_steps, ckpt_path=None, save=None):
+        torch.manual_seed(0)
+        schedule = Schedule(decay="multistep", warmup=2, milestones=[6], unit="step")
+        module = TinyClassifier(lr=0.5, schedule=schedule, capturable=capturable)
+        trainer = cpu_trainer(max_steps=max_steps, plugins=[MixedPrecision("16-mixed", "cpu")])
+        trainer.fit(module, ckpt_path=ckpt_path)
+        if save:
+            trainer.save_checkpoint(save)
+        scheduler = trainer.lr_scheduler_configs[0].scheduler
+        return [p.detach().clone() for p in module.parameters()], scheduler, trainer.optimizers[0]
+
+    weights, scheduler, optimizer = fit(True, 5, save=tmp_path / "five.ckpt")
+    host_weights, host_scheduler, _ = fit(False, 5)
+    assert optimizer.capturable and scheduler.device_position is not None
+    assert host_scheduler.device_position is None
+    for w, v in zip(weights, host_weights):
+        assert torch.equal(w, v)
+    assert (scheduler.last_epoch, scheduler.skipped_steps) == (
+        host_scheduler.last_epoch,
+        host_scheduler.skipped_steps,
+    )
+    resumed, resumed_scheduler, _ = fit(True, 8, ckpt_path=tmp_path / "five.ckpt")
+    host_resumed, host_resumed_scheduler, _ = fit(False, 8, ckpt_path=tmp_path / "five.ckpt")
+    for w, v in zip(resumed, host_resumed):
+        assert torch.equal(w, v)
+    assert resumed_scheduler.last_epoch == host_resumed_scheduler.last_epoch == 8
