@@ -438,12 +438,14 @@ class FusedSGD(Optimizer):
         return torch.tensor(rows, dtype=torch.float64)
 
     def state_dict(self) -> dict[str, Any]:
-        """torch.optim's state dict; a capturable optimizer's lrs are saved as numbers (read from the
-        device)."""
+        """torch.optim's state dict; a capturable optimizer's lrs (and the ``initial_lr`` a scheduler keeps)
+        are saved as numbers, read from the device."""
         state = super().state_dict()
         if self.capturable:
             for group in state["param_groups"]:
-                group["lr"] = float(group["lr"])
+                for key in ("lr", "initial_lr"):
+                    if isinstance(group.get(key), Tensor):
+                        group[key] = float(group[key])
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

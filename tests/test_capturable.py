@@ -170,7 +170,9 @@ def test_resume_across_a_skip_continues_the_uninterrupted_run(saved_capturable, 
     schedules (the checkpoint format is the same)."""
     overflow = {3, 4}
     lrs, weights, saved = _scaled_loop(device, saved_capturable, 10, overflow, stop=4)
-    assert all(isinstance(group["lr"], float) for group in saved[1]["param_groups"])
+    assert all(
+        isinstance(group[key], float) for group in saved[1]["param_groups"] for key in ("lr", "initial_lr")
+    )
     assert (saved[2]["last_epoch"], saved[2]["skipped_steps"]) == (3, 2)
     resumed_lrs, resumed_weights, _ = _scaled_loop(
         device, resumed_capturable, 10, overflow, state=saved, stop=4
