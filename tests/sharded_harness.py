@@ -14,10 +14,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_fusedsgd import FusedSGD
+from lightning_fusedsgd import FusedSGD, sharding
 
 WORLD = 2
 STEPS = 5  # the first creates the buffers, the second keeps the plan, the others reuse it
+INF_STEP = 2  # the step whose gradients hold an inf in the GradScaler runs
 LR = 0.1
 _LARS = dict(momentum=0.9, weight_decay=5e-4, lars=True, trust_coefficient=0.05)
 # name -> (param dtype, FusedSGD keyword arguments besides lr)
@@ -61,6 +62,12 @@ def make_model(dtype: torch.dtype = torch.float32) -> nn.Module:
     1-element bias leave rank 1 nothing)."""
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3), nn.Tanh(), nn.Linear(3, 1)).to(dtype)
+
+
+def make_tp_model() -> nn.Module:
+    """Even widths, as tensor parallelism shards them: the first Linear column-wise, the second row-wise."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 4), nn.Tanh(), nn.Linear(4, 1))
 
 
 def batches(dtype: torch.dtype = torch.float32) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -217,6 +224,56 @@ def _sharded_runs(out: dict[str, Any], checkpoint_dir: Path) -> None:
     )
 
 
+def scaled_train(model: nn.Module, optimizer: FusedSGD, scaler: Any, inf_rank: int | None) -> dict[str, Any]:
+    """An fp32 AMP-style loop with WarmupLR: at INF_STEP one element of one gradient shard is set to inf, on
+    rank ``inf_rank`` only (None: one process), so only that rank's local check can see it. Returns which
+    steps were applied and the schedule's counts."""
+    from lightning_fusedsgd import WarmupLR
+
+    scheduler = WarmupLR(optimizer, total_steps=STEPS, warmup_steps=2, decay="linear")
+    applied = []
+    for step, (x, y) in enumerate(batches()):
+        optimizer.zero_grad()
+        scaler.scale(((model(x) - y) ** 2).mean()).backward()
+        if step == INF_STEP and (inf_rank is None or dist.get_rank() == inf_rank):
+            param = next(
+                p for p in model.parameters() if p.grad is not None and sharding.local(p.grad).numel()
+            )
+            sharding.local(param.grad).view(-1)[0] = float("inf")
+        scaler.step(optimizer)
+        scaler.update()
+        scheduler.step()
+        applied.append(bool(optimizer.last_step_applied))
+    return {"applied": applied, "last_epoch": scheduler.last_epoch, "skipped_steps": scheduler.skipped_steps}
+
+
+def _scaled_runs(out: dict[str, Any]) -> None:
+    """FSDP2 under torch's ShardedGradScaler with an inf that only rank 1's gradient shard holds."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    model = _shard(make_model())
+    optimizer = make_optimizer(model, SCENARIOS["lars"][1])
+    counts = scaled_train(model, optimizer, ShardedGradScaler("cpu", init_scale=1024.0), inf_rank=1)
+    out["sharded_grad_scaler"] = {**snapshot(model, optimizer), **counts}
+
+
+def _tensor_parallel_runs(out: dict[str, Any]) -> None:
+    """LARS over tensor-parallel params: weights sharded on dim 0 (column-wise) and dim 1 (row-wise), a
+    replicated bias, and a last layer left plain."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    model = make_tp_model()
+    parallelize_module(
+        model, init_device_mesh("cpu", (WORLD,)), {"0": ColwiseParallel(), "2": RowwiseParallel()}
+    )
+    optimizer = make_optimizer(model, SCENARIOS["lars_max_grad_norm"][1])
+    counts: list[int] = []
+    train(model, optimizer, batches(), counts)
+    placements = {name: str(p.placements) for name, p in model.named_parameters() if sharding.is_sharded(p)}
+    out["tensor_parallel"] = {**snapshot(model, optimizer), "all_reduces": counts, "placements": placements}
+
+
 def _replicated_runs(out: dict[str, Any]) -> None:
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
@@ -238,10 +295,15 @@ def worker(rank: int, port: int, result_path: str, checkpoint_dir: str) -> None:
     try:
         out: dict[str, Any] = {}
         _sharded_runs(out, Path(checkpoint_dir))
+        _scaled_runs(out)
+        _tensor_parallel_runs(out)
         _replicated_runs(out)
+        scaled = out["sharded_grad_scaler"]
+        per_rank = {"zero_ranks_stepped": out["zero"]["ranks_stepped"], "applied": scaled["applied"]}
         out_all = [None] * WORLD
-        dist.all_gather_object(out_all, {"zero_ranks_stepped": out["zero"]["ranks_stepped"]})
+        dist.all_gather_object(out_all, per_rank)
         out["zero"]["ranks_stepped"] = [o["zero_ranks_stepped"] for o in out_all]
+        scaled["applied_per_rank"] = [o["applied"] for o in out_all]
         if rank == 0:
             torch.save(out, result_path)
     finally:

@@ -85,6 +85,40 @@ def test_later_steps_reuse_the_kept_sharded_plan(runs, name):
     assert results[name]["planned"] == (h.STEPS if reference else 2)
 
 
+def test_sharded_grad_scaler_skips_a_step_on_every_rank(runs):
+    """Under torch's ShardedGradScaler, an inf that only rank 1's gradient shard holds skips that step on both
+    ranks (the check over DTensor grads is global), the schedule does not advance on either, and the run
+    equals one process whose GradScaler skipped the same step."""
+    results, _ = runs
+    scaled = results["sharded_grad_scaler"]
+    expected = [step != h.INF_STEP for step in range(h.STEPS)]
+    assert scaled["applied_per_rank"] == [expected] * h.WORLD
+    assert (scaled["last_epoch"], scaled["skipped_steps"]) == (h.STEPS - 1, 1)
+    model = h.make_model()
+    optimizer = h.make_optimizer(model, h.SCENARIOS["lars"][1])
+    counts = h.scaled_train(model, optimizer, torch.amp.GradScaler("cpu", init_scale=1024.0), inf_rank=None)
+    assert counts["applied"] == expected
+    _assert_same(scaled, h.snapshot(model, optimizer))
+
+
+def test_tensor_parallel_lars_with_clipping_equals_one_process(runs):
+    """Tensor parallelism's placements (Shard(0), Shard(1), Replicate) and a plain last layer in one step:
+    LARS and the clip norm in one all-reduce, equal to one process."""
+    results, _ = runs
+    tp = results["tensor_parallel"]
+    assert tp["placements"] == {
+        "0.weight": "(Shard(dim=0),)",
+        "0.bias": "(Shard(dim=0),)",
+        "2.weight": "(Shard(dim=1),)",
+        "2.bias": "(Replicate(),)",
+    }
+    assert tp["all_reduces"] == [1] * h.STEPS
+    model = h.make_tp_model()
+    optimizer = h.make_optimizer(model, h.SCENARIOS["lars_max_grad_norm"][1])
+    h.train(model, optimizer, h.batches())
+    _assert_same(tp, h.snapshot(model, optimizer))
+
+
 def test_ddp_equals_one_process(runs):
     results, _ = runs
     _assert_same(results["ddp"], h.one_process("lars"))
