@@ -19,9 +19,10 @@ else:  # isinstance(x, ()) is False: no tensor is sharded
 if TYPE_CHECKING:
     from lightning_fusedsgd.plan import Plan
 
-# The process groups over which a tensor's local sums of squares add up to its global ones: its mesh and the
-# mesh dimensions on which it is sharded (a replicated dimension holds the same sums on every rank).
-ReduceKey = tuple[Hashable, tuple[int, ...]]
+# The process groups over whose ranks a tensor's local sums of squares add up to its global ones: one per mesh
+# dimension on which it is sharded (a replicated dimension holds the same sums on every rank). Submeshes share
+# their parent's group objects, so FSDP2 over TP-sharded params names one data-parallel group.
+ReduceKey = tuple[Hashable, ...]
 # Columns of a lars_sq_sums row (kNumLarsSums in csrc/sgd_math.h).
 LARS_SUMS = 3
 
@@ -51,12 +52,16 @@ def like_param(local_tensor: Tensor, param: Tensor) -> Tensor:
 
 
 def reduce_key(param: Tensor) -> ReduceKey | None:
-    """Where ``param``'s partial norms must be summed, or None when the local sums are already global."""
+    """The process groups over which ``param``'s partial norms must be summed, or None when the local sums
+    are already global. Every placement but Replicate splits the tensor: Shard, and the _StridedShard that
+    FSDP2 makes of a dimension tensor parallelism already shards (its ``is_shard()`` is False)."""
     if not isinstance(param, DTensor):
         return None
     mesh = param.device_mesh
-    dims = tuple(d for d, p in enumerate(param.placements) if p.is_shard() and mesh.size(d) > 1)
-    return (mesh, dims) if dims else None
+    groups = tuple(
+        mesh.get_group(d) for d, p in enumerate(param.placements) if not p.is_replicate() and mesh.size(d) > 1
+    )
+    return groups or None
 
 
 def is_fsdp1_flattened(param: Tensor) -> bool:
@@ -82,6 +87,12 @@ def check_fsdp1_norms(group: dict[str, Any], label: str) -> None:
 def check_grad_placement(param: Tensor, label: str) -> None:
     """A sharded param's grad must be sharded as the param (FSDP2 reduce-scatters it so): the kernel pairs
     their local shards element by element."""
+    if any(p.is_partial() for p in param.placements):
+        raise ValueError(
+            f"{label} is a DTensor with a Partial placement ({param.placements}): its local values add up to "
+            "the parameter rather than split it, so no step can update them. Redistribute it to Shard or "
+            "Replicate."
+        )
     grad = param.grad
     if (
         not isinstance(grad, DTensor)
@@ -114,9 +125,11 @@ def global_norm_sums(
     locally.
     """
     lars_sums: dict[Any, Tensor] = {}
-    # Per reduce key: (bucket key, LARS row indices, gradient sum of squares or None) of each bucket.
-    pieces: dict[ReduceKey, list[tuple[Any, list[int], Tensor | None]]] = {}
-    grad_sqs: list[Tensor] = []  # the clip norm's sums: local ones, then each process group's reduced one
+    # Per reduce key of each bucket: (bucket key, LARS row indices, whether the clip sum follows, the groups),
+    # and its local sums as one vector (the rows, then the clip sum).
+    entries: list[tuple[Any, list[int], bool, ReduceKey]] = []
+    sums: list[Tensor] = []
+    grad_sqs: list[Tensor] = []  # the clip norm's sums: local ones, then each entry's reduced one
     for key, bucket in plan.buckets.items():
         ops = backends[key][1]
         lars = [bool(groups[g]["lars"]) for g in bucket.tensor_group]
@@ -140,25 +153,25 @@ def global_norm_sums(
                 continue
             rows = [i for i in indices if lars[i]]
             if rows or sq is not None:
-                pieces.setdefault(rk, []).append((key, rows, sq))
-    for (mesh, dims), entries in pieces.items():
-        device = entries[0][0][0]
-        parts = [lars_sums[key][rows].reshape(-1).to(device) for key, rows, _ in entries if rows]
-        parts += [sq.reshape(1).to(device) for _, _, sq in entries if sq is not None]
-        vector = torch.cat(parts)
-        for dim in dims:  # one group per sharded mesh dimension; a 1-D mesh (FSDP2) has one
-            torch.distributed.all_reduce(vector, group=mesh.get_group(dim))
-        offset = 0
-        for key, rows, _ in entries:
-            if rows:
-                count = LARS_SUMS * len(rows)
-                reduced = vector[offset : offset + count].view(len(rows), LARS_SUMS)
-                lars_sums[key][rows] = reduced.to(lars_sums[key].device)
-                offset += count
-        for _, _, sq in entries:
-            if sq is not None:
-                grad_sqs.append(vector[offset])
-                offset += 1
+                parts = [lars_sums[key][rows].reshape(-1)] if rows else []
+                parts += [sq.reshape(1).to(key[0])] if sq is not None else []
+                entries.append((key, rows, sq is not None, rk))
+                sums.append(torch.cat(parts))
+    # One all-reduce per process group, over the entries sharded on it (a tensor sharded over two mesh
+    # dimensions is summed over both, one after the other). Every rank meets the groups in its plan's order.
+    for group in dict.fromkeys(group for *_, rk in entries for group in rk):
+        members = [i for i, entry in enumerate(entries) if group in entry[3]]
+        device = sums[members[0]].device
+        vector = torch.cat([sums[i].to(device) for i in members])
+        torch.distributed.all_reduce(vector, group=group)
+        for i, reduced in zip(members, vector.split([sums[i].numel() for i in members])):
+            sums[i] = reduced
+    for (key, rows, has_sq, _), reduced in zip(entries, sums):
+        if rows:
+            count = LARS_SUMS * len(rows)
+            lars_sums[key][rows] = reduced[:count].view(len(rows), LARS_SUMS).to(lars_sums[key].device)
+        if has_sq:
+            grad_sqs.append(reduced[-1])
     if not clip_norm:
         return lars_sums, None
     first = grad_sqs[0].device

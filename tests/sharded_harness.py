@@ -222,6 +222,18 @@ def _sharded_runs(out: dict[str, Any], checkpoint_dir: Path) -> None:
     out["plain_into_sharded_unchanged"] = all(
         torch.equal(before[k][n], unchanged[k][n]) for k in before for n in before[k]
     )
+    # A Partial param (local values that add up to it) cannot be stepped: refused, unchanged.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    partial = nn.Parameter(DTensor.from_local(torch.ones(3), mesh, [Partial()]))
+    partial.grad = DTensor.from_local(torch.ones(3), mesh, [Partial()])
+    try:
+        FusedSGD([partial], lr=LR, momentum=0.9).step()
+    except ValueError as error:
+        out["partial_param"] = str(error)
+    out["partial_param_unchanged"] = torch.equal(partial.to_local(), torch.ones(3))
 
 
 def scaled_train(model: nn.Module, optimizer: FusedSGD, scaler: Any, inf_rank: int | None) -> dict[str, Any]:
@@ -272,6 +284,42 @@ def _tensor_parallel_runs(out: dict[str, Any]) -> None:
     train(model, optimizer, batches(), counts)
     placements = {name: str(p.placements) for name, p in model.named_parameters() if sharding.is_sharded(p)}
     out["tensor_parallel"] = {**snapshot(model, optimizer), "all_reduces": counts, "placements": placements}
+
+
+# FSDP2 over tensor parallelism on a 2 x 2 mesh (4 processes): the scenarios and the mesh's dimension names.
+MESH_2D_WORLD = 4
+MESH_2D_SCENARIOS = ("plain", "lars", "lars_decayed_grad_max_grad_norm")
+
+
+def mesh_2d_worker(rank: int, port: int, result_path: str) -> None:
+    """Tensor parallelism on the mesh's "tp" dimension, then FSDP2 on its "dp" dimension: weights sharded on
+    both (FSDP2 makes the TP-sharded dimension a _StridedShard), a bias sharded on "dp" and replicated on
+    "tp", and a last layer on the "dp" submesh alone."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=MESH_2D_WORLD)
+    torch.set_num_threads(1)
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        out: dict[str, Any] = {}
+        for name in MESH_2D_SCENARIOS:
+            model = make_tp_model()
+            parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+            for layer in (0, 2, 4):
+                fully_shard(model[layer], mesh=mesh["dp"])
+            fully_shard(model, mesh=mesh["dp"])
+            optimizer = make_optimizer(model, SCENARIOS[name][1])
+            counts: list[int] = []
+            train(model, optimizer, batches(), counts)
+            placements = {n: str(p.placements) for n, p in model.named_parameters()}
+            out[name] = {**snapshot(model, optimizer), "all_reduces": counts, "placements": placements}
+        if rank == 0:
+            torch.save(out, result_path)
+    finally:
+        dist.destroy_process_group()
 
 
 def _replicated_runs(out: dict[str, Any]) -> None:

@@ -22,13 +22,16 @@ REL_FP32 = 1e-5
 REL_BF16 = 2**-7
 
 
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sharded")
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    mp.spawn(h.worker, args=(port, str(tmp / "runs.pt"), str(tmp / "dcp")), nprocs=h.WORLD, join=True)
+    mp.spawn(h.worker, args=(_free_port(), str(tmp / "runs.pt"), str(tmp / "dcp")), nprocs=h.WORLD, join=True)
     return torch.load(tmp / "runs.pt"), tmp / "dcp"
 
 
@@ -119,6 +122,28 @@ def test_tensor_parallel_lars_with_clipping_equals_one_process(runs):
     _assert_same(tp, h.snapshot(model, optimizer))
 
 
+@pytest.fixture(scope="module")
+def mesh_2d_runs(tmp_path_factory):
+    path = tmp_path_factory.mktemp("mesh_2d") / "runs.pt"
+    mp.spawn(h.mesh_2d_worker, args=(_free_port(), str(path)), nprocs=h.MESH_2D_WORLD, join=True)
+    return torch.load(path)
+
+
+@pytest.mark.parametrize("name", h.MESH_2D_SCENARIOS)
+def test_fsdp2_over_tensor_parallel_on_a_2d_mesh_equals_one_process(mesh_2d_runs, name):
+    """FSDP2 over TP on a 2 x 2 mesh: a weight sharded on both dimensions (the TP one a _StridedShard) has its
+    norms summed over both, a bias sharded on one over that one; one all-reduce per process group (the "dp"
+    and "tp" groups: 2 a step with norms), equal to one process."""
+    run = mesh_2d_runs[name]
+    assert run["placements"]["0.weight"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
+    assert run["placements"]["2.bias"] == "(Shard(dim=0), Replicate())"
+    assert run["all_reduces"] == [0 if name == "plain" else 2] * h.STEPS
+    model = h.make_tp_model()
+    optimizer = h.make_optimizer(model, h.SCENARIOS[name][1])
+    h.train(model, optimizer, h.batches())
+    _assert_same(run, h.snapshot(model, optimizer))
+
+
 def test_ddp_equals_one_process(runs):
     results, _ = runs
     _assert_same(results["ddp"], h.one_process("lars"))
@@ -152,6 +177,12 @@ def test_dcp_checkpoint_of_two_ranks_continues_in_one_process(runs):
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
     h.train(model, optimizer, h.batches()[2:])
     _assert_same(h.snapshot(model, optimizer), h.one_process("lars"))
+
+
+def test_a_partial_param_is_refused_and_changes_nothing(runs):
+    results, _ = runs
+    assert "Partial placement" in results["partial_param"] and "Redistribute" in results["partial_param"]
+    assert results["partial_param_unchanged"]
 
 
 def test_plain_state_into_sharded_params_is_refused_and_changes_nothing(runs):
