@@ -289,12 +289,13 @@ def _tensor_parallel_runs(out: dict[str, Any]) -> None:
 # FSDP2 over tensor parallelism on a 2 x 2 mesh (4 processes): the scenarios and the mesh's dimension names.
 MESH_2D_WORLD = 4
 MESH_2D_SCENARIOS = ("plain", "lars", "lars_decayed_grad_max_grad_norm")
+HSDP_SCENARIO = "lars_max_grad_norm"
 
 
 def mesh_2d_worker(rank: int, port: int, result_path: str) -> None:
     """Tensor parallelism on the mesh's "tp" dimension, then FSDP2 on its "dp" dimension: weights sharded on
     both (FSDP2 makes the TP-sharded dimension a _StridedShard), a bias sharded on "dp" and replicated on
-    "tp", and a last layer on the "dp" submesh alone."""
+    "tp", and a last layer on the "dp" submesh alone. Then HSDP: FSDP2 on the whole mesh."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -316,6 +317,17 @@ def mesh_2d_worker(rank: int, port: int, result_path: str) -> None:
             train(model, optimizer, batches(), counts)
             placements = {n: str(p.placements) for n, p in model.named_parameters()}
             out[name] = {**snapshot(model, optimizer), "all_reduces": counts, "placements": placements}
+        # HSDP: replicated over the first dimension, sharded over the second: only the second's group sums.
+        model = make_model()
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        optimizer = make_optimizer(model, SCENARIOS[HSDP_SCENARIO][1])
+        counts = []
+        train(model, optimizer, batches(), counts)
+        placements = {n: str(p.placements) for n, p in model.named_parameters()}
+        out["hsdp"] = {**snapshot(model, optimizer), "all_reduces": counts, "placements": placements}
         if rank == 0:
             torch.save(out, result_path)
     finally:

@@ -144,6 +144,15 @@ def test_fsdp2_over_tensor_parallel_on_a_2d_mesh_equals_one_process(mesh_2d_runs
     _assert_same(run, h.snapshot(model, optimizer))
 
 
+def test_hsdp_sums_norms_over_the_sharded_dimension_only(mesh_2d_runs):
+    """HSDP (replicated over the mesh's first dimension, sharded over its second): LARS with clipping takes
+    one all-reduce a step, over the shard group, and equals one process."""
+    run = mesh_2d_runs["hsdp"]
+    assert set(run["placements"].values()) == {"(Replicate(), Shard(dim=0))"}
+    assert run["all_reduces"] == [1] * h.STEPS
+    _assert_same(run, h.one_process(h.HSDP_SCENARIO))
+
+
 def test_ddp_equals_one_process(runs):
     results, _ = runs
     _assert_same(results["ddp"], h.one_process("lars"))
