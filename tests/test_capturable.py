@@ -50,13 +50,15 @@ def _loss(model: nn.Module, step: int, device: torch.device) -> torch.Tensor:
     return nn.functional.mse_loss(model(data), target)
 
 
+@pytest.mark.parametrize("backend", ["auto", "torch"])
 @pytest.mark.parametrize("name", list(SCHEDULES))
-def test_device_schedule_gives_the_host_schedules_lrs(name, device):
+def test_device_schedule_gives_the_host_schedules_lrs(name, backend, device):
     """Every step's lrs, read from the device, are WarmupSchedule.lr_at's doubles: bit for bit on the CPU;
-    on CUDA within a few ulps (its cos and pow are not the host libm's). Past the end they hold f(T)."""
+    on CUDA within a few ulps (its cos and pow are not the host libm's). Past the end they hold f(T). The
+    reference backend runs the same schedule (reading the position on the host)."""
     schedule = WarmupSchedule(**SCHEDULES[name])
     model = _model(device)
-    optimizer = FusedSGD(_groups(model), momentum=0.9, capturable=True)
+    optimizer = FusedSGD(_groups(model), momentum=0.9, capturable=True, backend=backend)
     scheduler = WarmupLR(optimizer, **SCHEDULES[name])
     for step in range(schedule.total_steps + 3):
         expected = torch.tensor([schedule.lr_at(step, peak) for peak in PEAKS], dtype=torch.float64)
@@ -214,10 +216,24 @@ def test_capturable_errors_name_the_fix():
     scheduler = WarmupLR(optimizer, total_steps=5)
     with pytest.raises(ValueError, match="without an epoch"):
         scheduler.step(3)
-    optimizer.add_param_group({"params": [nn.Parameter(torch.zeros(2))]})
+    lrs = optimizer.lr_tensor().tolist()
+    optimizer.add_param_group({"params": [nn.Parameter(torch.zeros(2))], "lr": 0.5})
+    assert optimizer.lr_tensor().tolist() == [*lrs, 0.5]  # the lrs move to a larger tensor, kept
     with pytest.raises(ValueError, match="after adding every parameter group"):
         scheduler.step()
     assert scheduler.last_epoch == 0  # nothing advanced
+
+
+def test_a_copied_capturable_optimizer_binds_its_own_lrs():
+    import copy
+
+    model = _model(torch.device("cpu"))
+    optimizer = FusedSGD(_groups(model), momentum=0.9, capturable=True)
+    clone = copy.deepcopy(optimizer)
+    assert clone.capturable and clone.lr_tensor().tolist() == list(PEAKS)
+    assert clone.lr_tensor().data_ptr() != optimizer.lr_tensor().data_ptr()
+    clone.param_groups[0]["lr"].fill_(0.0)
+    assert optimizer.lr_tensor().tolist() == list(PEAKS)
 
 
 @needs_cuda
