@@ -357,13 +357,25 @@ class CachedPlan:
             else cls.capture(optimizer, buckets, device)
         )
 
-    @classmethod
-    def capture_sharded(cls, optimizer: FusedSGD, plan: Plan, device: torch.device) -> CachedPlan:
-        """Keeps a step of DTensor params just planned (no new state) for the next steps."""
+    @staticmethod
+    def _stepped(optimizer: FusedSGD) -> tuple[list[Tensor], list[Tensor], dict[int, int]]:
+        """Every param, those with a grad (the stepped ones), and each stepped param's position among them."""
         params = [p for g in optimizer.param_groups for p in g["params"]]
         stepped = [p for p in params if p.grad is not None]
-        position = {id(p): i for i, p in enumerate(stepped)}
-        stepped_dicts = [optimizer.state.get(p, _NO_STATE) for p in stepped]
+        return params, stepped, {id(p): i for i, p in enumerate(stepped)}
+
+    @classmethod
+    def _kept(
+        cls,
+        optimizer: FusedSGD,
+        params: list[Tensor],
+        stepped: list[Tensor],
+        buckets: dict[tuple, Bucket],
+        device: torch.device,
+        **kept: Any,
+    ) -> CachedPlan:
+        """A kept plan: what ``matches`` checks, recorded now, and ``kept``, what its kind of step keeps."""
+        stepped_dicts = [optimizer.state.get(p, _NO_STATE) for p in stepped]  # momentum 0: no state, as torch
         return cls(
             group_key=cls._group_key(optimizer),
             params=params,
@@ -371,8 +383,21 @@ class CachedPlan:
             state_dicts=list(optimizer.state.values()),
             stepped_dicts=stepped_dicts,
             buffers=list(map(_get_buffer, stepped_dicts)),
-            masters=list(map(_get_master, stepped_dicts)) if any(key[2] for key in plan.buckets) else [],
+            masters=list(map(_get_master, stepped_dicts)) if any(key[2] for key in buckets) else [],
             device=device,
+            **kept,
+        )
+
+    @classmethod
+    def capture_sharded(cls, optimizer: FusedSGD, plan: Plan, device: torch.device) -> CachedPlan:
+        """Keeps a step of DTensor params just planned (no new state) for the next steps."""
+        params, stepped, position = cls._stepped(optimizer)
+        return cls._kept(
+            optimizer,
+            params,
+            stepped,
+            plan.buckets,
+            device,
             step=None,
             backends={},
             sharded_plan=plan,
@@ -416,9 +441,7 @@ class CachedPlan:
     @classmethod
     def capture(cls, optimizer: FusedSGD, buckets: dict[tuple, Bucket], device: torch.device) -> CachedPlan:
         """Keeps the step just planned (buckets on one device, no new state) for the next steps."""
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        stepped = [p for p in params if p.grad is not None]
-        position = {id(p): i for i, p in enumerate(stepped)}
+        params, stepped, position = cls._stepped(optimizer)
         kernels.load_extension(device.type)
         step = torch.classes.lightning_fusedsgd.CachedStep(
             params, [p.grad is not None for p in params], [p.detach() for p in stepped]
@@ -431,16 +454,12 @@ class CachedPlan:
                 bucket.tensor_group,
                 [position[id(p)] for p in bucket.sources],
             )
-        stepped_dicts = [optimizer.state.get(p, _NO_STATE) for p in stepped]  # momentum 0: no state, as torch
-        return cls(
-            group_key=cls._group_key(optimizer),
-            params=params,
-            state_keys=list(optimizer.state),
-            state_dicts=list(optimizer.state.values()),
-            stepped_dicts=stepped_dicts,
-            buffers=list(map(_get_buffer, stepped_dicts)),
-            masters=list(map(_get_master, stepped_dicts)) if any(key[2] for key in buckets) else [],
-            device=device,
+        return cls._kept(
+            optimizer,
+            params,
+            stepped,
+            buckets,
+            device,
             step=step,
             backends={bucket_name(key): "compiled (cached step)" for key in buckets},
         )

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import lightning_fusedsgd.optim as optim
 from lightning_fusedsgd import FusedSGD, sharding
 
 WORLD = 2
@@ -82,47 +83,27 @@ def train(model: nn.Module, optimizer: Any, data: list, counts: list[int] | None
     for x, y in data:
         optimizer.zero_grad()
         ((model(x) - y) ** 2).mean().backward()
-        with _counting_all_reduce() as count:
+        with _counting_calls(dist, "all_reduce") as count:
             optimizer.step()
         if counts is not None:
             counts.append(count[0])
 
 
 @contextlib.contextmanager
-def _counting_plans():
-    """Counts the steps that planned from scratch (plan_step) inside the block, rather than reusing the kept
-    plan."""
-    import lightning_fusedsgd.optim as optim
-
-    original = optim.plan_step
+def _counting_calls(owner: Any, name: str):
+    """Counts the calls of ``owner.name`` made inside the block."""
+    original = getattr(owner, name)
     count = [0]
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         count[0] += 1
         return original(*args, **kwargs)
 
-    optim.plan_step = counted
+    setattr(owner, name, counted)
     try:
         yield count
     finally:
-        optim.plan_step = original
-
-
-@contextlib.contextmanager
-def _counting_all_reduce():
-    """Counts the calls of torch.distributed.all_reduce made inside the block."""
-    original = dist.all_reduce
-    count = [0]
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        count[0] += 1
-        return original(*args, **kwargs)
-
-    dist.all_reduce = counted
-    try:
-        yield count
-    finally:
-        dist.all_reduce = original
+        setattr(owner, name, original)
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
@@ -183,7 +164,8 @@ def _sharded_runs(out: dict[str, Any], checkpoint_dir: Path) -> None:
         model = _shard(make_model(dtype))
         optimizer = make_optimizer(model, kwargs)
         counts: list[int] = []
-        with _counting_plans() as planned:
+        # plan_step calls: the steps that planned from scratch rather than reusing the kept plan.
+        with _counting_calls(optim, "plan_step") as planned:
             train(model, optimizer, batches(dtype), counts)
         out[name] = {
             **snapshot(model, optimizer),
