@@ -46,7 +46,7 @@ class ShardedMLP(pl.LightningModule):
 
     def configure_optimizers(self):
         schedule = Schedule(decay="constant", warmup=3, unit="step")
-        return configure_fused_sgd(self, lr=0.5, reference_batch_size=None, lars=True, schedule=schedule)
+        return configure_fused_sgd(self, lr=0.5, lars=True, schedule=schedule)
 
 
 def snapshot(trainer: pl.Trainer, module: pl.LightningModule) -> dict:

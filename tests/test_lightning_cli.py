@@ -64,10 +64,10 @@ def test_missing_data_fails_fast_with_one_clear_message(tmp_path):
 
 
 def test_cfg_job_prints_the_composed_recipe():
-    result = run_train_py(["recipe=resnet50_lars", "optim.lr=9.0", "--cfg", "job"])
+    result = run_train_py(["recipe=resnet50_lars", "optim.base_lr=9.0", "--cfg", "job"])
     assert result.returncode == 0, result.stderr
     assert "lars: true" in result.stdout
-    assert "lr: 9.0" in result.stdout
+    assert "base_lr: 9.0" in result.stdout
     assert "arch: resnet50" in result.stdout
     assert "decay: poly" in result.stdout
 

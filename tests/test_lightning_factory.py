@@ -39,7 +39,7 @@ def factory_log():
 def test_factory_in_own_module_scales_lr_and_follows_schedule(factory_log):
     # 80 samples / batch 16 = 5 batches per epoch; accumulating 2 -> ceil(5/2) = 3 steps per epoch.
     module = TinyClassifier(
-        lr=0.2,
+        base_lr=0.2,
         reference_batch_size=256,
         momentum=0.9,
         weight_decay=5e-4,
@@ -75,20 +75,20 @@ def test_factory_in_own_module_scales_lr_and_follows_schedule(factory_log):
     assert all(group["momentum"] == 0.9 for group in optimizer.param_groups)
 
     [line] = [r.getMessage() for r in factory_log if r.getMessage().startswith("configure_fused_sgd:")]
-    assert "peak lr 0.025 = 0.2 x 32/256" in line
+    assert "peak lr 0.025 = base_lr 0.2 x 32/256" in line
     assert "global batch 32 (16 per device x 1 processes x 2 accumulated)" in line
     assert "warmup 3 of 9 steps" in line
     assert "decay 2 tensors" in line and "no_decay 4 tensors" in line
 
 
-def test_factory_lars_groups_and_unscaled_lr():
-    module = TinyClassifier(lr=0.3, reference_batch_size=None, lars=True, schedule=Schedule(decay="constant"))
+def test_factory_lars_groups_and_lr_as_given():
+    module = TinyClassifier(lr=0.3, lars=True, schedule=Schedule(decay="constant"))
     trainer = cpu_trainer(max_steps=2)
     trainer.fit(module)
     groups = {group["name"]: group for group in trainer.optimizers[0].param_groups}
     assert groups["decay_lars"]["lars"] is True
     assert groups["no_decay_no_lars"]["lars"] is False
-    # reference_batch_size=None: lr is the peak as given.
+    # lr is the peak as given: no linear scaling.
     assert all(group["lr"] == pytest.approx(0.3) for group in groups.values())
 
 
@@ -158,7 +158,7 @@ def test_run_summary_records_the_lr_each_step_used(tmp_path):
     from lightning_fusedsgd.lightning import RunSummary
 
     summary = RunSummary(str(tmp_path))
-    model = TinyClassifier(lr=0.2, schedule=Schedule(warmup=3, unit="step", decay="linear"))
+    model = TinyClassifier(base_lr=0.2, schedule=Schedule(warmup=3, unit="step", decay="linear"))
     trainer = cpu_trainer(max_epochs=2, callbacks=[summary])
     trainer.fit(model)
     scheduler = trainer.lr_scheduler_configs[0].scheduler
@@ -167,3 +167,31 @@ def test_run_summary_records_the_lr_each_step_used(tmp_path):
     assert [step for step, _ in summary.lr] == list(range(1, trainer.global_step + 1))
     assert [lr for _, lr in summary.lr] == pytest.approx(expected, rel=1e-12)
     assert summary.lr[0][1] == pytest.approx(0.0)  # warmup starts at start_factor 0 x peak
+
+
+class LrAttributeClassifier(TinyClassifier):
+    """The pattern lr_find expects: the module's ``lr`` attribute, passed to the factory as the peak lr."""
+
+    def __init__(self, lr: float = 0.1, **factory_kwargs) -> None:
+        super().__init__(**factory_kwargs)
+        self.lr = lr
+
+    def configure_optimizers(self):
+        return configure_fused_sgd(self, lr=self.lr, **self.factory_kwargs)
+
+
+def test_lr_find_suggestion_is_the_peak_lr_the_next_fit_uses():
+    from lightning.pytorch.tuner import Tuner
+
+    module = LrAttributeClassifier(samples=320, schedule=Schedule(decay="constant"))
+    recorder = LrRecorder()
+    trainer = cpu_trainer(max_epochs=1, callbacks=[recorder])
+    finder = Tuner(trainer).lr_find(
+        module, min_lr=1e-4, max_lr=1.0, num_training=20, update_attr=True, attr_name="lr"
+    )
+    suggestion = finder.suggestion()
+    assert suggestion is not None and module.lr == suggestion
+    recorder.lrs.clear()
+    trainer.fit(module)
+    # Every step of the fit runs at the suggested lr, in both groups: no batch scaling on top of it.
+    assert recorder.lrs and all(lrs == [suggestion, suggestion] for lrs in recorder.lrs)

@@ -112,7 +112,7 @@ def test_gradient_clip_val_clips_in_the_fused_step_like_lightning_clips_torch_sg
     """A module with no configure_gradient_clipping of its own: Trainer(gradient_clip_val=...) works under
     every precision, with one fused call per step, and equals torch.optim.SGD clipped by Lightning."""
     trainer_kwargs, tolerance = PRECISIONS[precision]
-    factory = dict(schedule=CONSTANT, lr=0.5, reference_batch_size=None, master_weights=False)
+    factory = dict(schedule=CONSTANT, lr=0.5, master_weights=False)
     clip = (algorithm, CLIP[algorithm])
     torch.manual_seed(0)
     ours = TinyClassifier(**factory)
@@ -131,7 +131,7 @@ def test_gradient_clip_val_clips_in_the_fused_step_like_lightning_clips_torch_sg
 
 def test_gradient_clip_val_changes_the_run():
     """The clip thresholds above are active: without clipping the weights differ."""
-    factory = dict(schedule=CONSTANT, lr=0.5, reference_batch_size=None)
+    factory = dict(schedule=CONSTANT, lr=0.5)
     runs = []
     for clip in (("norm", CLIP["norm"]), None):
         torch.manual_seed(0)
@@ -142,7 +142,7 @@ def test_gradient_clip_val_changes_the_run():
 
 
 def test_clipping_with_accumulation_clips_the_accumulated_gradient_once_per_step():
-    factory = dict(schedule=CONSTANT, lr=0.5, reference_batch_size=None)
+    factory = dict(schedule=CONSTANT, lr=0.5)
     clip = ("norm", CLIP["norm"])
     torch.manual_seed(0)
     ours = TinyClassifier(**factory)
@@ -184,7 +184,7 @@ class OverflowAt(TinyClassifier):
 
 def test_skipped_steps_do_not_advance_the_schedule_under_lightning(tmp_path):
     schedule = Schedule(decay="linear", warmup=3, unit="step")
-    module = OverflowAt({1, 2}, schedule=schedule, lr=1.0, reference_batch_size=None)
+    module = OverflowAt({1, 2}, schedule=schedule, lr=1.0)
     trainer = cpu_trainer(
         max_epochs=1, plugins=[MixedPrecision("16-mixed", "cpu")], callbacks=[RunSummary(str(tmp_path))]
     )

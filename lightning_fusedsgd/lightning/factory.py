@@ -3,7 +3,7 @@
 Use it in your own LightningModule::
 
     def configure_optimizers(self):
-        return configure_fused_sgd(self, lr=0.1, weight_decay=1e-4,
+        return configure_fused_sgd(self, base_lr=0.1, weight_decay=1e-4,
                                    schedule=Schedule(warmup=5, decay="multistep", milestones=(30, 60, 80)))
 
 or as a Hydra node (``_target_: lightning_fusedsgd.lightning.configure_fused_sgd`` with
@@ -117,8 +117,9 @@ class Schedule:
 def configure_fused_sgd(
     module: pl.LightningModule,
     *,
-    lr: float = 0.1,
-    reference_batch_size: int | None = 256,
+    lr: float | None = None,
+    base_lr: float | None = None,
+    reference_batch_size: int = 256,
     momentum: float = 0.9,
     weight_decay: float = 1e-4,
     nesterov: bool = False,
@@ -142,13 +143,21 @@ def configure_fused_sgd(
     Call it from ``configure_optimizers``. Lightning's ``gradient_clip_val`` then clips inside the fused
     step under every precision (see :func:`clip_gradients`). The peak lr follows the linear scaling rule
     with the global batch ``per-device batch x trainer.world_size (devices x nodes) x
-    accumulate_grad_batches``; the schedule spans ``trainer.estimated_stepping_batches``. Logs one line
-    with the resolved values.
+    accumulate_grad_batches`` when given as ``base_lr``; the schedule spans
+    ``trainer.estimated_stepping_batches``. Logs one line with the resolved values.
+
+    ``lr`` is always the absolute peak lr, the value a group has after warmup: what Lightning's
+    ``Tuner.lr_find(update_attr=True)`` suggests and writes to ``module.lr``, so
+    ``configure_fused_sgd(self, lr=self.lr)`` trains with the lr it found. ``base_lr`` is the lr of a
+    recipe stated per ``reference_batch_size`` images (0.1 per 256 for ResNet-50), scaled linearly to the
+    run's global batch.
 
     Args:
         module: The LightningModule, attached to a trainer.
-        lr: Base lr for ``reference_batch_size`` images per step.
-        reference_batch_size: Batch size ``lr`` was tuned for; ``None`` uses ``lr`` as the peak as is.
+        lr: The peak lr, used as given; when set, ``base_lr`` and ``reference_batch_size`` are not used.
+        base_lr: The lr for ``reference_batch_size`` images per step, scaled to the global batch (used
+            when ``lr`` is None; 0.1 when both are None).
+        reference_batch_size: Batch size ``base_lr`` was tuned for.
         momentum: Momentum factor.
         weight_decay: L2 weight decay of the decayed group.
         nesterov: Nesterov momentum.
@@ -188,7 +197,13 @@ def configure_fused_sgd(
     if batch_size is None:
         batch_size = _per_device_batch_size(trainer)
     global_batch = batch_size * trainer.world_size * accumulate
-    peak_lr = float(lr) if reference_batch_size is None else scaled_lr(lr, global_batch, reference_batch_size)
+    if lr is not None:
+        peak_lr = float(lr)
+        scaling = " (lr, as given)"
+    else:
+        base_lr = 0.1 if base_lr is None else base_lr
+        peak_lr = scaled_lr(base_lr, global_batch, reference_batch_size)
+        scaling = f" = base_lr {base_lr:g} x {global_batch}/{reference_batch_size}"
 
     if not lars:
         # One decayed and one excluded group, as plain SGD recipes have.
@@ -227,7 +242,6 @@ def configure_fused_sgd(
     )
     _clip_in_the_step(module)
 
-    scaling = "" if reference_batch_size is None else f" = {lr:g} x {global_batch}/{reference_batch_size}"
     rank_zero_info(
         f"configure_fused_sgd: {'LARS' if lars else 'SGD'} peak lr {peak_lr:g}{scaling}, "
         f"global batch {global_batch} "
