@@ -458,37 +458,35 @@ class FusedSGD(Optimizer):
         Keeps fp32 master weights and fp32 momentum of master-weighted params in fp32 (torch's loader
         would cast them to the param's dtype), and fills hyperparameters that a ``torch.optim.SGD``
         checkpoint lacks (``lars``, ``master_weights``, ...) from the current groups.
+
+        Hooks work as in torch, for every dtype: ``register_load_state_dict_pre_hook`` hooks run first and
+        what they return or edit is what is checked and loaded; post hooks run once the state is in place,
+        fp32 masters and buffers included.
         """
+        state_dict = state_dict.copy()  # shallow, as torch: a pre-hook may edit it
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
         self._check_loadable(state_dict)
         if not same_param_layout(state_dict, self.param_groups):
             # A different grouping (e.g. torch.optim.SGD's one group for our two): move state by name.
             state_dict = remap_optimizer_state_dict(state_dict, self.param_groups, source="optimizer state")
-        groups = self.param_groups
-        saved_groups = state_dict["param_groups"]
-        if len(groups) == len(saved_groups) and all(
-            len(g["params"]) == len(s["params"]) for g, s in zip(groups, saved_groups)
-        ):
-            id_to_param = {
-                saved_id: (group_index, param_index, param)
-                for group_index, (group, saved) in enumerate(zip(groups, saved_groups))
-                for param_index, (saved_id, param) in enumerate(zip(saved["params"], group["params"]))
-            }
-            keep_fp32 = {}
-            for saved_id, saved_state in state_dict["state"].items():
-                if saved_id not in id_to_param:
-                    continue
-                group_index, param_index, param = id_to_param[saved_id]
-                check_state_shapes(saved_state, groups[group_index], group_index, param_index, param)
-                if groups[group_index]["master_weights"] and param.dtype in LOW_PRECISION:
-                    keep_fp32[param] = {
-                        key: saved_state[key].to(device=param.device, dtype=torch.float32, copy=True)
-                        for key in ("momentum_buffer", "master_param")
-                        if isinstance(saved_state.get(key), Tensor)
-                    }
-        else:
-            keep_fp32 = {}
-        current = [dict(group) for group in groups]
-        super().load_state_dict(state_dict)
+        keep_fp32 = self._fp32_state(state_dict)
+        current = [dict(group) for group in self.param_groups]
+        # torch's loader casts every state tensor to its param's dtype; the hooks already ran above, and the
+        # post hooks run below, once the fp32 state is back.
+        pre_hooks, post_hooks = (
+            self._optimizer_load_state_dict_pre_hooks,
+            self._optimizer_load_state_dict_post_hooks,
+        )
+        self._optimizer_load_state_dict_pre_hooks = type(pre_hooks)()
+        self._optimizer_load_state_dict_post_hooks = type(post_hooks)()
+        try:
+            super().load_state_dict(state_dict)
+        finally:
+            self._optimizer_load_state_dict_pre_hooks = pre_hooks
+            self._optimizer_load_state_dict_post_hooks = post_hooks
         self._cached_plan = None
         for group, before in zip(self.param_groups, current):
             for key, value in before.items():
@@ -496,6 +494,36 @@ class FusedSGD(Optimizer):
         for param, values in keep_fp32.items():
             self.state[param].update(values)
         self._checked_hparams = None
+        for hook in post_hooks.values():
+            hook(self)
+
+    def _fp32_state(self, state_dict: dict[str, Any]) -> dict[Tensor, dict[str, Tensor]]:
+        """The fp32 momentum buffers and masters of master-weighted bf16/fp16 params, as they will be stored
+        (torch's loader would cast them to the param's dtype); checks every state's shapes first."""
+        groups = self.param_groups
+        saved_groups = state_dict["param_groups"]
+        if len(groups) != len(saved_groups) or any(
+            len(g["params"]) != len(s["params"]) for g, s in zip(groups, saved_groups)
+        ):
+            return {}  # torch's loader refuses it
+        id_to_param = {
+            saved_id: (group_index, param_index, param)
+            for group_index, (group, saved) in enumerate(zip(groups, saved_groups))
+            for param_index, (saved_id, param) in enumerate(zip(saved["params"], group["params"]))
+        }
+        keep_fp32 = {}
+        for saved_id, saved_state in state_dict["state"].items():
+            if saved_id not in id_to_param:
+                continue
+            group_index, param_index, param = id_to_param[saved_id]
+            check_state_shapes(saved_state, groups[group_index], group_index, param_index, param)
+            if groups[group_index]["master_weights"] and param.dtype in LOW_PRECISION:
+                keep_fp32[param] = {
+                    key: saved_state[key].to(device=param.device, dtype=torch.float32, copy=True)
+                    for key in ("momentum_buffer", "master_param")
+                    if isinstance(saved_state.get(key), Tensor)
+                }
+        return keep_fp32
 
     def _check_loadable(self, state_dict: Any) -> None:
         """Refuses, before anything changes, a state dict that is not an optimizer's, holds values that

@@ -638,3 +638,44 @@ def test_optimizer_state_written_before_the_custom_ops_refactor_still_loads():
     for p in params:
         if p.dtype == torch.bfloat16:
             assert torch.equal(p.detach(), opt.state[p]["master_param"].bfloat16())
+
+
+def _stepped_state(dtype: torch.dtype) -> tuple[list[nn.Parameter], dict]:
+    """Params of ``dtype`` and the state dict of two FusedSGD steps on them (fp32 masters for low precision)."""
+    generator = torch.Generator().manual_seed(0)
+    params = [nn.Parameter(torch.randn(shape, generator=generator).to(dtype)) for shape in [(5, 3), (4,)]]
+    optimizer = FusedSGD(params, lr=0.1, momentum=0.9, master_weights=True)
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=generator).to(dtype)
+        optimizer.step()
+    return params, copy.deepcopy(optimizer.state_dict())
+
+
+def _double_the_buffers(optimizer, state_dict):
+    for state in state_dict["state"].values():
+        state["momentum_buffer"] = state["momentum_buffer"] * 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_load_state_dict_hooks_decide_what_is_loaded_for_every_dtype(dtype: torch.dtype) -> None:
+    params, saved = _stepped_state(dtype)
+    target = FusedSGD([nn.Parameter(p.detach().clone()) for p in params], lr=0.1, momentum=0.9, master_weights=True)
+    seen_dtypes = []
+    target.register_load_state_dict_pre_hook(_double_the_buffers)
+    target.register_load_state_dict_post_hook(
+        lambda optimizer: seen_dtypes.extend(s["momentum_buffer"].dtype for s in optimizer.state.values())
+    )
+    expected = [saved["state"][i]["momentum_buffer"] * 2 for i in range(2)]
+    target.load_state_dict(copy.deepcopy(saved))  # the hook edits the dict it is given, as torch's do
+    buffers = [target.state[p]["momentum_buffer"] for p in target.param_groups[0]["params"]]
+    # The pre-hook's edit is what was loaded, in fp32 (the masters' dtype) for bf16 params too ...
+    assert all(b.dtype == torch.float32 and torch.equal(b, e) for b, e in zip(buffers, expected))
+    # ... and the post-hook saw the state as it stays.
+    assert seen_dtypes == [torch.float32, torch.float32]
+    if dtype == torch.float32:  # torch.optim.SGD loads the same hook's edit: the same buffers
+        oracle = torch.optim.SGD([nn.Parameter(p.detach().clone()) for p in params], lr=0.1, momentum=0.9)
+        oracle.register_load_state_dict_pre_hook(_double_the_buffers)
+        oracle.load_state_dict(copy.deepcopy(saved))
+        for b, p in zip(buffers, oracle.param_groups[0]["params"]):
+            assert torch.equal(b, oracle.state[p]["momentum_buffer"])
