@@ -230,6 +230,11 @@ class FusedSGD(Optimizer):
         if len({id(p) for p in tensors}) != len(tensors):
             # torch.optim only warns; in one fused call a repeated tensor would be updated twice at once.
             raise ValueError("A parameter group lists the same parameter twice: pass each parameter once.")
+        if self._lrs is not None and devices and devices != {self._lrs.device}:
+            raise ValueError(
+                f"capturable=True keeps the lrs on the params' device, {self._lrs.device}, and this group's "
+                f"params are on {devices.pop()}: move them there, or use one optimizer per device."
+            )
         super().add_param_group(param_group)
         self._cached_plan = None
         if self._lrs is not None:
@@ -318,7 +323,10 @@ class FusedSGD(Optimizer):
         lrs = self.lr_tensor() if self.capturable else None
         self._check_groups()
         grad_scale: Tensor | None = getattr(self, "grad_scale", None)
-        found_inf: Tensor | None = getattr(self, "found_inf", None)
+        found_inf: Tensor | int | None = getattr(self, "found_inf", None)
+        if found_inf is not None and not isinstance(found_inf, Tensor):
+            # GradScaler sums no per-device flags to the int 0 when no param of this optimizer has a grad.
+            found_inf = torch.tensor(float(found_inf))
         applied = True if found_inf is None else self._applied(found_inf)
         clip_norm = self.param_groups[0]["max_grad_norm"] is not None
         # Under torch.compile the step is traced from the plan (no cached C++ step, no address checks).

@@ -222,6 +222,13 @@ def test_capturable_errors_name_the_fix():
     with pytest.raises(ValueError, match="after adding every parameter group"):
         scheduler.step()
     assert scheduler.last_epoch == 0  # nothing advanced
+    # A group on another device is refused before it is added: the optimizer still steps.
+    groups, lrs = len(optimizer.param_groups), optimizer.lr_tensor().tolist()
+    with pytest.raises(ValueError, match="one optimizer per device"):
+        optimizer.add_param_group({"params": [on_meta]})
+    assert len(optimizer.param_groups) == groups and optimizer.lr_tensor().tolist() == lrs
+    _loss(model, 0, torch.device("cpu")).backward()
+    optimizer.step()
 
 
 def test_a_copied_capturable_optimizer_binds_its_own_lrs():

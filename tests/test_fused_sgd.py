@@ -251,6 +251,20 @@ def test_grad_scaler_unscales_in_kernel_and_skips_overflow():
             assert torch.equal(after[key][name], tensor)
 
 
+def test_grad_scaler_steps_an_optimizer_whose_params_have_no_grad_as_torch_fused_does():
+    """A second optimizer whose params got no grad this iteration (a frozen phase, multi-optimizer loops):
+    GradScaler hands it found_inf as the int 0; torch's fused SGD steps it as a no-op, so does ours."""
+    used, frozen = nn.Parameter(torch.randn(3)), nn.Parameter(torch.randn(4))
+    scaler = torch.amp.GradScaler("cpu")
+    for optimizer in (torch.optim.SGD([frozen], lr=0.1, fused=True), FusedSGD([frozen], lr=0.1, momentum=0.9)):
+        before = frozen.detach().clone()
+        used.grad = None
+        scaler.scale((used * 2).sum()).backward()
+        scaler.step(optimizer)
+        assert torch.equal(frozen, before) and not optimizer.state
+        assert not hasattr(optimizer, "grad_scale") and not hasattr(optimizer, "found_inf")
+
+
 def test_grad_scaler_with_master_weights_overflow_creates_nothing():
     params = [nn.Parameter(torch.randn(100).to(torch.bfloat16))]
     opt = FusedSGD(params, lr=0.1, momentum=0.9, master_weights=True)
