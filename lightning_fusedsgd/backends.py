@@ -124,10 +124,13 @@ def _torch_fused_step(
     lrs: Tensor | None = None,
 ) -> None:
     """Runs a bucket through ``torch._fused_sgd_``, one call per (group, first step) subset."""
-    # Never present: see _torch_fused_eligible (and FusedSGD refuses capturable with torch_fused).
-    del master_params, grad_sq_sum, lars_sq_sums, lrs
+    # Never present: see _torch_fused_eligible.
+    del master_params, grad_sq_sum, lars_sq_sums
     rows = group_hparams.tolist()
     h = {name: i for i, name in enumerate(HPARAM_COLUMNS)}
+    if lrs is not None:  # tensor lrs (FusedSGD refuses capturable with torch_fused): read on the host
+        for row, lr in zip(rows, lrs.tolist(), strict=True):
+            row[h["lr"]] = lr
     buffers = iter(momentum_buffers)
     per_param = [next(buffers) if rows[group][h["momentum"]] != 0 else None for group in tensor_group]
     subsets: dict[tuple[int, bool], list[int]] = {}

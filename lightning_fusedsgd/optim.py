@@ -320,7 +320,7 @@ class FusedSGD(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        lrs = self.lr_tensor() if self.capturable else None
+        lrs = self._lrs_on_device()
         self._check_groups()
         grad_scale: Tensor | None = getattr(self, "grad_scale", None)
         found_inf: Tensor | int | None = getattr(self, "found_inf", None)
@@ -379,7 +379,7 @@ class FusedSGD(Optimizer):
                 None if found_inf is None else found_inf.to(device),
                 None if grad_sq_sum is None else grad_sq_sum.to(device),
                 lars_sums.get(key),
-                lrs=lrs,
+                lrs=None if lrs is None else lrs.to(device),
             )
         for param, dense in plan.staged:
             param.copy_(dense)
@@ -431,13 +431,30 @@ class FusedSGD(Optimizer):
         self.last_backends.update(cached.backends)
         return True
 
+    def _lrs_on_device(self) -> Tensor | None:
+        """The groups' lrs as a float64 ``[groups]`` tensor that the op reads instead of the table's lr
+        column: a capturable optimizer's lr storage, or the lrs stacked where a group's lr is a tensor (the
+        pattern torch recommends for compiled optimizers), which a traced step reads without a graph break;
+        None where every lr is a number."""
+        if self.capturable:
+            return self.lr_tensor()
+        lrs = [group["lr"] for group in self.param_groups]
+        tensors = [lr for lr in lrs if isinstance(lr, Tensor)]
+        if not tensors:
+            return None
+        device = tensors[0].device
+        return torch.stack(
+            [torch.as_tensor(lr, dtype=torch.float64, device=device).reshape(()) for lr in lrs]
+        ).to(torch.float64)
+
     def _hparam_table(self) -> Tensor:
         rows = []
+        lr_on_device = self.capturable or any(isinstance(group["lr"], Tensor) for group in self.param_groups)
         for group in self.param_groups:
             values = {
                 **group,
-                # A capturable step reads the lr on the device (lrs); NaN makes any other use of it show.
-                "lr": math.nan if self.capturable else float(group["lr"]),
+                # Read from lrs instead (_lrs_on_device); NaN makes any other use of the column show.
+                "lr": math.nan if lr_on_device else float(group["lr"]),
                 "lars_decayed_grad": group["lars_denominator"] == "decayed_grad",
                 "max_grad_norm": group["max_grad_norm"] or 0.0,
                 "max_grad_value": math.inf if group["max_grad_value"] is None else group["max_grad_value"],
