@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
+from torch.optim.sgd import sgd
 
 from lightning_fusedsgd import sharding
 from lightning_fusedsgd.backends import BACKENDS, step_function
@@ -341,11 +342,12 @@ class FusedSGD(Optimizer):
         if (
             not tracing
             and found_inf is not None
-            and (found_inf.device.type == "cpu" or plan.new_state)
+            and (found_inf.device.type == "cpu" or plan.new_state or plan.sparse)
             and bool(found_inf.item())
         ):
             # Skipped step: nothing is written, and no (uninitialized) buffer is stored. On CUDA this syncs
-            # only on steps that would create state; otherwise the kernels skip on found_inf themselves.
+            # only on steps that would create state or step sparse gradients; otherwise the kernels skip on
+            # found_inf themselves.
             self._last_step["applied"] = applied
             return loss
         table = self._hparam_table()
@@ -381,6 +383,8 @@ class FusedSGD(Optimizer):
                 lars_sums.get(key),
                 lrs=None if lrs is None else lrs.to(device),
             )
+        if plan.sparse:
+            self._step_sparse(plan.sparse, grad_scale)
         for param, dense in plan.staged:
             param.copy_(dense)
         for param, key, value in plan.new_state:
@@ -392,6 +396,33 @@ class FusedSGD(Optimizer):
             self._cached_plan = CachedPlan.capture_if_reusable(self, plan)
         self._last_step["applied"] = applied  # set once the step went through: a refused one changes nothing
         return loss
+
+    def _step_sparse(self, sparse: list[tuple[Tensor, int]], grad_scale: Tensor | None) -> None:
+        """Steps params with sparse gradients (``nn.Embedding(sparse=True)``) through torch.optim.SGD's own
+        single-tensor path, with their group's hyperparameters and momentum buffers; under a GradScaler
+        their gradients are unscaled first, as GradScaler.unscale_ does."""
+        inv_scale = None if grad_scale is None else grad_scale.double().reciprocal().float()
+        for group_index in dict.fromkeys(index for _, index in sparse):
+            group = self.param_groups[group_index]
+            params = [param for param, index in sparse if index == group_index]
+            grads = [p.grad if inv_scale is None else p.grad * inv_scale.to(p.grad.device) for p in params]
+            buffers = [self.state.get(p, {}).get("momentum_buffer") for p in params]
+            sgd(
+                params,
+                grads,
+                buffers,
+                has_sparse_grad=True,
+                foreach=False,
+                weight_decay=group["weight_decay"],
+                momentum=group["momentum"],
+                lr=group["lr"],
+                dampening=group["dampening"],
+                nesterov=group["nesterov"],
+                maximize=group["maximize"],
+            )
+            if group["momentum"] != 0:
+                for param, buffer in zip(params, buffers):
+                    self.state[param]["momentum_buffer"] = buffer
 
     @staticmethod
     def _grad_sq_sum(plan: Any, backends: dict[Any, tuple[str, Any]]) -> Tensor:

@@ -49,6 +49,8 @@ class Plan:
     buckets: dict[tuple[torch.device, torch.dtype, bool], Bucket] = field(default_factory=dict)
     new_state: list[tuple[Tensor, str, Tensor | None]] = field(default_factory=list)
     staged: list[tuple[Tensor, Tensor]] = field(default_factory=list)
+    # Params with sparse gradients and their group index: stepped by torch's own SGD (_step_sparse).
+    sparse: list[tuple[Tensor, int]] = field(default_factory=list)
     dtensors: bool = False
     sharded: bool = False
 
@@ -133,11 +135,8 @@ def _check_steppable(param: Tensor, place: _Place) -> None:
     so the label is only built for a refusal)."""
     grad = param.grad
     if grad.is_sparse:
-        label = param_label(*place, param)
-        raise RuntimeError(
-            f"FusedSGD does not support sparse gradients ({label}): use torch.optim.SparseAdam "
-            "for it, or dense gradients (e.g. nn.Embedding(sparse=False))."
-        )
+        _check_sparse_steppable(param, place)
+        return
     if param.dtype not in _SUPPORTED_DTYPES:
         label = param_label(*place, param)
         raise TypeError(
@@ -160,6 +159,33 @@ def _check_steppable(param: Tensor, place: _Place) -> None:
         )
 
 
+# Group options that only the fused kernel has: a sparse gradient steps through torch's own SGD without them.
+_FUSED_ONLY = ("lars", "max_grad_norm", "max_grad_value", "wd_after_momentum")
+
+
+def _check_sparse_steppable(param: Tensor, place: _Place) -> None:
+    """A param with a sparse gradient is stepped as torch.optim.SGD steps it (its own single-tensor path);
+    refused where its group asks for what only the fused kernel does."""
+    group = place[0]
+    options = [name for name in _FUSED_ONLY if group[name] not in (None, False)]
+    if group["master_weights"] and param.dtype in LOW_PRECISION:
+        options.append("master_weights")
+    if group["weight_decay"] != 0:
+        label = param_label(*place, param)
+        raise RuntimeError(
+            f"{label} has a sparse gradient, which FusedSGD steps as torch.optim.SGD does, and neither adds "
+            "weight decay to one (torch raises 'add(sparse, dense) is not supported'): put it in a group with "
+            "weight_decay=0, or make its gradient dense (e.g. nn.Embedding(sparse=False))."
+        )
+    if options:
+        label = param_label(*place, param)
+        raise RuntimeError(
+            f"{label} has a sparse gradient, which FusedSGD steps as torch.optim.SGD does, without "
+            f"{', '.join(options)} (set in its group): put it in a group without them, step it with "
+            "torch.optim.SGD, or make its gradient dense (e.g. nn.Embedding(sparse=False))."
+        )
+
+
 def plan_step(optimizer: FusedSGD, tracing: bool = False) -> Plan:
     """Validates every parameter with a grad and gathers the kernel inputs, changing nothing.
 
@@ -175,6 +201,9 @@ def plan_step(optimizer: FusedSGD, tracing: bool = False) -> Plan:
                 continue
             place = (group, group_index, param_index)
             _check_steppable(param, place)
+            if param.grad.is_sparse:
+                plan.sparse.append((param, group_index))
+                continue
             if sharding.is_fsdp1_flattened(param):
                 sharding.check_fsdp1_norms(group, param_label(*place, param))
             if sharding.is_sharded(param):
@@ -228,9 +257,11 @@ def _plan_param(
             buffer = new_buffer(dense, dtype=buffer_dtype)
             plan.new_state.append((param, "momentum_buffer", sharding.like_param(buffer, param)))
         else:
-            local_buffer = sharding.local(buffer)
+            # A sparse buffer comes from a step of torch's sparse path (plan.sparse): dense from now on.
+            local_buffer = buffer.to_dense() if buffer.is_sparse else sharding.local(buffer)
             if (
-                buffer.shape != param.shape
+                buffer.is_sparse
+                or buffer.shape != param.shape
                 or sharding.is_sharded(buffer) != sharding.is_sharded(param)
                 or local_buffer.dtype != buffer_dtype
                 or local_buffer.stride() != stride
@@ -342,6 +373,7 @@ class CachedPlan:
         device = devices.pop() if len(devices) == 1 else None  # one device: the scalars move once
         reusable = (
             device is not None
+            and not plan.sparse
             and not plan.new_state
             and not plan.staged
             and device.type in kernels.EXTENSIONS

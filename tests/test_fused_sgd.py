@@ -265,6 +265,62 @@ def test_grad_scaler_steps_an_optimizer_whose_params_have_no_grad_as_torch_fused
         assert not hasattr(optimizer, "grad_scale") and not hasattr(optimizer, "found_inf")
 
 
+@pytest.mark.parametrize(
+    "hparams",
+    [
+        dict(momentum=0.9),
+        dict(momentum=0.9, nesterov=True, maximize=True),
+        dict(momentum=0.9, dampening=0.3),
+        dict(),
+    ],
+    ids=["momentum", "nesterov-maximize", "dampening", "plain"],
+)
+@pytest.mark.parametrize("scaler", [False, True], ids=["", "grad-scaler"])
+def test_sparse_gradients_step_as_torch_sgd_steps_them(hparams, scaler):
+    """nn.Embedding(sparse=True) beside dense layers: the sparse param through torch's own path, the rest
+    fused, against torch.optim.SGD on the same model (under a GradScaler too)."""
+    torch.manual_seed(0)
+    models = [nn.ModuleDict({"emb": nn.Embedding(20, 4, sparse=True), "proj": nn.Linear(4, 3)}) for _ in "ab"]
+    models[1].load_state_dict(models[0].state_dict())
+    optimizers = [
+        FusedSGD(models[0].parameters(), lr=0.1, **hparams),
+        torch.optim.SGD(models[1].parameters(), lr=0.1, **hparams),
+    ]
+    scalers = [torch.amp.GradScaler("cpu", init_scale=64.0, enabled=scaler) for _ in "ab"]
+    sign = -1.0 if hparams.get("maximize") else 1.0  # a bounded objective either way
+    for step in range(6):
+        indices = torch.tensor([step, step + 3, 7, 7])
+        for model, optimizer, grad_scaler in zip(models, optimizers, scalers):
+            optimizer.zero_grad()
+            grad_scaler.scale(sign * model["proj"](model["emb"](indices)).pow(2).sum()).backward()
+            grad_scaler.step(optimizer)
+            grad_scaler.update()
+    assert optimizers[0].state or not hparams.get("momentum")
+    for p, q in zip(models[0].parameters(), models[1].parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
+
+
+def test_a_sparse_momentum_buffer_continues_dense_when_the_gradient_turns_dense():
+    """torch.optim.SGD raises adding a dense gradient to the sparse buffer its sparse path made; FusedSGD
+    continues with the buffer made dense, which the oracle is given by hand."""
+    torch.manual_seed(0)
+    embeddings = [nn.Embedding(10, 3, sparse=True) for _ in "ab"]
+    embeddings[1].load_state_dict(embeddings[0].state_dict())
+    ours = FusedSGD(embeddings[0].parameters(), lr=0.1, momentum=0.9)
+    oracle = torch.optim.SGD(embeddings[1].parameters(), lr=0.1, momentum=0.9)
+    for step in range(4):
+        for embedding, optimizer in zip(embeddings, (ours, oracle)):
+            embedding.sparse = step < 2
+            if step == 2 and optimizer is oracle:
+                state = oracle.state[embedding.weight]
+                state["momentum_buffer"] = state["momentum_buffer"].to_dense()
+            optimizer.zero_grad()
+            embedding(torch.tensor([1, 2, 2])).sum().backward()
+            optimizer.step()
+    assert not ours.state[embeddings[0].weight]["momentum_buffer"].is_sparse
+    torch.testing.assert_close(embeddings[0].weight, embeddings[1].weight, rtol=1e-6, atol=1e-7)
+
+
 def test_grad_scaler_with_master_weights_overflow_creates_nothing():
     params = [nn.Parameter(torch.randn(100).to(torch.bfloat16))]
     opt = FusedSGD(params, lr=0.1, momentum=0.9, master_weights=True)

@@ -66,14 +66,22 @@ def test_group_on_two_devices():
         FusedSGD([nn.Parameter(torch.randn(3)), nn.Parameter(torch.randn(3, device="meta"))], lr=0.1)
 
 
-def test_sparse_gradient_names_the_parameter_and_changes_nothing():
+@pytest.mark.parametrize(
+    "options, named",
+    [
+        (dict(lars=True), "without lars"),
+        (dict(max_grad_value=1.0), "without max_grad_value"),
+        (dict(weight_decay=1e-4), "neither adds weight decay"),
+    ],
+)
+def test_sparse_gradient_with_a_fused_only_option_names_the_parameter_and_changes_nothing(options, named):
     model = nn.ModuleDict({"proj": nn.Linear(4, 4), "emb": nn.Embedding(10, 4, sparse=True)})
-    opt = FusedSGD(model.named_parameters(), lr=0.1, momentum=0.9)
+    opt = FusedSGD(model.named_parameters(), lr=0.1, momentum=0.9, **options)
     model["proj"].weight.grad = torch.ones(4, 4)
     model["emb"](torch.tensor([1, 2])).sum().backward()
     params = list(model.parameters())
     before = snapshot(opt, params)
-    with pytest.raises(RuntimeError, match=r"'emb.weight'.*SparseAdam"):
+    with pytest.raises(RuntimeError, match=rf"'emb.weight' has a sparse gradient.*{named}"):
         opt.step()
     assert_unchanged(opt, params, before)
 
