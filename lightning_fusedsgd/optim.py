@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import numbers
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -52,7 +53,7 @@ def _check_hyperparameters(group: dict[str, Any]) -> None:
         )
     for name in CLIP_OPTIONS:
         value = group[name]
-        if value is not None and not (isinstance(value, int | float) and value > 0):
+        if value is not None and not (isinstance(value, numbers.Real) and value > 0):
             raise ValueError(f"Invalid {name}: {value!r}. It must be a number > 0, or None for no clipping.")
     if group["max_grad_norm"] is not None and group["max_grad_value"] is not None:
         raise ValueError(

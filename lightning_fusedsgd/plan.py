@@ -144,6 +144,13 @@ def _check_steppable(param: Tensor, place: _Place) -> None:
             "(float32, float64, bfloat16, float16) or complex64/complex128; convert it, or leave it out of "
             "the optimizer."
         )
+    if param.is_complex() and place[0]["max_grad_value"] is not None:
+        label = param_label(*place, param)
+        raise ValueError(
+            f"max_grad_value clips each gradient element, and {label} is complex ({param.dtype}), which "
+            "torch.nn.utils.clip_grad_value_ refuses too (clamp is not defined for complex numbers): use "
+            "max_grad_norm for this group, or leave it unclipped."
+        )
     if grad.shape != param.shape:
         label = param_label(*place, param)
         raise ValueError(

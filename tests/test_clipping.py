@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 from oracles import assert_close_rel, lars_oracle_step
@@ -152,6 +153,37 @@ def test_clipping_under_grad_scaler_sees_unscaled_gradients_and_skips_overflow(c
                 assert not bool(ours.last_step_applied)
         assert_close_rel(list(model.parameters()), list(reference.parameters()), 1e-5)
     assert scalers[0].get_scale() == scalers[1].get_scale()
+
+
+@pytest.mark.parametrize("make_threshold", [np.float32, np.float64, np.int64, int, float])
+@pytest.mark.parametrize("algorithm", ["norm", "value"])
+def test_any_real_number_is_a_threshold_as_in_torch(make_threshold, algorithm):
+    """torch's clip functions take any real number: numpy scalars clip exactly as the float does."""
+    runs = []
+    for threshold in (make_threshold(1), 1.0):
+        params = make_params("cpu")
+        optimizer = FusedSGD(params, lr=0.1, momentum=0.9, **clip_kwargs(algorithm, threshold))
+        for p in params:
+            p.grad = torch.full_like(p, 3.0)
+        optimizer.step()
+        runs.append(params)
+    assert all(torch.equal(p, q) for p, q in zip(*runs))
+
+
+def test_max_grad_value_refuses_complex_params_as_torch_does_and_changes_nothing():
+    params = [nn.Parameter(torch.randn(4, dtype=torch.complex64)), nn.Parameter(torch.randn(3))]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    probe = nn.Parameter(params[0].detach().clone())
+    probe.grad = params[0].grad.clone()
+    with pytest.raises(NotImplementedError):  # the oracle: torch refuses it too
+        torch.nn.utils.clip_grad_value_([probe], 0.5)
+    optimizer = FusedSGD(params, lr=0.1, momentum=0.9, max_grad_value=0.5)
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(ValueError, match="max_grad_value clips each gradient element.*complex.*max_grad_norm"):
+        optimizer.step()
+    assert all(torch.equal(p, b) for p, b in zip(params, before)) and not optimizer.state
+    FusedSGD(params, lr=0.1, momentum=0.9, max_grad_norm=0.5).step()  # the norm is defined for complex
 
 
 def test_clipping_options_are_checked_before_anything_changes():
