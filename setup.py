@@ -1,14 +1,16 @@
-"""Builds the wheel's kernels ahead of time (README: "Installing from a wheel"); the metadata is in
-pyproject.toml.
+"""Builds the wheel's kernels ahead of time (docs: Installing); the metadata is in pyproject.toml.
 
 ``pip wheel --no-build-isolation .`` compiles, against the torch installed here:
-- the CPU kernel once per instruction set of ``kernels.CPU_CAPABILITIES`` (x86-64; baseline only elsewhere),
-  each a whole library, ``lightning_fusedsgd/_lib/cpu_<capability>``;
-- the CUDA kernel, ``_lib/cuda``, where torch has CUDA and nvcc is found, for ``TORCH_CUDA_ARCH_LIST``
-  (default ``DEFAULT_CUDA_ARCH_LIST``); ``LIGHTNING_FUSEDSGD_BUILD_CUDA=0`` turns it off, ``=1`` makes a
-  missing nvcc an error;
-and records in ``_lib/build.json`` the torch version and the libraries, which ``kernels.py`` reads at load.
-Editable installs (``make install``) build nothing: the kernels compile on first use there.
+- the CPU kernel once per instruction set of ``_build.CPU_CAPABILITIES`` (x86-64; baseline only elsewhere),
+each
+  a whole library, ``lightning_fusedsgd/ops/_lib/cpu_<capability>``;
+- the CUDA kernel, ``ops/_lib/cuda``, where torch has CUDA and a CUDA toolkit is found (the one the nvcc on
+PATH
+  belongs to, also behind a wrapper script, or ``CUDA_HOME``), for ``TORCH_CUDA_ARCH_LIST`` (default
+  ``_build.DEFAULT_CUDA_ARCH_LIST``); where none is found, the wheel has the CPU kernels and one line says
+  why. ``LIGHTNING_FUSEDSGD_BUILD_CUDA=0`` leaves CUDA out, ``=1`` makes a missing toolkit an error;
+and records in ``ops/_lib/build.json`` the torch version and each library's path, size and SHA-256, which the
+loader checks. Editable installs (``make install``) build nothing: the kernels compile on first use there.
 """
 
 from __future__ import annotations
@@ -24,11 +26,28 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 BUILD_CUDA_ENV = "LIGHTNING_FUSEDSGD_BUILD_CUDA"
-DEFAULT_CUDA_ARCH_LIST = "8.0;9.0+PTX"  # A100, H100/H200 machine code; PTX for later GPUs
 PACKAGE = "lightning_fusedsgd"
-CSRC = Path(PACKAGE, "csrc")
+CSRC = Path(PACKAGE, "ops", "csrc")
 NO_DEBUG = "-g0"  # Python's own compiler flags add -g: 6 MB instead of 0.5 MB a library
-HEADERS = sorted(str(path) for path in CSRC.glob("*.h"))
+
+
+def _load_build_description():
+    """lightning_fusedsgd/ops/_build.py (standard library only), read before anything imports the package."""
+    spec = importlib.util.spec_from_file_location(
+        "_lightning_fusedsgd_build", Path(PACKAGE, "ops", "_build.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+_build = _load_build_description()
+# torch takes the parent of nvcc's folder as the toolkit, which is wrong where nvcc is a wrapper script: point
+# it at the toolkit nvcc belongs to before torch.utils.cpp_extension reads CUDA_HOME at import.
+TOOLKIT, TOOLKIT_FOUND = _build.cuda_toolkit()
+if TOOLKIT is not None:
+    os.environ.setdefault("CUDA_HOME", str(TOOLKIT))
 
 try:
     import torch
@@ -37,56 +56,47 @@ except ImportError:  # an isolated build environment: fine for editable installs
     torch = None
 
 
-def _kernels():
-    """lightning_fusedsgd/kernels.py, loaded alone (the package's __init__ needs its dependencies): the
-    build flags, written once for the wheel and for the build on first use."""
-    spec = importlib.util.spec_from_file_location("_lfsgd_kernels", Path(PACKAGE, "kernels.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
 def _build_cuda() -> bool:
     switch = os.environ.get(BUILD_CUDA_ENV, "")
     if switch == "0":
         return False
-    available = torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
-    if switch == "1" and not available:
-        missing = "this torch has no CUDA" if torch.version.cuda is None else "nvcc is not found"
+    if torch.version.cuda is None:
+        missing = "this torch has no CUDA"
+    elif TOOLKIT is None:
+        missing = f"no CUDA toolkit: {TOOLKIT_FOUND}"
+    else:
+        return True
+    if switch == "1":
         raise SystemExit(f"{BUILD_CUDA_ENV}=1, but {missing} (set CUDA_HOME to the CUDA toolkit)")
-    return available
+    print(f"{PACKAGE}: building the CPU kernels only ({missing}; {BUILD_CUDA_ENV}=1 makes this an error)")
+    return False
 
 
 def extensions() -> list[Extension]:
     if torch is None:  # no kernel can be described without torch; BuildKernels says why where it matters
-        return [Extension(f"{PACKAGE}._lib.cpu_default", sources=[])]
-    kernels = _kernels()
-    capabilities = (
-        list(kernels.CPU_CAPABILITIES) if platform.machine() in ("x86_64", "AMD64") else ["default"]
-    )
-    cpu = kernels.EXTENSIONS["cpu"]
+        return [Extension(f"{PACKAGE}.ops._lib.cpu_default", sources=[])]
+    capabilities = list(_build.CPU_CAPABILITIES) if platform.machine() in ("x86_64", "AMD64") else ["default"]
+    headers = sorted(str(path) for path in CSRC.glob("*.h"))
+    cpu = _build.EXTENSIONS["cpu"]
     modules = [
         cpp_extension.CppExtension(
-            f"{PACKAGE}._lib.cpu_{capability}",
+            f"{PACKAGE}.ops._lib.cpu_{capability}",
             sources=[str(CSRC / source) for source in cpu.sources],
-            depends=HEADERS,
+            depends=headers,
             include_dirs=[str(CSRC.resolve())],
-            extra_compile_args={
-                "cxx": [*kernels.PREBUILT_CPU_CFLAGS, *kernels.CPU_CAPABILITIES[capability], NO_DEBUG]
-            },
+            extra_compile_args={"cxx": [*_build.cpu_flags(capability), NO_DEBUG]},
             extra_link_args=list(cpu.ldflags),
         )
         for capability in capabilities
     ]
     if _build_cuda():
-        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCH_LIST)
-        cuda = kernels.EXTENSIONS["cuda"]
+        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", _build.DEFAULT_CUDA_ARCH_LIST)
+        cuda = _build.EXTENSIONS["cuda"]
         modules.append(
             cpp_extension.CUDAExtension(
-                f"{PACKAGE}._lib.cuda",
+                f"{PACKAGE}.ops._lib.cuda",
                 sources=[str(CSRC / source) for source in cuda.sources],
-                depends=HEADERS,
+                depends=headers,
                 include_dirs=[str(CSRC.resolve())],
                 extra_compile_args={"cxx": [*cuda.cflags, NO_DEBUG], "nvcc": list(cuda.cuda_cflags)},
                 extra_link_args=list(cuda.ldflags),
@@ -96,12 +106,15 @@ def extensions() -> list[Extension]:
 
 
 class BuildKernels(cpp_extension.BuildExtension if torch is not None else build_ext):
-    """Compiles the wheel's kernels, the extensions in parallel, and writes _lib/build.json; builds nothing
+    """Compiles the wheel's kernels, the extensions in parallel, and writes ops/_lib/build.json; builds
+    nothing
     for editable and in-place builds."""
 
     def run(self) -> None:
         if self.editable_mode or self.inplace:
-            print(f"{PACKAGE}: an editable or in-place build: the kernels compile on first use (kernels.py)")
+            print(
+                f"{PACKAGE}: an editable or in-place build: the kernels compile on first use (ops/_loader.py)"
+            )
             return
         if torch is None:
             raise SystemExit(
@@ -109,15 +122,21 @@ class BuildKernels(cpp_extension.BuildExtension if torch is not None else build_
                 "torch, then build without pip's isolated environment: pip wheel --no-build-isolation ."
             )
         super().run()
+        libraries = {}
+        for ext in self.extensions:
+            path = Path(self.get_ext_filename(ext.name))
+            libraries[ext.name.rsplit(".", 1)[1]] = {
+                "path": str(path.relative_to(PACKAGE)),
+                **_build.library_record(Path(self.build_lib, path)),
+            }
         info = {
             "torch": torch.__version__,
-            "libraries": {
-                ext.name.rsplit(".", 1)[1]: str(Path(self.get_ext_filename(ext.name)).relative_to(PACKAGE))
-                for ext in self.extensions
-            },
-            "cuda_arch_list": os.environ["TORCH_CUDA_ARCH_LIST"] if _build_cuda() else None,
+            "libraries": libraries,
+            "cuda_arch_list": os.environ.get("TORCH_CUDA_ARCH_LIST") if "cuda" in libraries else None,
         }
-        Path(self.build_lib, PACKAGE, "_lib", "build.json").write_text(json.dumps(info, indent=2) + "\n")
+        Path(self.build_lib, PACKAGE, "ops", "_lib", "build.json").write_text(
+            json.dumps(info, indent=2) + "\n"
+        )
 
     def build_extensions(self) -> None:
         # One translation unit per instruction set: the capabilities share fused_sgd.cpp, and objects are

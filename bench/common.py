@@ -20,20 +20,18 @@ FLOOR_SOURCE = Path(__file__).parent / "csrc" / "floor.cpp"
 def floor_ops():
     """``torch.ops.lightning_fusedsgd_bench`` (``floor_step``: the data-movement floor, csrc/floor.cpp), built
     on first use beside the product kernels with the CPU kernel's flags and work list."""
-    from lightning_fusedsgd import kernels
+    from lightning_fusedsgd import ops
+    from lightning_fusedsgd.ops import _build, _loader
 
-    kernels._quiet_cpp_extension()
-    from torch.utils import cpp_extension
-
-    extension = kernels.EXTENSIONS["cpu"]
-    build_dir = kernels.cache_dir() / "bench"
+    cpp_extension = _loader._cpp_extension()
+    build_dir = _build.cache_dir() / "bench"
     build_dir.mkdir(parents=True, exist_ok=True)
     cpp_extension.load(
         name="lightning_fusedsgd_bench",
         sources=[str(FLOOR_SOURCE)],
-        extra_cflags=list(extension.cflags),
-        extra_ldflags=list(extension.ldflags),
-        extra_include_paths=[str(kernels._CSRC)],
+        extra_cflags=_build.cpu_flags(ops.cpu_capability()),
+        extra_ldflags=list(_build.EXTENSIONS["cpu"].ldflags),
+        extra_include_paths=[str(_build.CSRC)],
         build_directory=str(build_dir),
         is_python_module=False,
     )

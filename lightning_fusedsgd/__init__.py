@@ -2,7 +2,7 @@
 
 from lightning_fusedsgd.optim import FusedLARS, FusedSGD
 from lightning_fusedsgd.param_groups import param_groups
-from lightning_fusedsgd.schedules import WarmupLR, scaled_lr
+from lightning_fusedsgd.schedule import WarmupLR, scaled_lr
 
 __version__ = "0.1.0"
 

@@ -1,5 +1,6 @@
-"""``python -m lightning_fusedsgd [--verbose]``: build and cache the compiled kernel ahead of first use."""
+"""``python -m lightning_fusedsgd [--verbose]``: load, or build and cache, the compiled kernels ahead of first
+use."""
 
-from lightning_fusedsgd.kernels import main
+from lightning_fusedsgd.ops._loader import main
 
 raise SystemExit(main())

@@ -14,8 +14,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import lightning_fusedsgd.optim as optim
-from lightning_fusedsgd import FusedSGD, sharding
+import lightning_fusedsgd.optim.sgd as optim
+from lightning_fusedsgd import FusedSGD
+from lightning_fusedsgd.optim import _dtensor as sharding
 
 WORLD = 2
 STEPS = 5  # the first creates the buffers, the second keeps the plan, the others reuse it

@@ -34,7 +34,7 @@ from lightning_fusedsgd.checkpoint import (
 )
 from lightning_fusedsgd.lightning.checkpointing import AtomicCheckpointIO, InitFromCheckpoint
 from lightning_fusedsgd.optim import FusedSGD
-from lightning_fusedsgd.schedules import WarmupLR
+from lightning_fusedsgd.schedule import WarmupLR
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*does not have many workers:UserWarning")
 
@@ -641,7 +641,8 @@ def test_optimizer_state_written_before_the_custom_ops_refactor_still_loads():
 
 
 def _stepped_state(dtype: torch.dtype) -> tuple[list[nn.Parameter], dict]:
-    """Params of ``dtype`` and the state dict of two FusedSGD steps on them (fp32 masters for low precision)."""
+    """Params of ``dtype`` and the state dict of two FusedSGD steps on them (fp32 masters for low
+    precision)."""
     generator = torch.Generator().manual_seed(0)
     params = [nn.Parameter(torch.randn(shape, generator=generator).to(dtype)) for shape in [(5, 3), (4,)]]
     optimizer = FusedSGD(params, lr=0.1, momentum=0.9, master_weights=True)
@@ -660,7 +661,9 @@ def _double_the_buffers(optimizer, state_dict):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_load_state_dict_hooks_decide_what_is_loaded_for_every_dtype(dtype: torch.dtype) -> None:
     params, saved = _stepped_state(dtype)
-    target = FusedSGD([nn.Parameter(p.detach().clone()) for p in params], lr=0.1, momentum=0.9, master_weights=True)
+    target = FusedSGD(
+        [nn.Parameter(p.detach().clone()) for p in params], lr=0.1, momentum=0.9, master_weights=True
+    )
     seen_dtypes = []
     target.register_load_state_dict_pre_hook(_double_the_buffers)
     target.register_load_state_dict_post_hook(

@@ -18,7 +18,7 @@ from lightning_helpers import SMALL_RUN, STEPS_PER_EPOCH, compose_train, last_ch
 from lightning_fusedsgd.checkpoint import CheckpointError, CheckpointMismatchError
 from lightning_fusedsgd.lightning import ConfigError, build_resnet
 from lightning_fusedsgd.lightning.runner import train
-from lightning_fusedsgd.schedules import scaled_lr
+from lightning_fusedsgd.schedule import scaled_lr
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:.*does not have many workers:UserWarning"),

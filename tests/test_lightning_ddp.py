@@ -25,7 +25,7 @@ def test_two_process_ddp_scales_lr_with_world_size(tmp_path):
     log = (tmp_path / "train.log").read_text()
     # 32 per process x 2 processes: peak lr = 0.2 x 64 / 256.
     assert "global batch 64 (32 per device x 2 processes x 1 accumulated)" in log
-    assert "peak lr 0.05 = 0.2 x 64/256" in log
+    assert "peak lr 0.05 = base_lr 0.2 x 64/256" in log
     # Each process sees half of the 1437 training digits: ceil(719 / 32) = 23 steps, not 45.
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["global_step"] == 23

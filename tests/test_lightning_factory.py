@@ -11,7 +11,7 @@ from lightning_helpers import TinyClassifier, cpu_trainer
 
 from lightning_fusedsgd.lightning import ConfigError, Schedule, configure_fused_sgd
 from lightning_fusedsgd.optim import FusedSGD
-from lightning_fusedsgd.schedules import WarmupLR
+from lightning_fusedsgd.schedule import WarmupLR
 
 
 class LrRecorder(pl.Callback):

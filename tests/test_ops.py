@@ -12,10 +12,12 @@ from oracles import assert_close_rel
 from torch import nn
 from torch._dynamo.utils import counters
 
-from lightning_fusedsgd import FusedLARS, FusedSGD, kernels, reference
-from lightning_fusedsgd.reference import HPARAM_COLUMNS
+from lightning_fusedsgd import FusedLARS, FusedSGD
+from lightning_fusedsgd._abi import HPARAM_NAMES as HPARAM_COLUMNS
+from lightning_fusedsgd.ops import load as load_ops
+from lightning_fusedsgd.ops import reference
 
-OPS = kernels.load_extension("cpu")
+OPS = load_ops("cpu")
 
 
 def table(**hparams):
@@ -83,7 +85,7 @@ def test_grad_sq_sum_passes_opcheck_and_sums_squares(dtype):
 
 @pytest.mark.parametrize("dtype, master", [(torch.float32, False), (torch.bfloat16, True)])
 def test_lars_sq_sums_passes_opcheck(dtype, master, device):
-    kernels.load_extension(device.type)
+    load_ops(device.type)
     params, grads, _, masters = ([t.to(device) for t in tensors] for tensors in bucket(dtype, master))
     hparams = table(lars=1.0, weight_decay=1e-4, lars_decayed_grad=1.0)
     args = (params, grads, masters, hparams, [0, 0, 0], torch.tensor([4.0], device=device))
@@ -96,7 +98,7 @@ def test_lars_sq_sums_passes_opcheck(dtype, master, device):
 def test_sgd_step_reads_the_lrs_on_the_device(ops, lars, device):
     """Given ``lrs``, each group's lr comes from there (the table's lr is NaN, so any use of it would show):
     the same update as the table's lr, for two groups, with LARS's trust clip (r / lr) too."""
-    kernels.load_extension(device.type)
+    load_ops(device.type)
     hparams = dict(momentum=0.9, weight_decay=1e-4, lars=lars, trust_clip=lars)
     rows = [torch.cat([table(**hparams, lr=lr) for lr in lrs]) for lrs in ((0.1, 0.02), (math.nan, math.nan))]
     runs = []
@@ -141,9 +143,9 @@ def test_schedule_lrs_passes_opcheck():
 def test_schedule_lrs_counts_applied_and_skipped_steps(ops, device):
     """An applied step advances the position and sets f(applied steps); a skipped one only counts the skip;
     advance=False only sets the lrs. Oracle: WarmupSchedule.lr_at."""
-    from lightning_fusedsgd.schedules import WarmupSchedule
+    from lightning_fusedsgd.schedule import WarmupSchedule
 
-    kernels.load_extension(device.type)
+    load_ops(device.type)
     schedule = WarmupSchedule(total_steps=10, warmup_steps=2, start_factor=0.1, decay="poly", end_lr=1e-3)
     on_device = dict(device=device, dtype=torch.float64)
     lrs, peaks = torch.zeros(2, **on_device), torch.tensor([0.1, 0.05], **on_device)
@@ -170,7 +172,7 @@ def test_given_lars_sq_sums_replace_the_norm_pass(backend, denominator, max_grad
     """sgd_step given lars_sq_sums (what a sharded step passes after its all-reduce) equals sgd_step's own
     norm pass, under a GradScaler's scale and norm clipping: clipped_term_sq_sum's algebra, on one process.
     Tiny weights: their fp32 squares underflow, so the CPU sums must fall back to double."""
-    ops = kernels.load_extension(device.type) if backend == "compiled" else reference
+    ops = load_ops(device.type) if backend == "compiled" else reference
     params, grads, buffers, _ = ([t.to(device) for t in tensors] for tensors in bucket())
     params = [p * weight_scale for p in params]
     scale = torch.tensor([8.0], device=device)

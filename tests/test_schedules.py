@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from lightning_fusedsgd.schedules import WarmupLR, WarmupSchedule, scaled_lr
+from lightning_fusedsgd.schedule import WarmupLR, WarmupSchedule, scaled_lr
 
 # One schedule shape for the table below: peak 0.8, 10 steps, 2 of warmup from 0.25 * peak.
 PEAK = 0.8

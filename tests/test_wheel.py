@@ -1,5 +1,6 @@
 """The wheel (setup.py): built once per session with its CPU kernels (no CUDA), installed into a fresh
-directory, and run where no compiler, no ninja and no kernel cache exist; and how kernels.py picks, or
+directory, and run where no compiler, no ninja and no kernel cache exist, each CPU library giving torch's bits
+at its capability; and how the loader picks, or
 refuses, the wheel's libraries."""
 
 from __future__ import annotations
@@ -15,42 +16,48 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_fusedsgd import kernels
+from lightning_fusedsgd import ops
+from lightning_fusedsgd.ops import _build
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOLS = ("gcc", "g++", "cc", "c++", "clang", "clang++", "nvcc", "ninja")
 TORCH_CAPABILITY = {"AVX512": "avx512", "AVX2": "avx2"}.get(
     torch.backends.cpu.get_cpu_capability(), "default"
 )
-RUNNABLE = list(kernels.CPU_CAPABILITIES)[: list(kernels.CPU_CAPABILITIES).index(TORCH_CAPABILITY) + 1]
+RUNNABLE = list(_build.CPU_CAPABILITIES)[: list(_build.CPU_CAPABILITIES).index(TORCH_CAPABILITY) + 1]
 
-# Run in the fresh process: FusedSGD against torch.optim.SGD (the oracle), from the installed package, on
-# the compiled kernel; prints the library that ran.
+# Run in the fresh process: FusedSGD against torch.optim.SGD (the oracle), from the installed package, on the
+# compiled kernel, bit for bit (torch runs ATen's kernels of the same capability); prints the library that
+# ran.
 STEP_AGAINST_TORCH = """
-import shutil, sys
+import itertools, shutil, sys
 from pathlib import Path
 import torch
 site, tools = Path(sys.argv[1]), sys.argv[2:]
 assert not [tool for tool in tools if shutil.which(tool)], "a compiler is still on PATH"
 import lightning_fusedsgd
-from lightning_fusedsgd import FusedSGD, kernels
+from lightning_fusedsgd import FusedSGD
+from lightning_fusedsgd.ops import _loader
 assert Path(lightning_fusedsgd.__file__).is_relative_to(site), lightning_fusedsgd.__file__
-torch.manual_seed(0)
-ours = [torch.nn.Parameter(torch.randn(shape)) for shape in [(300, 200), (33,), (64, 3, 3, 3)]]
-theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
-hparams = dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-4)
-optimizer, oracle = FusedSGD(ours, **hparams), torch.optim.SGD(theirs, **hparams)
-for _ in range(3):
-    for p, q in zip(ours, theirs):
-        p.grad = torch.randn(p.shape)
-        q.grad = p.grad.clone()
-    optimizer.step()
-    oracle.step()
-    ran = optimizer.last_backends
-    assert all(name.startswith("compiled") for name in ran.values()), ran
-for p, q in zip(ours, theirs):
-    torch.testing.assert_close(p, q)
-print(kernels._OUTCOMES["cpu"])
+for dtype, (momentum, dampening, nesterov) in itertools.product(
+    (torch.float32, torch.float64), ((0.9, 0.0, True), (0.9, 0.3, False), (0.0, 0.0, False))
+):
+    torch.manual_seed(0)
+    shapes = [(300, 200), (33,), (64, 3, 3, 3)]
+    ours = [torch.nn.Parameter(torch.randn(shape, dtype=dtype)) for shape in shapes]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    hparams = dict(lr=0.1, momentum=momentum, dampening=dampening, nesterov=nesterov, weight_decay=1e-4)
+    optimizer, oracle = FusedSGD(ours, **hparams), torch.optim.SGD(theirs, **hparams)
+    for _ in range(3):
+        for p, q in zip(ours, theirs):
+            p.grad = torch.randn(p.shape, dtype=dtype)
+            q.grad = p.grad.clone()
+        optimizer.step()
+        oracle.step()
+        ran = optimizer.last_backends
+        assert all(name.startswith("compiled") for name in ran.values()), ran
+    assert all(torch.equal(p, q) for p, q in zip(ours, theirs)), (dtype, hparams)
+print(_loader.OUTCOMES["cpu"])
 """
 
 
@@ -62,7 +69,7 @@ def run_isolated(site: Path, tmp_path: Path, script: str, **env: str) -> subproc
     cache = tmp_path / "cache"
     cache.mkdir(exist_ok=True)
     clean = {k: v for k, v in os.environ.items() if k not in ("CC", "CXX", "CUDA_HOME", "CUDA_PATH")}
-    for switch in (kernels.CPU_CAPABILITY_ENV, kernels.REQUIRE_COMPILED_ENV):  # CI sets the latter
+    for switch in (ops.CPU_CAPABILITY_ENV, ops.REQUIRE_COMPILED_ENV):  # CI sets the latter
         clean.pop(switch, None)
     clean.update(PATH=str(empty), PYTHONPATH=str(site), LIGHTNING_FUSEDSGD_CACHE=str(cache), **env)
     return subprocess.run(
@@ -108,7 +115,7 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
         pytest.param(
             name, marks=pytest.mark.skipif(name not in RUNNABLE, reason=f"this CPU cannot run {name}")
         )
-        for name in kernels.CPU_CAPABILITIES
+        for name in _build.CPU_CAPABILITIES
     ],
 )
 def test_the_wheels_kernel_runs_without_a_compiler(site, tmp_path, capability):
@@ -118,10 +125,11 @@ def test_the_wheels_kernel_runs_without_a_compiler(site, tmp_path, capability):
         STEP_AGAINST_TORCH,
         LIGHTNING_FUSEDSGD_REQUIRE_COMPILED="1",
         LIGHTNING_FUSEDSGD_CPU_CAPABILITY=capability,
+        ATEN_CPU_CAPABILITY=capability,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     library = Path(result.stdout.strip().splitlines()[-1])
-    assert library.parent == site / "lightning_fusedsgd" / "_lib"
+    assert library.parent == site / "lightning_fusedsgd" / "ops" / "_lib"
     assert library.name.startswith(f"cpu_{capability}.")
     assert not any((tmp_path / "cache").iterdir()), "nothing is compiled"
     assert result.stderr == ""
@@ -132,7 +140,7 @@ def test_a_wheel_for_another_torch_falls_back_with_one_message(site, tmp_path):
     cannot compile), and one message says why, then the fallback warning; nothing crashes."""
     other = tmp_path / "site"
     shutil.copytree(site, other)
-    info_path = other / "lightning_fusedsgd" / "_lib" / "build.json"
+    info_path = other / "lightning_fusedsgd" / "ops" / "_lib" / "build.json"
     info = json.loads(info_path.read_text())
     info["torch"] = "0.0.0"
     info_path.write_text(json.dumps(info))
@@ -159,41 +167,24 @@ assert torch.equal(p.detach(), torch.zeros(4))
 def test_each_cpu_library_keeps_to_its_instruction_set(site):
     """No -march=native or stray flag: the baseline library has no AVX register, the AVX2 one no AVX-512
     register (zmm, xmm16-31/ymm16-31, mask registers); the AVX-512 one uses them (its flags applied)."""
-    libraries = json.loads((site / "lightning_fusedsgd" / "_lib" / "build.json").read_text())["libraries"]
+    build = json.loads((site / "lightning_fusedsgd" / "ops" / "_lib" / "build.json").read_text())
+    libraries = {
+        name: site / "lightning_fusedsgd" / entry["path"] for name, entry in build["libraries"].items()
+    }
     avx = re.compile(r"%ymm|%zmm")
     avx512 = re.compile(r"%zmm|%[xy]mm(1[6-9]|2[0-9]|3[01])\b|%k[0-7]\b")
     for name, forbidden in (("cpu_default", avx), ("cpu_avx2", avx512)):
         code = subprocess.run(
-            ["objdump", "-d", "--no-show-raw-insn", str(site / "lightning_fusedsgd" / libraries[name])],
+            ["objdump", "-d", "--no-show-raw-insn", str(libraries[name])],
             capture_output=True,
             text=True,
             check=True,
         ).stdout
         assert not forbidden.search(code), f"{name} uses instructions beyond its instruction set"
     code = subprocess.run(
-        ["objdump", "-d", str(site / "lightning_fusedsgd" / libraries["cpu_avx512"])],
+        ["objdump", "-d", str(libraries["cpu_avx512"])],
         capture_output=True,
         text=True,
         check=True,
     ).stdout
     assert "%zmm" in code
-
-
-def test_cuda_architectures_a_library_runs_on():
-    assert kernels._cuda_arch_problem("8.0;9.0+PTX", [(8, 0), (8, 6), (9, 0), (10, 0), (12, 0)]) is None
-    assert "this GPU is 7.5" in kernels._cuda_arch_problem("8.0;9.0+PTX", [(9, 0), (7, 5)])
-    assert "this GPU is 9.0" in kernels._cuda_arch_problem("8.0 8.6", [(9, 0)])  # machine code: one major
-
-
-def test_the_cpu_capability_can_only_be_lowered(monkeypatch):
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
-    monkeypatch.delenv(kernels.CPU_CAPABILITY_ENV, raising=False)
-    assert kernels.cpu_capability() == "avx2"
-    monkeypatch.setenv(kernels.CPU_CAPABILITY_ENV, "default")
-    assert kernels.cpu_capability() == "default"
-    monkeypatch.setenv(kernels.CPU_CAPABILITY_ENV, "avx512")
-    with pytest.raises(kernels.KernelBuildError, match="runs at most 'avx2'"):
-        kernels.cpu_capability()
-    monkeypatch.setenv(kernels.CPU_CAPABILITY_ENV, "sse9")
-    with pytest.raises(kernels.KernelBuildError, match="use one of default, avx2, avx512"):
-        kernels.cpu_capability()

@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader
 from lightning_fusedsgd.lightning.errors import ConfigError
 from lightning_fusedsgd.optim import FusedSGD
 from lightning_fusedsgd.param_groups import param_groups
-from lightning_fusedsgd.schedules import WarmupLR, scaled_lr
+from lightning_fusedsgd.schedule import WarmupLR, scaled_lr
 
 __all__ = ["Schedule", "clip_gradients", "configure_fused_sgd"]
 

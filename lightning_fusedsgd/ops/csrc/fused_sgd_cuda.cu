@@ -1,4 +1,4 @@
-// The CUDA kernel of lightning_fusedsgd::sgd_step (the op is defined in fused_sgd.cpp): one launch per
+// The CUDA kernels of the lightning_fusedsgd ops (defined in lightning_fusedsgd/ops/__init__.py): one launch per
 // (device, dtype) bucket over a work list of fixed-size chunks across all tensors (two launches with LARS:
 // norms, then update; the update alone when a sharded step passes reduced lars_sq_sums), of grad_sq_sum, the
 // gradients' sum of squares for norm clipping, and of lars_sq_sums, the partial LARS sums a sharded step
@@ -271,14 +271,9 @@ void launch(const TensorArgs* tensors, const ChunkArgs* chunks, const GroupHPara
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// lightning_fusedsgd::sgd_step for CUDA tensors (argument slots in bucket.h).
-void sgd_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
-                   at::TensorList master_params, const at::Tensor& group_hparams, at::IntArrayRef tensor_group,
-                   const c10::List<bool>& first_step, const std::optional<at::Tensor>& grad_scale,
-                   const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& grad_sq_sum,
-                   const std::optional<at::Tensor>& lars_sq_sums, const std::optional<at::Tensor>& lrs) {
-  const BucketArgs bucket = check_bucket(params, grads, momentum_buffers, master_params, group_hparams, tensor_group,
-                                         first_step, grad_scale, found_inf, grad_sq_sum, lars_sq_sums, lrs);
+// The CUDA kernel of lightning_fusedsgd::sgd_step (the op: sgd_step_op in bucket.h).
+void run_cuda(const StepArgs& a, const BucketArgs& bucket) {
+  const at::TensorList params = a.params;
   if (params.empty()) return;
   const int64_t n = static_cast<int64_t>(params.size());
   const at::Device device = params[0].device();
@@ -290,22 +285,22 @@ void sgd_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList m
     const at::Tensor& p = params[t];
     TensorArgs& args = tensors[t];
     args.param = p.data_ptr();
-    args.grad = grads[t].data_ptr();
-    args.buffer = bucket.buffer_slot[t] >= 0 ? momentum_buffers[bucket.buffer_slot[t]].data_ptr() : nullptr;
-    args.master = bucket.master ? master_params[t].data_ptr<float>() : nullptr;
-    args.group = tensor_group[t];
-    args.first = first_step[t] ? 1 : 0;
-    args.lars = bucket.groups[tensor_group[t]].lars ? 1 : 0;
+    args.grad = a.grads[t].data_ptr();
+    args.buffer = bucket.buffer_slot[t] >= 0 ? a.momentum_buffers[bucket.buffer_slot[t]].data_ptr() : nullptr;
+    args.master = bucket.master ? a.master_params[t].data_ptr<float>() : nullptr;
+    args.group = a.tensor_group[t];
+    args.first = a.first_step[t] ? 1 : 0;
+    args.lars = bucket.groups[a.tensor_group[t]].lars ? 1 : 0;
     args.first_chunk = static_cast<int64_t>(chunks.size());
     append_chunks(chunks, t, p.numel());
     args.num_chunks = static_cast<int64_t>(chunks.size()) - args.first_chunk;
   }
   if (chunks.empty()) return;
-  const StepScalars scalars{grad_scale.has_value() ? grad_scale->data_ptr<float>() : nullptr,
-                            found_inf.has_value() ? found_inf->data_ptr<float>() : nullptr,
-                            grad_sq_sum.has_value() ? grad_sq_sum->data_ptr<double>() : nullptr,
-                            lars_sq_sums.has_value() ? lars_sq_sums->data_ptr<double>() : nullptr,
-                            lrs.has_value() ? lrs->data_ptr<double>() : nullptr};
+  const StepScalars scalars{a.grad_scale.has_value() ? a.grad_scale->data_ptr<float>() : nullptr,
+                            a.found_inf.has_value() ? a.found_inf->data_ptr<float>() : nullptr,
+                            a.grad_sq_sum.has_value() ? a.grad_sq_sum->data_ptr<double>() : nullptr,
+                            a.lars_sq_sums.has_value() ? a.lars_sq_sums->data_ptr<double>() : nullptr,
+                            a.lrs.has_value() ? a.lrs->data_ptr<double>() : nullptr};
 
   const c10::cuda::CUDAGuard guard(device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
@@ -489,7 +484,7 @@ void schedule_lrs_cuda(const at::Tensor& lrs, const at::Tensor& position, const 
 }  // namespace lfsgd
 
 TORCH_LIBRARY_IMPL(lightning_fusedsgd, CUDA, m) {
-  m.impl("sgd_step", &lfsgd::sgd_step_cuda);
+  m.impl("sgd_step", &lfsgd::sgd_step_op<lfsgd::run_cuda>);
   m.impl("grad_sq_sum", &lfsgd::grad_sq_sum_cuda);
   m.impl("lars_sq_sums", &lfsgd::lars_sq_sums_cuda);
   m.impl("schedule_lrs", &lfsgd::schedule_lrs_cuda);

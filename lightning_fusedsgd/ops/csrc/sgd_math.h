@@ -1,6 +1,6 @@
 // The per-group hyperparameters and the per-element SGD/LARS math, written once for the CPU kernel and
-// (under nvcc) the CUDA kernel. lightning_fusedsgd/reference.py mirrors every function here, and its
-// HPARAM_COLUMNS lists LFSGD_HPARAMS's names in order (checked when the extension loads).
+// (under nvcc) the CUDA kernel. lightning_fusedsgd/ops/reference.py mirrors every function here, and
+// lightning_fusedsgd/_abi.py lists LFSGD_HPARAMS's columns in order (checked when the library loads).
 #pragma once
 
 #include <cmath>
@@ -15,8 +15,8 @@
 
 namespace lfsgd {
 
-// One parameter group's hyperparameters: (type, name) in the order of the rows optim.py sends, a float64
-// [groups, kNumHParams] table. Adding one: here, its use below, and reference.py.
+// One parameter group's hyperparameters: (type, name) in the order of _abi.HPARAMS, the columns of the float64
+// [groups, kNumHParams] table the ops take. Adding one: _abi.py, here and its use below, and reference.py.
 #define LFSGD_HPARAMS(X)        \
   X(double, lr)                 \
   X(double, momentum)           \
@@ -77,6 +77,19 @@ LFSGD_HOST_DEVICE inline double clip_coef(double grad_sq_sum, double max_norm, d
   return coef > 1.0 ? 1.0 : coef;
 }
 
+// a * b + c as ATen's CPU kernels compute `c.add(a, alpha=b)`: one fused multiply-add where the build has FMA
+// (ATen's Vectorized::fmadd, and its scalar loops, contracted by the compiler), two roundings where it has not
+// (the baseline x86-64 build). The CUDA kernel fuses, as nvcc does for ATen's CUDA kernels. The libraries are
+// compiled with -ffp-contract=off / --fmad=false, so this is the only place where a multiply-add is fused.
+template <typename T>
+LFSGD_HOST_DEVICE inline T mul_add(T a, T b, T c) {
+#if defined(__CUDA_ARCH__) || defined(__FMA__)
+  return fma(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
 // Everything the element update needs, resolved once per tensor. `T` is the opmath type.
 template <typename T>
 struct Coeffs {
@@ -125,17 +138,22 @@ LFSGD_HOST_DEVICE inline T clipped_grad(T g, const Coeffs<T>& c) {
   return g * c.clip_coef;
 }
 
+// One element's update, rounding as torch.optim.SGD's default path rounds (its single-tensor ops, each with
+// ATen's rounding): grad.add(param, alpha=wd), buf.mul_(momentum).add_(grad, alpha=1 - dampening),
+// grad.add(buf, alpha=momentum), param.add_(grad, alpha=-lr); a term whose coefficient is 0 is left out, as
+// torch leaves out its op. The plain path (no clipping, LARS, GradScaler or masters) therefore gives torch's
+// bits; the trust ratio and clipping multiply where torch has nothing.
 template <bool kClipValue = true, typename T>
 LFSGD_HOST_DEVICE inline void sgd_element(T& w, T g, T& b, const Coeffs<T>& c) {
   g = clipped_grad<kClipValue>(g, c);
-  g = g + c.wd_coupled * w;
+  if (c.wd_coupled != T(0)) g = mul_add(w, c.wd_coupled, g);
   g = g * c.trust;
   if (c.has_momentum) {
-    b = c.first ? g : c.momentum * b + c.one_minus_dampening * g;
-    g = c.nesterov ? g + c.momentum * b : b;
+    b = c.first ? g : mul_add(g, c.one_minus_dampening, b * c.momentum);
+    g = c.nesterov ? mul_add(b, c.momentum, g) : b;
   }
-  g = g + c.wd_after * w;
-  w = w - c.lr * g;
+  if (c.wd_after != T(0)) g = mul_add(w, c.wd_after, g);
+  w = mul_add(g, -c.lr, w);
 }
 
 // The gradient term whose squares the LARS norm pass sums: g_raw (clipped_grad) for the default
@@ -143,7 +161,7 @@ LFSGD_HOST_DEVICE inline void sgd_element(T& w, T g, T& b, const Coeffs<T>& c) {
 template <bool kClipValue = true, typename T>
 LFSGD_HOST_DEVICE inline T lars_norm_term(T w, T g, const Coeffs<T>& c, T weight_decay, bool decayed_grad) {
   const T raw = clipped_grad<kClipValue>(g, c);
-  return decayed_grad ? raw + weight_decay * w : raw;
+  return decayed_grad ? mul_add(w, weight_decay, raw) : raw;
 }
 
 constexpr int kNumLarsSums = 3;  // a tensor's row of lars_sq_sums: sum_w, sum_t, sum_wt

@@ -1,11 +1,12 @@
-"""The kernel's math in plain PyTorch: the oracle in tests and the fallback where nothing compiles.
+"""The ops in plain PyTorch: the oracle in tests and the fallback where nothing compiles.
 
 ``clip_coef``, ``make_coeffs``, ``clipped_grad``, ``sgd_element``, ``lars_norm_term``, ``trust_ratio``,
 ``lars_trust``, ``clipped_term_sq_sum`` and ``synced_master`` mirror ``csrc/sgd_math.h`` function for
-function, and ``sgd_step``, ``grad_sq_sum``, ``lars_sq_sums`` and ``schedule_lrs`` have the ops' signatures,
-so the backends are interchangeable. Unlike the ops, these read device values on the host (``found_inf``, the
-lrs and the schedule position): they are not capturable.
-"""
+function, with ATen's ops where the kernel rounds as they do (``x.add(y, alpha=a)`` is the kernel's
+``mul_add``); ``sgd_step``, ``grad_sq_sum``, ``lars_sq_sums`` and ``schedule_lrs`` implement the contract
+documented with the ops' schemas in ``ops/__init__.py``, so either implementation can run a bucket. Unlike the
+kernels, these read device values on the host (``found_inf``, the lrs and the schedule position): they are not
+capturable."""
 
 from __future__ import annotations
 
@@ -14,24 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-# Columns of the per-group hyperparameter table: ``LFSGD_HPARAMS`` in csrc/sgd_math.h, in its order (checked
-# when the compiled kernel loads).
-HPARAM_COLUMNS = (
-    "lr",
-    "momentum",
-    "dampening",
-    "weight_decay",
-    "nesterov",
-    "maximize",
-    "wd_after_momentum",
-    "lars",
-    "trust_coefficient",
-    "lars_eps",
-    "trust_clip",
-    "lars_decayed_grad",
-    "max_grad_norm",
-    "max_grad_value",
-)
+from lightning_fusedsgd._abi import HPARAM_NAMES
+from lightning_fusedsgd.schedule.function import WarmupSchedule
 
 
 @dataclass
@@ -60,16 +45,18 @@ def clipped_grad(g: Tensor, c: Coeffs) -> Tensor:
 
 
 def sgd_element(w: Tensor, g: Tensor, b: Tensor | None, c: Coeffs) -> tuple[Tensor, Tensor | None]:
-    """One SGD/LARS update in opmath; returns the new weights and momentum buffer."""
+    """One SGD/LARS update in opmath with torch.optim.SGD's ops in its order; returns the new weights and
+    momentum buffer."""
     g = clipped_grad(g, c)
-    g = g + c.wd_coupled * w
+    if c.wd_coupled != 0:
+        g = g.add(w, alpha=c.wd_coupled)
     g = g * c.trust
     if c.has_momentum:
-        b = g if c.first else c.momentum * b + c.one_minus_dampening * g
-        g = g + c.momentum * b if c.nesterov else b
-    g = g + c.wd_after * w
-    w = w - c.lr * g
-    return w, b
+        b = g.clone() if c.first else b.mul(c.momentum).add_(g, alpha=c.one_minus_dampening)
+        g = g.add(b, alpha=c.momentum) if c.nesterov else b
+    if c.wd_after != 0:
+        g = g.add(w, alpha=c.wd_after)
+    return w.add(g, alpha=-c.lr), b
 
 
 def trust_ratio(
@@ -141,7 +128,7 @@ def make_coeffs(
 def lars_norm_term(w: Tensor, g: Tensor, c: Coeffs, weight_decay: float, decayed: bool) -> Tensor:
     """The gradient term whose norm the LARS denominator takes (``lars_norm_term`` in sgd_math.h)."""
     raw = clipped_grad(g, c)
-    return raw + weight_decay * w if decayed else raw
+    return raw.add(w, alpha=weight_decay) if decayed else raw
 
 
 def lars_trust(w: Tensor, g: Tensor, h: dict[str, float], c: Coeffs) -> Tensor:
@@ -187,18 +174,19 @@ def sgd_step(
     lars_sq_sums: Tensor | None = None,
     lrs: Tensor | None = None,
 ) -> None:
-    """Same contract as ``torch.ops.lightning_fusedsgd.sgd_step`` (argument slots in csrc/bucket.h): updates
-    params, momentum buffers (one per param whose group has momentum) and masters in place."""
+    """``torch.ops.lightning_fusedsgd.sgd_step`` (arguments documented with its schema): updates params,
+    momentum
+    buffers (one per param whose group has momentum) and masters in place."""
     if not params or (found_inf is not None and bool(found_inf.item())):
         return
     hparams = group_hparams.tolist()
     if lrs is not None:
         for row, lr in zip(hparams, lrs.tolist(), strict=True):
-            row[HPARAM_COLUMNS.index("lr")] = lr
+            row[HPARAM_NAMES.index("lr")] = lr
     inv_scale = inverse_scale(grad_scale)
     buffers = iter(momentum_buffers)
     for i, param in enumerate(params):
-        h = dict(zip(HPARAM_COLUMNS, hparams[tensor_group[i]]))
+        h = dict(zip(HPARAM_NAMES, hparams[tensor_group[i]]))
         opmath = _opmath(param.dtype)
         master = master_params[i] if master_params else None
         w = synced_master(master, param) if master is not None else param.to(opmath)
@@ -250,7 +238,7 @@ def lars_sq_sums(
     inv_scale = inverse_scale(grad_scale)
     rows = []
     for i, param in enumerate(params):
-        h = dict(zip(HPARAM_COLUMNS, hparams[tensor_group[i]]))
+        h = dict(zip(HPARAM_NAMES, hparams[tensor_group[i]]))
         if not h["lars"]:
             rows.append(torch.zeros(3, dtype=torch.float64, device=param.device))
             continue
@@ -272,8 +260,6 @@ def schedule_lrs(
     """Same contract as ``torch.ops.lightning_fusedsgd.schedule_lrs`` (``schedule_step`` in csrc/schedule.h):
     after an applied step one more applied step in ``position`` and every lr at f(applied steps), after a
     skipped one one more skip; ``advance`` false only sets the lrs."""
-    from lightning_fusedsgd.schedules import WarmupSchedule
-
     if advance:
         if applied is not None and not bool(applied):
             position[1] += 1

@@ -1,9 +1,9 @@
-// A validated step kept in C++ for reuse (torch.classes.lightning_fusedsgd.CachedStep): every param, whether
-// it had a grad, views of the stepped params taken when the plan was made (their layouts and addresses), and
-// each bucket's op arguments with views of its buffers and masters (their layouts). A step then converts no
-// tensor lists from Python: run() gathers this step's grads, checks them and every bucket's state tensors,
-// and only then calls lightning_fusedsgd::sgd_step per bucket (the dispatcher picks the CPU or CUDA kernel),
-// so a plan that no longer holds changes nothing.
+// A step plan kept in C++ (torch.classes.lightning_fusedsgd.CachedStep): every param, whether it had a grad, views
+// of the stepped params taken when the plan was made (their layouts and addresses), and each bucket's op arguments
+// with views of its buffers and masters (their layouts). It holds the plan, not the step: gather() checks that
+// the plan still holds and collects this step's grads, and the optimizer's one step path (optim/_step.py) then
+// calls grad_sq_sum and sgd_step per bucket, as it calls the ops for a plan made in Python. A step so converts no
+// tensor lists from Python, which on models with thousands of tensors costs as much as the update.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -15,6 +15,8 @@
 #include <optional>
 #include <utility>
 #include <vector>
+
+#include "bucket.h"
 
 namespace lfsgd {
 
@@ -37,16 +39,13 @@ class CachedStep : public torch::CustomClassHolder {
     c10::List<bool> first_step;
     for (size_t i = 0; i < params.size(); ++i) first_step.push_back(false);
     buckets_.push_back({std::move(params), std::move(momentum_buffers), std::move(master_params),
-                        std::move(tensor_group), std::move(slots), std::move(state_layouts), first_step});
+                        std::move(tensor_group), std::move(slots), std::move(state_layouts), first_step, {}});
   }
 
-  // Runs the step and returns true, or returns false having changed nothing when the plan no longer holds:
-  // a param gained or lost its grad or moved to other memory, or a param, grad, momentum buffer or master
-  // is laid out differently from what was recorded. `clip_norm`: a group clips by global norm, so the
-  // gradients' sum of squares is taken over every bucket first. `lrs`: the groups' lrs on the device
-  // (capturable steps), or none.
-  bool run(const at::Tensor& group_hparams, const std::optional<at::Tensor>& grad_scale,
-           const std::optional<at::Tensor>& found_inf, bool clip_norm, const std::optional<at::Tensor>& lrs) {
+  // Collects this step's grads into the buckets and returns true, or returns false, having changed nothing, when
+  // the plan no longer holds: a param gained or lost its grad or moved to other memory, or a param, grad, momentum
+  // buffer or master is laid out differently from what was recorded.
+  bool gather() {
     std::vector<at::Tensor> grads;
     grads.reserve(layouts_.size());
     for (size_t i = 0; i < params_.size(); ++i) {
@@ -67,37 +66,37 @@ class CachedStep : public torch::CustomClassHolder {
     for (const Bucket& bucket : buckets_) {
       if (!state_unchanged(bucket)) return false;
     }
-    static const auto step_op =
-        c10::Dispatcher::singleton()
-            .findSchemaOrThrow("lightning_fusedsgd::sgd_step", "")
-            .typed<void(at::TensorList, at::TensorList, at::TensorList, at::TensorList, const at::Tensor&,
-                        at::IntArrayRef, const c10::List<bool>&, const std::optional<at::Tensor>&,
-                        const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
-                        const std::optional<at::Tensor>&, const std::optional<at::Tensor>&)>();
-    static const auto sq_sum_op = c10::Dispatcher::singleton()
-                                      .findSchemaOrThrow("lightning_fusedsgd::grad_sq_sum", "")
-                                      .typed<at::Tensor(at::TensorList)>();
-    // Straight to the CPU or CUDA kernel: the autograd and in-place fallbacks of a custom op box every
-    // argument (thousands of tensors on large models). The step runs under no_grad, and the pybind module
-    // this replaces bumped no version counters either.
-    const at::AutoDispatchBelowADInplaceOrView below_autograd;
-    std::vector<std::vector<at::Tensor>> bucket_grads(buckets_.size());
-    std::optional<at::Tensor> grad_sq_sum;
-    for (size_t b = 0; b < buckets_.size(); ++b) {
-      bucket_grads[b].reserve(buckets_[b].slots.size());
-      for (int64_t slot : buckets_[b].slots) bucket_grads[b].push_back(grads[slot]);
-      if (clip_norm) {
-        at::Tensor sum = sq_sum_op.call(bucket_grads[b]);
-        grad_sq_sum = grad_sq_sum.has_value() ? *grad_sq_sum + sum : sum;
-      }
-    }
-    for (size_t b = 0; b < buckets_.size(); ++b) {
-      const Bucket& bucket = buckets_[b];
-      step_op.call(bucket.params, bucket_grads[b], bucket.momentum_buffers, bucket.master_params, group_hparams,
-                   bucket.tensor_group, bucket.first_step, grad_scale, found_inf, grad_sq_sum,
-                   std::nullopt /* sharded (DTensor) params are never cached */, lrs);
+    for (Bucket& bucket : buckets_) {
+      bucket.grads.clear();
+      for (int64_t slot : bucket.slots) bucket.grads.push_back(grads[slot]);
     }
     return true;
+  }
+
+  // lightning_fusedsgd::grad_sq_sum over bucket `b`'s grads (after gather()).
+  at::Tensor grad_sq_sum(int64_t b) {
+    static const auto op = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("lightning_fusedsgd::grad_sq_sum", "")
+                               .typed<at::Tensor(at::TensorList)>();
+    const at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return op.call(bucket(b).grads);
+  }
+
+  // lightning_fusedsgd::sgd_step over bucket `b` (after gather()), with this step's table and scalars.
+  void sgd_step(int64_t b, const at::Tensor& group_hparams, const std::optional<at::Tensor>& grad_scale,
+                const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& grad_sq_sum,
+                const std::optional<at::Tensor>& lrs) {
+    static const auto op = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("lightning_fusedsgd::sgd_step", "")
+                               .typed<SgdStepFunction>();
+    // Straight to the CPU or CUDA kernel: the autograd and in-place fallbacks of a custom op box every argument
+    // (thousands of tensors on large models). The step runs under no_grad.
+    const at::AutoDispatchBelowADInplaceOrView below_autograd;
+    Bucket& kept = bucket(b);
+    op.call(kept.params, kept.grads, kept.momentum_buffers, kept.master_params, group_hparams, kept.tensor_group,
+            kept.first_step, grad_scale, found_inf, grad_sq_sum, std::nullopt /* sharded plans are kept in Python */,
+            lrs);
+    kept.grads.clear();  // the bucket's last use of them this step: the next backward may free them
   }
 
  private:
@@ -108,8 +107,14 @@ class CachedStep : public torch::CustomClassHolder {
     std::vector<int64_t> tensor_group;
     std::vector<int64_t> slots;
     std::vector<at::Tensor> state_layouts;  // buffers, then masters, as recorded
-    c10::List<bool> first_step;             // all false: a cached step creates no buffer
+    c10::List<bool> first_step;             // all false: a kept plan creates no buffer
+    std::vector<at::Tensor> grads;          // this step's, from gather()
   };
+
+  Bucket& bucket(int64_t b) {
+    TORCH_CHECK(b >= 0 && b < static_cast<int64_t>(buckets_.size()), "CachedStep: no bucket ", b);
+    return buckets_[b];
+  }
 
   static bool same_layout(const at::Tensor& a, const at::Tensor& b) {
     return b.layout() == at::kStrided && b.scalar_type() == a.scalar_type() && b.device() == a.device() &&
@@ -137,7 +142,9 @@ inline void register_cached_step(torch::Library& m) {
   m.class_<CachedStep>("CachedStep")
       .def(torch::init<std::vector<at::Tensor>, c10::List<bool>, std::vector<at::Tensor>>())
       .def("add_bucket", &CachedStep::add_bucket)
-      .def("run", &CachedStep::run);
+      .def("gather", &CachedStep::gather)
+      .def("grad_sq_sum", &CachedStep::grad_sq_sum)
+      .def("sgd_step", &CachedStep::sgd_step);
 }
 
 }  // namespace lfsgd

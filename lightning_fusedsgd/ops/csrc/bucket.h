@@ -39,6 +39,18 @@ inline bool supported_dtype(at::ScalarType dtype) {
   return dtype == at::kFloat || dtype == at::kDouble || dtype == at::kBFloat16 || dtype == at::kHalf;
 }
 
+// The hyperparameter table (columns as LFSGD_HPARAMS), one GroupHParams per row.
+inline std::vector<GroupHParams> decode_table(const at::Tensor& table, const char* op) {
+  TORCH_CHECK(table.device().is_cpu() && table.scalar_type() == at::kDouble && table.dim() == 2 &&
+                  table.size(1) == kNumHParams && table.is_contiguous(),
+              "lightning_fusedsgd::", op, ": group_hparams must be a contiguous CPU float64 [groups, ", kNumHParams,
+              "] table");
+  std::vector<GroupHParams> groups;
+  const double* rows = table.data_ptr<double>();
+  for (int64_t g = 0; g < table.size(0); ++g) groups.push_back(hparams_from_row(rows + g * kNumHParams));
+  return groups;
+}
+
 // grad_sq_sum's argument: dense gradients of one device and one supported dtype.
 inline void check_grads(at::TensorList grads) {
   for (const at::Tensor& g : grads) {
@@ -48,97 +60,104 @@ inline void check_grads(at::TensorList grads) {
   }
 }
 
-// The argument slots, in the op's order (schema in fused_sgd.cpp):
-//   params           [n] one device and dtype (fp32, fp64, bf16, fp16), dense; updated in place
-//   grads            [n] laid out as their params, same dtype
-//   momentum_buffers [k] one per param whose group has momentum != 0, in param order; the params' dtype,
-//                        fp32 with master weights; updated in place
-//   master_params    [n or 0] fp32 masters of bf16/fp16 params; updated in place
-//   group_hparams    CPU float64 [groups, kNumHParams]: one row per group, columns as LFSGD_HPARAMS
-//   tensor_group     [n] each param's row; first_step [n]: seed the buffer with the gradient
-//   grad_scale, found_inf: GradScaler's one-element float32 tensors on the params' device, or none
-//   grad_sq_sum      one-element float64 on the params' device: the sum of squares of every gradient the
-//                    optimizer steps (grad_sq_sum over all its buckets); needed where a group has max_grad_norm
-//   lars_sq_sums     float64 [n, 3] on the params' device, or none: each LARS tensor's sums of squares as the
-//                    lars_sq_sums op returns them, all-reduced over the shards (sharded params); the trust
-//                    ratio is taken from them instead of the kernel's own norm pass
-//   lrs              float64 [groups] on the params' device, or none: each group's lr, read there instead of
-//                    the table's lr column (capturable steps: the lr schedule_lrs writes on the device)
-inline BucketArgs check_bucket(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
-                               at::TensorList master_params, const at::Tensor& group_hparams,
-                               at::IntArrayRef tensor_group, const c10::List<bool>& first_step,
-                               const std::optional<at::Tensor>& grad_scale,
-                               const std::optional<at::Tensor>& found_inf,
-                               const std::optional<at::Tensor>& grad_sq_sum,
-                               const std::optional<at::Tensor>& lars_sq_sums,
-                               const std::optional<at::Tensor>& lrs) {
-  const size_t n = params.size();
-  TORCH_CHECK(grads.size() == n && tensor_group.size() == n && first_step.size() == n,
+// sgd_step's arguments, as the op receives them (documented with its schema, lightning_fusedsgd/ops/__init__.py).
+struct StepArgs {
+  at::TensorList params;
+  at::TensorList grads;
+  at::TensorList momentum_buffers;
+  at::TensorList master_params;
+  const at::Tensor& group_hparams;
+  at::IntArrayRef tensor_group;
+  const c10::List<bool>& first_step;
+  const std::optional<at::Tensor>& grad_scale;
+  const std::optional<at::Tensor>& found_inf;
+  const std::optional<at::Tensor>& grad_sq_sum;
+  const std::optional<at::Tensor>& lars_sq_sums;
+  const std::optional<at::Tensor>& lrs;
+};
+
+// Checks every argument before a kernel writes anything, and decodes the table.
+inline BucketArgs check_bucket(const StepArgs& a) {
+  const size_t n = a.params.size();
+  TORCH_CHECK(a.grads.size() == n && a.tensor_group.size() == n && a.first_step.size() == n,
               "lightning_fusedsgd::sgd_step: one grad, group and first_step entry per param");
-  TORCH_CHECK(master_params.empty() || master_params.size() == n,
+  TORCH_CHECK(a.master_params.empty() || a.master_params.size() == n,
               "lightning_fusedsgd::sgd_step: master_params must be empty or one per param");
-  TORCH_CHECK(group_hparams.device().is_cpu() && group_hparams.scalar_type() == at::kDouble &&
-                  group_hparams.dim() == 2 && group_hparams.size(1) == kNumHParams && group_hparams.is_contiguous(),
-              "lightning_fusedsgd::sgd_step: group_hparams must be a contiguous CPU float64 [groups, ", kNumHParams,
-              "] table");
   BucketArgs args;
-  const double* rows = group_hparams.data_ptr<double>();
-  for (int64_t g = 0; g < group_hparams.size(0); ++g) args.groups.push_back(hparams_from_row(rows + g * kNumHParams));
-  args.master = !master_params.empty();
+  args.groups = decode_table(a.group_hparams, "sgd_step");
+  args.master = !a.master_params.empty();
   if (n == 0) return args;
-  const at::Tensor& first = params[0];
+  const at::Tensor& first = a.params[0];
   const auto dtype = first.scalar_type();
   TORCH_CHECK(supported_dtype(dtype), "lightning_fusedsgd::sgd_step: unsupported param dtype ", dtype);
   TORCH_CHECK(!args.master || dtype == at::kBFloat16 || dtype == at::kHalf,
               "lightning_fusedsgd::sgd_step: master weights are for bf16/fp16 params");
-  check_scalar(grad_scale, first.device(), "grad_scale");
-  check_scalar(found_inf, first.device(), "found_inf");
-  check_scalar(grad_sq_sum, first.device(), "grad_sq_sum", at::kDouble);
-  TORCH_CHECK(!lars_sq_sums.has_value() ||
-                  (lars_sq_sums->device() == first.device() && lars_sq_sums->scalar_type() == at::kDouble &&
-                   lars_sq_sums->dim() == 2 && lars_sq_sums->size(0) == static_cast<int64_t>(n) &&
-                   lars_sq_sums->size(1) == kNumLarsSums && lars_sq_sums->is_contiguous()),
+  check_scalar(a.grad_scale, first.device(), "grad_scale");
+  check_scalar(a.found_inf, first.device(), "found_inf");
+  check_scalar(a.grad_sq_sum, first.device(), "grad_sq_sum", at::kDouble);
+  const auto& sums = a.lars_sq_sums;
+  TORCH_CHECK(!sums.has_value() || (sums->device() == first.device() && sums->scalar_type() == at::kDouble &&
+                                    sums->dim() == 2 && sums->size(0) == static_cast<int64_t>(n) &&
+                                    sums->size(1) == kNumLarsSums && sums->is_contiguous()),
               "lightning_fusedsgd::sgd_step: lars_sq_sums must be a contiguous float64 [params, ", kNumLarsSums,
               "] tensor on ", first.device(), " (the lars_sq_sums op's result)");
-  TORCH_CHECK(!lrs.has_value() || (lrs->device() == first.device() && lrs->scalar_type() == at::kDouble &&
-                                   lrs->dim() == 1 && lrs->size(0) == group_hparams.size(0) && lrs->is_contiguous()),
+  const auto& lrs = a.lrs;
+  TORCH_CHECK(!lrs.has_value() ||
+                  (lrs->device() == first.device() && lrs->scalar_type() == at::kDouble && lrs->dim() == 1 &&
+                   lrs->size(0) == static_cast<int64_t>(args.groups.size()) && lrs->is_contiguous()),
               "lightning_fusedsgd::sgd_step: lrs must be a contiguous float64 [groups] tensor on ", first.device());
   const auto buffer_dtype = args.master ? at::kFloat : dtype;
   size_t slot = 0;
   for (size_t t = 0; t < n; ++t) {
-    const at::Tensor& p = params[t];
-    TORCH_CHECK(tensor_group[t] >= 0 && tensor_group[t] < static_cast<int64_t>(args.groups.size()),
+    const at::Tensor& p = a.params[t];
+    TORCH_CHECK(a.tensor_group[t] >= 0 && a.tensor_group[t] < static_cast<int64_t>(args.groups.size()),
                 "lightning_fusedsgd::sgd_step: tensor_group out of range");
     TORCH_CHECK(p.device() == first.device() && p.scalar_type() == dtype,
                 "lightning_fusedsgd::sgd_step: one device and dtype per call");
     TORCH_CHECK(p.is_non_overlapping_and_dense(), "lightning_fusedsgd::sgd_step: params must be dense");
-    check_same_layout(p, grads[t], "grad");
-    TORCH_CHECK(grads[t].scalar_type() == dtype, "lightning_fusedsgd::sgd_step: grads must have their params' dtype");
-    const GroupHParams& h = args.groups[tensor_group[t]];
+    check_same_layout(p, a.grads[t], "grad");
+    TORCH_CHECK(a.grads[t].scalar_type() == dtype, "lightning_fusedsgd::sgd_step: grads must have their params' dtype");
+    const GroupHParams& h = args.groups[a.tensor_group[t]];
     args.any_lars = args.any_lars || h.lars;
-    TORCH_CHECK(h.max_grad_norm <= 0.0 || grad_sq_sum.has_value(),
+    TORCH_CHECK(h.max_grad_norm <= 0.0 || a.grad_sq_sum.has_value(),
                 "lightning_fusedsgd::sgd_step: a group with max_grad_norm needs grad_sq_sum");
     args.buffer_slot.push_back(h.momentum != 0.0 ? static_cast<int64_t>(slot++) : -1);
     if (h.momentum != 0.0) {
-      TORCH_CHECK(slot <= momentum_buffers.size(),
+      TORCH_CHECK(slot <= a.momentum_buffers.size(),
                   "lightning_fusedsgd::sgd_step: one momentum buffer per param whose group has momentum");
-      const at::Tensor& buffer = momentum_buffers[slot - 1];
+      const at::Tensor& buffer = a.momentum_buffers[slot - 1];
       check_same_layout(p, buffer, "momentum buffer");
       TORCH_CHECK(buffer.scalar_type() == buffer_dtype, "lightning_fusedsgd::sgd_step: momentum buffers must be ",
                   buffer_dtype);
     }
     if (args.master) {
-      check_same_layout(p, master_params[t], "master param");
-      TORCH_CHECK(master_params[t].scalar_type() == at::kFloat, "lightning_fusedsgd::sgd_step: masters are fp32");
+      check_same_layout(p, a.master_params[t], "master param");
+      TORCH_CHECK(a.master_params[t].scalar_type() == at::kFloat, "lightning_fusedsgd::sgd_step: masters are fp32");
     }
   }
-  TORCH_CHECK(slot == momentum_buffers.size(),
+  TORCH_CHECK(slot == a.momentum_buffers.size(),
               "lightning_fusedsgd::sgd_step: one momentum buffer per param whose group has momentum");
   return args;
 }
 
-// lars_sq_sums's arguments: params, grads and masters as sgd_step takes them (slots above), and each param's
-// group row. Returns the groups' hyperparameters.
+// The sgd_step op of both kernels (the only place its C++ signature is written): checks the bucket, then runs a
+// device's kernel, `Run(arguments, checked bucket)`.
+template <void (*Run)(const StepArgs&, const BucketArgs&)>
+void sgd_step_op(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
+                 at::TensorList master_params, const at::Tensor& group_hparams, at::IntArrayRef tensor_group,
+                 const c10::List<bool>& first_step, const std::optional<at::Tensor>& grad_scale,
+                 const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& grad_sq_sum,
+                 const std::optional<at::Tensor>& lars_sq_sums, const std::optional<at::Tensor>& lrs) {
+  const StepArgs arguments{params,       grads,      momentum_buffers, master_params, group_hparams, tensor_group,
+                           first_step,   grad_scale, found_inf,        grad_sq_sum,   lars_sq_sums,  lrs};
+  Run(arguments, check_bucket(arguments));
+}
+
+// The op's function type, for typed calls through the dispatcher (CachedStep).
+using SgdStepFunction = decltype(sgd_step_op<nullptr>);
+
+// lars_sq_sums's arguments: params, grads and masters as sgd_step takes them, and each param's group row.
+// Returns the groups' hyperparameters.
 inline std::vector<GroupHParams> check_norm_inputs(at::TensorList params, at::TensorList grads,
                                                    at::TensorList master_params, const at::Tensor& group_hparams,
                                                    at::IntArrayRef tensor_group,
@@ -146,13 +165,7 @@ inline std::vector<GroupHParams> check_norm_inputs(at::TensorList params, at::Te
   const size_t n = params.size();
   TORCH_CHECK(grads.size() == n && tensor_group.size() == n && (master_params.empty() || master_params.size() == n),
               "lightning_fusedsgd::lars_sq_sums: one grad and group entry (and master, or none) per param");
-  TORCH_CHECK(group_hparams.device().is_cpu() && group_hparams.scalar_type() == at::kDouble &&
-                  group_hparams.dim() == 2 && group_hparams.size(1) == kNumHParams && group_hparams.is_contiguous(),
-              "lightning_fusedsgd::lars_sq_sums: group_hparams must be a contiguous CPU float64 [groups, ",
-              kNumHParams, "] table");
-  std::vector<GroupHParams> groups;
-  const double* rows = group_hparams.data_ptr<double>();
-  for (int64_t g = 0; g < group_hparams.size(0); ++g) groups.push_back(hparams_from_row(rows + g * kNumHParams));
+  const std::vector<GroupHParams> groups = decode_table(group_hparams, "lars_sq_sums");
   if (n == 0) return groups;
   const at::Tensor& first = params[0];
   TORCH_CHECK(supported_dtype(first.scalar_type()), "lightning_fusedsgd::lars_sq_sums: unsupported param dtype ",
@@ -174,7 +187,7 @@ inline std::vector<GroupHParams> check_norm_inputs(at::TensorList params, at::Te
   return groups;
 }
 
-// schedule_lrs's arguments (slots in fused_sgd.cpp's schema), all on one device.
+// schedule_lrs's arguments (documented with its schema in ops/__init__.py), all on one device.
 inline void check_schedule_inputs(const at::Tensor& lrs, const at::Tensor& position, const at::Tensor& schedule,
                                   const at::Tensor& peaks, const std::optional<at::Tensor>& applied) {
   const auto on_device = [&](const at::Tensor& t) { return t.device() == lrs.device() && t.is_contiguous(); };

@@ -1,4 +1,4 @@
-// The lightning_fusedsgd operator library and its CPU kernel: multi-tensor SGD/LARS over one (device, dtype)
+// The CPU kernels of the lightning_fusedsgd ops: multi-tensor SGD/LARS over one (device, dtype)
 // bucket per call, a work list of fixed-size chunks across all tensors (work_list.h), and one OpenMP parallel
 // region over it. The math lives in sgd_math.h, the argument checks in bucket.h.
 #include <ATen/ATen.h>
@@ -150,10 +150,10 @@ class BucketStep {
  public:
   using O = typename OpMath<P>::type;
 
-  BucketStep(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
-             at::TensorList master_params, const BucketArgs& args, at::IntArrayRef tensor_group,
-             const c10::List<bool>& first_step, double inv_scale, double grad_sq_sum, const double* lars_sums)
-      : groups_(args.groups), tensor_group_(tensor_group) {
+  BucketStep(const StepArgs& a, const BucketArgs& args, double inv_scale, double grad_sq_sum,
+             const double* lars_sums)
+      : groups_(args.groups), tensor_group_(a.tensor_group) {
+    const at::TensorList params = a.params;
     const size_t n = params.size();
     w_ptr_.resize(n);
     g_ptr_.resize(n);
@@ -162,12 +162,12 @@ class BucketStep {
     coeffs_.resize(n);
     lars_.resize(n);
     for (size_t t = 0; t < n; ++t) {
-      const GroupHParams& h = groups_[tensor_group[t]];
+      const GroupHParams& h = groups_[tensor_group_[t]];
       w_ptr_[t] = params[t].data_ptr<P>();
-      g_ptr_[t] = grads[t].data_ptr<P>();
-      if (args.buffer_slot[t] >= 0) b_ptr_[t] = momentum_buffers[args.buffer_slot[t]].data_ptr<B>();
-      if (kMaster) m_ptr_[t] = master_params[t].data_ptr<float>();
-      coeffs_[t] = make_coeffs<O>(h, inv_scale, grad_sq_sum, first_step[t]);
+      g_ptr_[t] = a.grads[t].data_ptr<P>();
+      if (args.buffer_slot[t] >= 0) b_ptr_[t] = a.momentum_buffers[args.buffer_slot[t]].data_ptr<B>();
+      if (kMaster) m_ptr_[t] = a.master_params[t].data_ptr<float>();
+      coeffs_[t] = make_coeffs<O>(h, inv_scale, grad_sq_sum, a.first_step[t]);
       // Given sums (sharded params, reduced across shards) replace the norm pass: the ratio is set here.
       lars_[t] = h.lars && lars_sums == nullptr;
       if (h.lars && lars_sums != nullptr) {
@@ -292,26 +292,19 @@ class BucketStep {
   std::vector<double> w_sq_, g_sq_;
 };
 
-// lightning_fusedsgd::sgd_step for CPU tensors (argument slots in bucket.h). The grad scale, found_inf, the
-// gradients' sum of squares and the lrs are read on the host, which costs nothing for CPU tensors.
-void sgd_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
-                  at::TensorList master_params, const at::Tensor& group_hparams, at::IntArrayRef tensor_group,
-                  const c10::List<bool>& first_step, const std::optional<at::Tensor>& grad_scale,
-                  const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& grad_sq_sum,
-                  const std::optional<at::Tensor>& lars_sq_sums, const std::optional<at::Tensor>& lrs) {
-  BucketArgs args = check_bucket(params, grads, momentum_buffers, master_params, group_hparams, tensor_group,
-                                 first_step, grad_scale, found_inf, grad_sq_sum, lars_sq_sums, lrs);
-  if (params.empty() || (found_inf.has_value() && found_inf->item<float>() != 0.0f)) return;
-  if (lrs.has_value()) {
-    for (size_t g = 0; g < args.groups.size(); ++g) args.groups[g].lr = lrs->data_ptr<double>()[g];
+// The CPU kernel of lightning_fusedsgd::sgd_step (the op: sgd_step_op in bucket.h). The grad scale, found_inf,
+// the gradients' sum of squares and the lrs are read on the host, which costs nothing for CPU tensors.
+void run_cpu(const StepArgs& a, const BucketArgs& checked) {
+  if (a.params.empty() || (a.found_inf.has_value() && a.found_inf->item<float>() != 0.0f)) return;
+  BucketArgs args = checked;
+  if (a.lrs.has_value()) {
+    for (size_t g = 0; g < args.groups.size(); ++g) args.groups[g].lr = a.lrs->data_ptr<double>()[g];
   }
-  const double inv_scale = grad_scale.has_value() ? inverse_scale(grad_scale->item<float>()) : 1.0;
-  const double sq_sum = grad_sq_sum.has_value() ? grad_sq_sum->item<double>() : 0.0;
-  const double* lars_sums = lars_sq_sums.has_value() ? lars_sq_sums->data_ptr<double>() : nullptr;
-  dispatch_bucket_types(params[0].scalar_type(), args.master, [&](auto param, auto buffer, auto master) {
-    BucketStep<decltype(param), decltype(buffer), decltype(master)::value>(params, grads, momentum_buffers,
-                                                                           master_params, args, tensor_group,
-                                                                           first_step, inv_scale, sq_sum, lars_sums)
+  const double inv_scale = a.grad_scale.has_value() ? inverse_scale(a.grad_scale->item<float>()) : 1.0;
+  const double sq_sum = a.grad_sq_sum.has_value() ? a.grad_sq_sum->item<double>() : 0.0;
+  const double* lars_sums = a.lars_sq_sums.has_value() ? a.lars_sq_sums->data_ptr<double>() : nullptr;
+  dispatch_bucket_types(a.params[0].scalar_type(), args.master, [&](auto param, auto buffer, auto master) {
+    BucketStep<decltype(param), decltype(buffer), decltype(master)::value>(a, args, inv_scale, sq_sum, lars_sums)
         .run();
   });
 }
@@ -404,30 +397,17 @@ std::vector<std::string> decay_names() { return {std::begin(kDecayNames), std::e
 }  // namespace
 }  // namespace lfsgd
 
-// The schema declares what the op writes: params (a!), momentum buffers (b!) and masters (c!); grads, the
-// table and the scalars are only read. lrs: each group's lr on the params' device (capturable steps), written by
-// schedule_lrs, which advances the device step counter `position` after applied steps (schedule.h). grad_sq_sum gives the sum of squares that global-norm clipping needs:
-// the optimizer adds up its buckets' and passes the total to every bucket's sgd_step. The CUDA kernel
-// (fused_sgd_cuda.cu) registers for the same schemas.
-TORCH_LIBRARY(lightning_fusedsgd, m) {
-  m.def(
-      "sgd_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_buffers, Tensor(c!)[] master_params, "
-      "Tensor group_hparams, int[] tensor_group, bool[] first_step, Tensor? grad_scale, Tensor? found_inf, "
-      "Tensor? grad_sq_sum, Tensor? lars_sq_sums=None, Tensor? lrs=None) -> ()");
-  m.def("grad_sq_sum(Tensor[] grads) -> Tensor");
-  m.def(
-      "lars_sq_sums(Tensor[] params, Tensor[] grads, Tensor[] master_params, Tensor group_hparams, "
-      "int[] tensor_group, Tensor? grad_scale) -> Tensor");
-  m.def(
-      "schedule_lrs(Tensor(a!) lrs, Tensor(b!) position, Tensor schedule, Tensor peaks, Tensor? applied, "
-      "bool advance) -> ()");
+// The ops are defined with their schemas in lightning_fusedsgd/ops/__init__.py; this library adds the CPU kernels,
+// the ABI checks the loader compares with _abi.py, and the CachedStep class. The CUDA library
+// (fused_sgd_cuda.cu) adds the CUDA kernels.
+TORCH_LIBRARY_FRAGMENT(lightning_fusedsgd, m) {
   m.def("hparam_names() -> str[]", &lfsgd::hparam_names);
   m.def("decay_names() -> str[]", &lfsgd::decay_names);
   lfsgd::register_cached_step(m);
 }
 
 TORCH_LIBRARY_IMPL(lightning_fusedsgd, CPU, m) {
-  m.impl("sgd_step", &lfsgd::sgd_step_cpu);
+  m.impl("sgd_step", &lfsgd::sgd_step_op<lfsgd::run_cpu>);
   m.impl("grad_sq_sum", &lfsgd::grad_sq_sum_cpu);
   m.impl("lars_sq_sums", &lfsgd::lars_sq_sums_cpu);
   m.impl("schedule_lrs", &lfsgd::schedule_lrs_cpu);

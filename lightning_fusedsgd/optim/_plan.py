@@ -1,25 +1,25 @@
-"""The step plan: a step's buckets gathered and checked before anything is written, and the validated step
-kept in C++ for reuse (one invalidation rule: ``CachedPlan.matches``)."""
+"""The step plan: every param with a grad checked and gathered into buckets, before anything is written.
+
+A bucket is one (device, dtype, master weights) set of tensors in the ops' argument order; the plan also lists
+the state to store once the kernels ran and the params updated through a copy. Nothing here knows the
+optimizer: ``plan_step`` reads its groups and state."""
 
 from __future__ import annotations
 
-import itertools
-import operator
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from lightning_fusedsgd import backends, kernels, sharding
-
-if TYPE_CHECKING:
-    from lightning_fusedsgd.optim import FusedSGD
+from lightning_fusedsgd.optim import _dtensor
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 # Complex params are stepped as their real views, as torch.optim.SGD does.
 _SUPPORTED_DTYPES = (torch.float32, torch.float64, *LOW_PRECISION, torch.complex64, torch.complex128)
 _NO_STATE: dict[str, Any] = {}
+BucketKey = tuple[torch.device, torch.dtype, bool]  # (device, param dtype, master weights)
 
 
 @dataclass
@@ -33,8 +33,8 @@ class Bucket:
     master_params: list[Tensor] = field(default_factory=list)
     tensor_group: list[int] = field(default_factory=list)
     first_step: list[bool] = field(default_factory=list)
-    # Per tensor: where its partial norms are all-reduced (sharding.reduce_key), None when not sharded.
-    reduce_keys: list[sharding.ReduceKey | None] = field(default_factory=list)
+    # Per tensor: where its partial norms are all-reduced (_dtensor.reduce_key), None when not sharded.
+    reduce_keys: list[_dtensor.ReduceKey | None] = field(default_factory=list)
 
 
 @dataclass
@@ -46,7 +46,7 @@ class Plan:
     state is DTensors placed like the params, and ``sharded`` says whether any tensor's norms need an
     all-reduce."""
 
-    buckets: dict[tuple[torch.device, torch.dtype, bool], Bucket] = field(default_factory=dict)
+    buckets: dict[BucketKey, Bucket] = field(default_factory=dict)
     new_state: list[tuple[Tensor, str, Tensor | None]] = field(default_factory=list)
     staged: list[tuple[Tensor, Tensor]] = field(default_factory=list)
     # Params with sparse gradients and their group index: stepped by torch's own SGD (_step_sparse).
@@ -120,12 +120,12 @@ def _check_no_overlap(stepped: list[tuple[Tensor, _Place]]) -> None:
             )
 
 
-def bucket_name(key: tuple[torch.device, torch.dtype, bool]) -> str:
+def bucket_name(key: BucketKey) -> str:
     device, dtype, master = key
     return f"{device}/{str(dtype).removeprefix('torch.')}{' + fp32 master' if master else ''}"
 
 
-def _real(tensor: Tensor) -> Tensor:
+def real_view(tensor: Tensor) -> Tensor:
     """Complex tensors are stepped as their real views, as torch.optim.SGD steps them."""
     return torch.view_as_real(tensor) if tensor.is_complex() else tensor
 
@@ -181,8 +181,8 @@ def _check_sparse_steppable(param: Tensor, place: _Place) -> None:
         label = param_label(*place, param)
         raise RuntimeError(
             f"{label} has a sparse gradient, which FusedSGD steps as torch.optim.SGD does, and neither adds "
-            "weight decay to one (torch raises 'add(sparse, dense) is not supported'): put it in a group with "
-            "weight_decay=0, or make its gradient dense (e.g. nn.Embedding(sparse=False))."
+            "weight decay to one (torch raises 'add(sparse, dense) is not supported'): put it in a group "
+            "with weight_decay=0, or make its gradient dense (e.g. nn.Embedding(sparse=False))."
         )
     if options:
         label = param_label(*place, param)
@@ -193,7 +193,9 @@ def _check_sparse_steppable(param: Tensor, place: _Place) -> None:
         )
 
 
-def plan_step(optimizer: FusedSGD, tracing: bool = False) -> Plan:
+def plan_step(
+    groups: Sequence[dict[str, Any]], state: Mapping[Tensor, dict[str, Any]], tracing: bool = False
+) -> Plan:
     """Validates every parameter with a grad and gathers the kernel inputs, changing nothing.
 
     ``tracing`` (under torch.compile): the overlap check, which reads tensor addresses, is left out, and
@@ -202,7 +204,7 @@ def plan_step(optimizer: FusedSGD, tracing: bool = False) -> Plan:
     """
     plan = Plan()
     stepped: list[tuple[Tensor, _Place]] = []
-    for group_index, group in enumerate(optimizer.param_groups):
+    for group_index, group in enumerate(groups):
         for param_index, param in enumerate(group["params"]):
             if param.grad is None:
                 continue
@@ -211,14 +213,13 @@ def plan_step(optimizer: FusedSGD, tracing: bool = False) -> Plan:
             if param.grad.is_sparse:
                 plan.sparse.append((param, group_index))
                 continue
-            if sharding.is_fsdp1_flattened(param):
-                sharding.check_fsdp1_norms(group, param_label(*place, param))
-            if sharding.is_sharded(param):
-                sharding.check_grad_placement(param, param_label(*place, param))
+            if _dtensor.is_fsdp1_flattened(param):
+                _dtensor.check_fsdp1_norms(group, param_label(*place, param))
+            if _dtensor.is_sharded(param):
+                _dtensor.check_grad_placement(param, param_label(*place, param))
                 plan.dtensors = True
-            stepped.append((sharding.local(param), place))
-            state = optimizer.state.get(param, _NO_STATE)
-            _plan_param(plan, state, param, group, group_index, param_index, tracing)
+            stepped.append((_dtensor.local(param), place))
+            _plan_param(plan, state.get(param, _NO_STATE), param, group, group_index, param_index, tracing)
     if not tracing:
         _check_no_overlap(stepped)
     return plan
@@ -238,21 +239,21 @@ def _plan_param(
     has_momentum = group["momentum"] != 0
     use_master = bool(group["master_weights"]) and param.dtype in LOW_PRECISION
     # A DTensor param is stepped as its local shard; its state is stored as DTensors placed like it.
-    shard = sharding.local(param)
+    shard = _dtensor.local(param)
     dense = shard if _is_dense(shard) else shard.contiguous()
     if dense is not shard:
         plan.staged.append((shard, dense))
     stride = dense.stride()
-    grad = sharding.local(param.grad)
+    grad = _dtensor.local(param.grad)
     if grad.dtype != param.dtype or grad.stride() != stride:
         grad = torch.empty_like(dense).copy_(grad)
 
     bucket = plan.buckets.setdefault((dense.device, param.dtype, use_master), Bucket())
-    bucket.params.append(_real(dense))
+    bucket.params.append(real_view(dense))
     bucket.sources.append(param)
-    bucket.grads.append(_real(grad))
+    bucket.grads.append(real_view(grad))
     bucket.tensor_group.append(group_index)
-    reduce_key = sharding.reduce_key(param)
+    reduce_key = _dtensor.reduce_key(param)
     bucket.reduce_keys.append(reduce_key)
     plan.sharded = plan.sharded or reduce_key is not None
     buffer = state.get("momentum_buffer") if has_momentum else None
@@ -262,40 +263,40 @@ def _plan_param(
         if buffer is None:
             new_buffer = torch.zeros_like if tracing else torch.empty_like
             buffer = new_buffer(dense, dtype=buffer_dtype)
-            plan.new_state.append((param, "momentum_buffer", sharding.like_param(buffer, param)))
+            plan.new_state.append((param, "momentum_buffer", _dtensor.like_param(buffer, param)))
         else:
             # A sparse buffer comes from a step of torch's sparse path (plan.sparse): dense from now on.
-            local_buffer = buffer.to_dense() if buffer.is_sparse else sharding.local(buffer)
+            local_buffer = buffer.to_dense() if buffer.is_sparse else _dtensor.local(buffer)
             if (
                 buffer.is_sparse
                 or buffer.shape != param.shape
-                or sharding.is_sharded(buffer) != sharding.is_sharded(param)
+                or _dtensor.is_sharded(buffer) != _dtensor.is_sharded(param)
                 or local_buffer.dtype != buffer_dtype
                 or local_buffer.stride() != stride
                 or local_buffer.device != dense.device
             ):
                 check_state_shapes(state, group, group_index, param_index, param)
                 local_buffer = torch.empty_like(dense, dtype=buffer_dtype).copy_(local_buffer)
-                plan.new_state.append((param, "momentum_buffer", sharding.like_param(local_buffer, param)))
+                plan.new_state.append((param, "momentum_buffer", _dtensor.like_param(local_buffer, param)))
             buffer = local_buffer
-        bucket.momentum_buffers.append(_real(buffer))
+        bucket.momentum_buffers.append(real_view(buffer))
     master = state.get("master_param")
     if not use_master:
         if master is not None:  # stale once the param steps without it: seeded anew if turned back on
             plan.new_state.append((param, "master_param", None))
         return
-    local_master = None if master is None else sharding.local(master)
+    local_master = None if master is None else _dtensor.local(master)
     if (
         master is None
         or master.shape != param.shape
-        or sharding.is_sharded(master) != sharding.is_sharded(param)
+        or _dtensor.is_sharded(master) != _dtensor.is_sharded(param)
         or local_master.dtype != torch.float32
         or local_master.stride() != stride
     ):
         check_state_shapes(state, group, group_index, param_index, param)
         source = dense if local_master is None else local_master
         local_master = torch.empty_like(dense, dtype=torch.float32).copy_(source)
-        plan.new_state.append((param, "master_param", sharding.like_param(local_master, param)))
+        plan.new_state.append((param, "master_param", _dtensor.like_param(local_master, param)))
     bucket.master_params.append(local_master)
 
 
@@ -304,9 +305,9 @@ def check_state_shapes(
 ) -> None:
     for key in ("momentum_buffer", "master_param"):
         value = state.get(key)
-        if isinstance(value, Tensor) and sharding.is_sharded(value) != sharding.is_sharded(param):
+        if isinstance(value, Tensor) and _dtensor.is_sharded(value) != _dtensor.is_sharded(param):
             kinds = ["a DTensor", "a plain tensor"]
-            if not sharding.is_sharded(value):
+            if not _dtensor.is_sharded(value):
                 kinds.reverse()
             raise ValueError(
                 f"The {key} of {param_label(group, group_index, param_index, param)} is {kinds[0]} but the "
@@ -321,217 +322,3 @@ def check_state_shapes(
                 "state belongs to a different model. Load a matching checkpoint, or drop the optimizer "
                 "state to restart momentum from zero."
             )
-
-
-@dataclass
-class CachedPlan:
-    """A validated step, reused while the parameters, their state and the group structure are unchanged.
-
-    Building a plan costs a few microseconds of Python per parameter, which on models with thousands of
-    small tensors is as much as the update itself. Reuse is checked in bulk: here, with C-level ``map``
-    only, the same params (by identity) and momentum/master-weights/LARS/norm-clipping switches, the same
-    state mapping (keys and per-param dicts by identity, in order) and the same state tensors (by
-    identity); in C++ (``CachedStep.run``), the same grad/no-grad pattern and params and grads laid out as
-    recorded (dtype, device, shape, strides). The C++ side keeps the kernel arguments, so a step converts
-    no tensor lists.
-
-    Sharded (DTensor) params are kept as the plan itself (``sharded_plan``), since the C++ step cannot take
-    a DTensor's local shard: :meth:`sharded_plan_for` checks the same things in Python, where each grad
-    must still be placed as its param, and puts this step's local gradient shards into the buckets.
-    """
-
-    group_key: list[tuple[int, bool, bool, bool, bool]]
-    params: list[Tensor]
-    state_keys: list[Tensor]
-    state_dicts: list[dict[str, Any]]
-    stepped_dicts: list[dict[str, Any]]
-    buffers: list[Tensor | None]
-    masters: list[Tensor | None]  # empty when no bucket keeps master weights
-    device: torch.device
-    step: Any  # torch.classes.lightning_fusedsgd.CachedStep, or None for a sharded plan
-    backends: dict[str, str]  # what last_backends reports for a cached step
-    # Sharded plans: the plan, whether each param had a grad, the stepped params' local shards as recorded,
-    # and each bucket's tensors as positions among the stepped params.
-    sharded_plan: Plan | None = None
-    has_grad: list[bool] = field(default_factory=list)
-    shards: list[Tensor] = field(default_factory=list)
-    slots: list[list[int]] = field(default_factory=list)
-
-    @staticmethod
-    def _group_key(optimizer: FusedSGD) -> list[tuple[int, bool, bool, bool, bool]]:
-        # LARS and norm clipping too: plan_step refuses them on FSDP1 flattened params.
-        return [
-            (
-                len(g["params"]),
-                g["momentum"] != 0,
-                bool(g["master_weights"]),
-                bool(g["lars"]),
-                g["max_grad_norm"] is not None,
-            )
-            for g in optimizer.param_groups
-        ]
-
-    @classmethod
-    def capture_if_reusable(cls, optimizer: FusedSGD, plan: Plan) -> CachedPlan | None:
-        """The step just run, kept for the next steps, where our kernel ran it on one device and it created
-        or converted no state and staged no param; else None."""
-        buckets = plan.buckets
-        devices = {device for device, _, _ in buckets}
-        device = devices.pop() if len(devices) == 1 else None  # one device: the scalars move once
-        reusable = (
-            device is not None
-            and not plan.sparse
-            and not plan.new_state
-            and not plan.staged
-            and device.type in kernels.EXTENSIONS
-            and optimizer.backend in ("auto", "compiled")
-            and backends.compiled_or_fallback(optimizer.backend, device.type) == "compiled"
-        )
-        if not reusable:
-            return None
-        # The C++ step reads p.grad, which would be a DTensor: sharded plans are kept in Python.
-        return (
-            cls.capture_sharded(optimizer, plan, device)
-            if plan.dtensors
-            else cls.capture(optimizer, buckets, device)
-        )
-
-    @staticmethod
-    def _stepped(optimizer: FusedSGD) -> tuple[list[Tensor], list[Tensor], dict[int, int]]:
-        """Every param, those with a grad (the stepped ones), and each stepped param's position among them."""
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        stepped = [p for p in params if p.grad is not None]
-        return params, stepped, {id(p): i for i, p in enumerate(stepped)}
-
-    @classmethod
-    def _kept(
-        cls,
-        optimizer: FusedSGD,
-        params: list[Tensor],
-        stepped: list[Tensor],
-        buckets: dict[tuple, Bucket],
-        device: torch.device,
-        **kept: Any,
-    ) -> CachedPlan:
-        """A kept plan: what ``matches`` checks, recorded now, and ``kept``, what its kind of step keeps."""
-        stepped_dicts = [optimizer.state.get(p, _NO_STATE) for p in stepped]  # momentum 0: no state, as torch
-        return cls(
-            group_key=cls._group_key(optimizer),
-            params=params,
-            state_keys=list(optimizer.state),
-            state_dicts=list(optimizer.state.values()),
-            stepped_dicts=stepped_dicts,
-            buffers=list(map(_get_buffer, stepped_dicts)),
-            masters=list(map(_get_master, stepped_dicts)) if any(key[2] for key in buckets) else [],
-            device=device,
-            **kept,
-        )
-
-    @classmethod
-    def capture_sharded(cls, optimizer: FusedSGD, plan: Plan, device: torch.device) -> CachedPlan:
-        """Keeps a step of DTensor params just planned (no new state) for the next steps."""
-        params, stepped, position = cls._stepped(optimizer)
-        return cls._kept(
-            optimizer,
-            params,
-            stepped,
-            plan.buckets,
-            device,
-            step=None,
-            backends={},
-            sharded_plan=plan,
-            has_grad=[p.grad is not None for p in params],
-            shards=[sharding.local(p).detach() for p in stepped],
-            slots=[[position[id(p)] for p in bucket.sources] for bucket in plan.buckets.values()],
-        )
-
-    def sharded_plan_for(self, optimizer: FusedSGD) -> Plan | None:
-        """The kept sharded plan with this step's local gradient shards, or None where it no longer holds:
-        the checks of ``matches``, the same grad/no-grad pattern, each grad placed as its param, and params
-        and grads laid out (and params located) as recorded. Changes nothing when it returns None."""
-        if self.sharded_plan is None or not self.matches(optimizer):
-            return None
-        grads = []
-        shards = iter(self.shards)
-        for param, had_grad in zip(self.params, self.has_grad):
-            grad = param.grad
-            if (grad is not None) != had_grad:
-                return None
-            if grad is None:
-                continue
-            shard = next(shards)
-            if sharding.is_sharded(grad) != sharding.is_sharded(param) or (
-                sharding.is_sharded(param)
-                and (grad.placements != param.placements or grad.device_mesh != param.device_mesh)
-            ):
-                return None
-            local_param, local_grad = sharding.local(param), sharding.local(grad)
-            if not (
-                _same_layout(local_param, shard)
-                and local_param.data_ptr() == shard.data_ptr()
-                and _same_layout(local_grad, shard)
-            ):
-                return None
-            grads.append(_real(local_grad))
-        for bucket, slots in zip(self.sharded_plan.buckets.values(), self.slots):
-            bucket.grads[:] = [grads[i] for i in slots]
-        return self.sharded_plan
-
-    @classmethod
-    def capture(cls, optimizer: FusedSGD, buckets: dict[tuple, Bucket], device: torch.device) -> CachedPlan:
-        """Keeps the step just planned (buckets on one device, no new state) for the next steps."""
-        params, stepped, position = cls._stepped(optimizer)
-        kernels.load_extension(device.type)
-        step = torch.classes.lightning_fusedsgd.CachedStep(
-            params, [p.grad is not None for p in params], [p.detach() for p in stepped]
-        )
-        for bucket in buckets.values():
-            step.add_bucket(
-                bucket.params,
-                bucket.momentum_buffers,
-                bucket.master_params,
-                bucket.tensor_group,
-                [position[id(p)] for p in bucket.sources],
-            )
-        return cls._kept(
-            optimizer,
-            params,
-            stepped,
-            buckets,
-            device,
-            step=step,
-            backends={bucket_name(key): "compiled (cached step)" for key in buckets},
-        )
-
-    def matches(self, optimizer: FusedSGD) -> bool:
-        """Whether params, groups and state are those the cached step was validated for."""
-        state = optimizer.state
-        return (
-            self._group_key(optimizer) == self.group_key
-            and all(
-                map(
-                    operator.is_,
-                    itertools.chain.from_iterable(g["params"] for g in optimizer.param_groups),
-                    self.params,
-                )
-            )
-            and len(state) == len(self.state_keys)
-            and all(map(operator.is_, state, self.state_keys))
-            and all(map(operator.is_, state.values(), self.state_dicts))
-            and all(map(operator.is_, map(_get_buffer, self.stepped_dicts), self.buffers))
-            and all(map(operator.is_, map(_get_master, self.stepped_dicts), self.masters))
-        )
-
-
-def _same_layout(tensor: Tensor, recorded: Tensor) -> bool:
-    return (
-        tensor.layout == torch.strided
-        and tensor.dtype == recorded.dtype
-        and tensor.device == recorded.device
-        and tensor.shape == recorded.shape
-        and tensor.stride() == recorded.stride()
-    )
-
-
-_get_buffer = operator.methodcaller("get", "momentum_buffer")
-_get_master = operator.methodcaller("get", "master_param")

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import inspect
-import math
-import numbers
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -13,64 +11,13 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.sgd import sgd
 
-from lightning_fusedsgd import sharding
-from lightning_fusedsgd.backends import BACKENDS, step_function
 from lightning_fusedsgd.checkpoint import (
     check_optimizer_state_dict,
     remap_optimizer_state_dict,
     same_param_layout,
 )
-from lightning_fusedsgd.plan import LOW_PRECISION, CachedPlan, bucket_name, check_state_shapes, plan_step
-from lightning_fusedsgd.reference import HPARAM_COLUMNS
-
-LARS_DENOMINATORS = ("grad_plus_decay", "decayed_grad")
-CLIP_OPTIONS = ("max_grad_norm", "max_grad_value")
-
-
-def _check_hyperparameters(group: dict[str, Any]) -> None:
-    lr = group["lr"]
-    if isinstance(lr, Tensor) and lr.numel() != 1:
-        raise ValueError(f"lr as a Tensor must have one element, got shape {tuple(lr.shape)}")
-    for name in ("lr", "momentum", "weight_decay"):
-        if isinstance(group[name], Tensor) and torch.compiler.is_compiling():
-            continue  # a traced step cannot branch on a tensor's value; eager steps check it
-        if group[name] < 0:
-            raise ValueError(f"Invalid {name}: {float(group[name])}. It must be >= 0.")
-    if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
-        raise ValueError(
-            "Nesterov momentum requires momentum > 0 and dampening = 0 "
-            f"(got momentum={group['momentum']}, dampening={group['dampening']}): "
-            "set nesterov=False or choose a positive momentum with zero dampening."
-        )
-    if group["lars_denominator"] not in LARS_DENOMINATORS:
-        raise ValueError(
-            f"Unknown lars_denominator {group['lars_denominator']!r}; choose one of {LARS_DENOMINATORS}."
-        )
-    if group["trust_coefficient"] <= 0 or group["lars_eps"] < 0:
-        raise ValueError(
-            f"LARS needs trust_coefficient > 0 and lars_eps >= 0 "
-            f"(got {group['trust_coefficient']} and {group['lars_eps']})."
-        )
-    for name in CLIP_OPTIONS:
-        value = group[name]
-        if value is not None and not (isinstance(value, numbers.Real) and value > 0):
-            raise ValueError(f"Invalid {name}: {value!r}. It must be a number > 0, or None for no clipping.")
-    if group["max_grad_norm"] is not None and group["max_grad_value"] is not None:
-        raise ValueError(
-            "max_grad_norm and max_grad_value are alternatives (as Lightning's gradient_clip_algorithm "
-            "'norm' and 'value'): set one of them, and None for the other."
-        )
-
-
-def _check_global_norm(groups: list[dict[str, Any]]) -> None:
-    """Norm clipping takes one norm over every parameter the optimizer steps: one threshold for all groups."""
-    thresholds = {group["max_grad_norm"] for group in groups}
-    if len(thresholds) > 1:
-        raise ValueError(
-            f"max_grad_norm differs between parameter groups ({sorted(map(str, thresholds))}), but it clips "
-            "the one global norm of every group's gradients: set it on the optimizer "
-            "(FusedSGD(..., max_grad_norm=...)), not per group."
-        )
+from lightning_fusedsgd.optim import _backends, _hparams, _kept, _step
+from lightning_fusedsgd.optim._plan import LOW_PRECISION, Plan, bucket_name, check_state_shapes, plan_step
 
 
 def _store_lr(view: Tensor, lr: float | Tensor) -> None:
@@ -163,12 +110,8 @@ class FusedSGD(Optimizer):
         max_grad_value: float | None = None,
         capturable: bool = False,
     ) -> None:
-        if backend not in BACKENDS:
-            raise ValueError(f"Unknown backend {backend!r}; choose one of {BACKENDS}.")
-        if capturable and backend == "torch_fused":
-            raise ValueError(
-                "backend='torch_fused' reads the lr on the host: use capturable=False, or backend='auto'."
-            )
+        if backend not in _backends.BACKENDS:
+            raise ValueError(f"Unknown backend {backend!r}; choose one of {_backends.BACKENDS}.")
         params = list(params) if not isinstance(params, Tensor) else [params]
         if not params:
             raise ValueError(
@@ -192,14 +135,14 @@ class FusedSGD(Optimizer):
             max_grad_norm=max_grad_norm,
             max_grad_value=max_grad_value,
         )
-        _check_hyperparameters(defaults)
+        _hparams.check_group(defaults)
         self.set_grad_none = set_grad_none
         self.backend = backend
-        self._cached_plan: CachedPlan | None = None
+        self._kept: _kept.KeptSteps | _kept.KeptShardedPlan | None = None
         self._checked_hparams: list[tuple[Any, ...]] | None = None
         #: Which implementation ran each bucket of the last step, by "device/dtype": "compiled" (our
-        #: kernel), "compiled (cached step)" (through the validated step kept in C++), "torch" (the
-        #: reference) or "torch_fused".
+        #: kernel), "compiled (kept plan)" (a plan kept from an earlier step, its arguments held in C++) or
+        #: "torch" (the reference).
         self.last_backends: dict[str, str] = {}
         # A dict, updated in place: dynamo replays dict updates of a traced step, not attribute stores.
         self._last_step: dict[str, Tensor | bool] = {"applied": True}
@@ -217,8 +160,7 @@ class FusedSGD(Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Validates the group's hyperparameters and devices before adding it (nothing added on error)."""
-        merged = {**self.defaults, **param_group}
-        _check_hyperparameters(merged)
+        _hparams.check_group({**self.defaults, **param_group})
         params = param_group["params"]
         # Materialized once: a generator (model.parameters()) would be used up by the checks below.
         params = param_group["params"] = [params] if isinstance(params, Tensor) else list(params)
@@ -238,7 +180,7 @@ class FusedSGD(Optimizer):
                 f"params are on {devices.pop()}: move them there, or use one optimizer per device."
             )
         super().add_param_group(param_group)
-        self._cached_plan = None
+        self._kept = None
         if self._lrs is not None:
             self._bind_lrs()
 
@@ -287,7 +229,7 @@ class FusedSGD(Optimizer):
         self.__dict__.setdefault("capturable", False)
         self.__dict__.setdefault("_lrs", None)  # unpickled: bound again at the first step
         self.__dict__.setdefault("_lr_views", [])
-        self._cached_plan = None
+        self._kept = None
         self._checked_hparams = None
         self.last_backends = {}
         self._last_step = {"applied": True}
@@ -296,15 +238,9 @@ class FusedSGD(Optimizer):
         """Validates the groups' hyperparameters when they changed since the last check: a group dict can
         be edited at any time, and a bad value must fail before anything is written."""
         values = [tuple(map(group.get, self.defaults)) for group in self.param_groups]
-        if values == self._checked_hparams:
-            return
-        for index, group in enumerate(self.param_groups):
-            try:
-                _check_hyperparameters(group)
-            except ValueError as error:
-                raise ValueError(f"param_groups[{index}]: {error}") from None
-        _check_global_norm(self.param_groups)
-        self._checked_hparams = values
+        if values != self._checked_hparams:
+            _hparams.check_groups(self.param_groups)
+            self._checked_hparams = values
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
         """Clears gradients; ``set_to_none`` defaults to the constructor's ``set_grad_none``."""
@@ -322,7 +258,7 @@ class FusedSGD(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        lrs = self._lrs_on_device()
+        lrs = self.lr_tensor() if self.capturable else _hparams.stacked_lrs(self.param_groups)
         self._check_groups()
         grad_scale: Tensor | None = getattr(self, "grad_scale", None)
         found_inf: Tensor | int | None = getattr(self, "found_inf", None)
@@ -330,60 +266,68 @@ class FusedSGD(Optimizer):
             # GradScaler sums no per-device flags to the int 0 when no param of this optimizer has a grad.
             found_inf = torch.tensor(float(found_inf))
         applied = True if found_inf is None else self._applied(found_inf)
-        clip_norm = self.param_groups[0]["max_grad_norm"] is not None
-        # Under torch.compile the step is traced from the plan (no cached C++ step, no address checks).
+        # Under torch.compile the step is traced from a new plan (no kept plan, no address checks).
         tracing = torch.compiler.is_compiling()
-        if not tracing and self._run_cached(grad_scale, found_inf, clip_norm, lrs):
-            self._last_step["applied"] = applied
-            return loss
-        cached_plan = (
-            None if tracing or self._cached_plan is None else self._cached_plan.sharded_plan_for(self)
-        )
-        plan = cached_plan or plan_step(self, tracing=tracing)
+        kept = None if tracing or self._kept is None else self._kept_buckets()
+        plan = None if kept is not None else plan_step(self.param_groups, self.state, tracing)
         if (
             not tracing
             and found_inf is not None
-            and (found_inf.device.type == "cpu" or plan.new_state or plan.sparse)
+            and (found_inf.device.type == "cpu" or (plan is not None and (plan.new_state or plan.sparse)))
             and bool(found_inf.item())
         ):
             # Skipped step: nothing is written, and no (uninitialized) buffer is stored. On CUDA this syncs
-            # only on steps that would create state or step sparse gradients; otherwise the kernels skip on
-            # found_inf themselves.
+            # only on steps that would create state or step sparse gradients; otherwise the kernels skip
+            # themselves.
             self._last_step["applied"] = applied
             return loss
-        table = self._hparam_table()
-        # Resolve every backend before running any, so a refusal leaves all buckets untouched.
-        groups = self.param_groups
-        backends = {
-            key: step_function(self.backend, key[0], bucket, [groups[i] for i in set(bucket.tensor_group)])
-            for key, bucket in plan.buckets.items()
-        }
+        if kept is not None:
+            buckets, sharded, names = kept
+        else:
+            buckets, names = self._planned_buckets(plan)
+            sharded = plan.sharded
+        scalars = _step.Scalars(
+            _hparams.table(self.param_groups, lr_on_device=lrs is not None),
+            grad_scale,
+            found_inf,
+            lrs,
+            clip_norm=self.param_groups[0]["max_grad_norm"] is not None,
+        )
+        _step.run(buckets, scalars, sharded, [bool(group["lars"]) for group in self.param_groups])
         # Updated in place: dynamo replays in-place dict updates of a traced step, not attribute stores.
         self.last_backends.clear()
-        self.last_backends.update({bucket_name(key): name for key, (name, _) in backends.items()})
-        lars_sums: dict[Any, Tensor] = {}
-        if plan.sharded:  # norms over shards: one kernel pass per bucket, one all-reduce per process group
-            lars_sums, grad_sq_sum = sharding.global_norm_sums(
-                plan, backends, groups, table, grad_scale, clip_norm
-            )
-        else:
-            grad_sq_sum = self._grad_sq_sum(plan, backends) if clip_norm and plan.buckets else None
-        for key, bucket in plan.buckets.items():
-            device, ops = key[0], backends[key][1]
-            ops.sgd_step(
-                bucket.params,
-                bucket.grads,
-                bucket.momentum_buffers,
-                bucket.master_params,
-                table,
-                bucket.tensor_group,
-                bucket.first_step,
-                None if grad_scale is None else grad_scale.to(device),
-                None if found_inf is None else found_inf.to(device),
-                None if grad_sq_sum is None else grad_sq_sum.to(device),
-                lars_sums.get(key),
-                lrs=None if lrs is None else lrs.to(device),
-            )
+        self.last_backends.update(names)
+        if plan is not None:
+            self._finish(plan, grad_scale, tracing, compiled=set(names.values()) == {"compiled"})
+        self._last_step["applied"] = applied  # set once the step went through: a refused one changes nothing
+        return loss
+
+    def _kept_buckets(self) -> tuple[list[Any], bool, dict[str, str]] | None:
+        """The buckets of the plan kept from an earlier step, if it still holds (else None, nothing
+        changed)."""
+        kept = self._kept
+        if isinstance(kept, _kept.KeptSteps):
+            buckets = kept.buckets_for(self.param_groups, self.state)
+            if buckets is None:
+                return None
+            return buckets, False, {bucket_name(b.key): "compiled (kept plan)" for b in buckets}
+        plan = kept.plan_for(self.param_groups, self.state)
+        if plan is None:
+            return None
+        buckets, names = self._planned_buckets(plan)
+        return buckets, plan.sharded, names
+
+    def _planned_buckets(self, plan: Plan) -> tuple[list[_step.PlannedBucket], dict[str, str]]:
+        """The plan's buckets with the implementation that runs each, all resolved before any runs, so a
+        refusal leaves every bucket untouched."""
+        chosen = {key: _backends.implementation(self.backend, key[0]) for key in plan.buckets}
+        buckets = [_step.PlannedBucket(key, bucket, chosen[key][1]) for key, bucket in plan.buckets.items()]
+        return buckets, {bucket_name(key): name for key, (name, _) in chosen.items()}
+
+    def _finish(self, plan: Plan, grad_scale: Tensor | None, tracing: bool, compiled: bool) -> None:
+        """What a new plan does after its buckets ran: sparse gradients, params updated through a copy, the
+        new
+        state; and the plan kept for the next steps where it can be."""
         if plan.sparse:
             self._step_sparse(plan.sparse, grad_scale)
         for param, dense in plan.staged:
@@ -393,10 +337,8 @@ class FusedSGD(Optimizer):
                 del self.state[param][key]
             else:
                 self.state[param][key] = value
-        if not tracing and cached_plan is None:
-            self._cached_plan = CachedPlan.capture_if_reusable(self, plan)
-        self._last_step["applied"] = applied  # set once the step went through: a refused one changes nothing
-        return loss
+        if not tracing:
+            self._kept = _kept.keep(self.param_groups, self.state, plan, compiled and bool(plan.buckets))
 
     def _step_sparse(self, sparse: list[tuple[Tensor, int]], grad_scale: Tensor | None) -> None:
         """Steps params with sparse gradients (``nn.Embedding(sparse=True)``) through torch.optim.SGD's own
@@ -425,12 +367,6 @@ class FusedSGD(Optimizer):
                 for param, buffer in zip(params, buffers):
                     self.state[param]["momentum_buffer"] = buffer
 
-    @staticmethod
-    def _grad_sq_sum(plan: Any, backends: dict[Any, tuple[str, Any]]) -> Tensor:
-        """The sum of squares of every bucket's gradients, on the first bucket's device (no host sync)."""
-        sums = [backends[key][1].grad_sq_sum(bucket.grads) for key, bucket in plan.buckets.items()]
-        return torch.stack([s.to(sums[0].device) for s in sums]).sum() if len(sums) > 1 else sums[0]
-
     def _applied(self, found_inf: Tensor) -> Tensor:
         """``found_inf == 0`` as a 0-d bool; a capturable step writes it into the same tensor every step."""
         if not self.capturable:
@@ -442,57 +378,15 @@ class FusedSGD(Optimizer):
             )
         return torch.eq(found_inf.reshape(()), 0, out=applied)
 
-    def _run_cached(
-        self, grad_scale: Tensor | None, found_inf: Tensor | None, clip_norm: bool, lrs: Tensor | None
-    ) -> bool:
-        """Runs the cached C++ step if the plan still holds; False (nothing changed) otherwise."""
-        cached = self._cached_plan
-        if cached is None or cached.step is None or not cached.matches(self):
-            return False
-        # On CUDA the kernel reads found_inf itself: reading it here would synchronize.
-        skipped = found_inf is not None and found_inf.device.type == "cpu" and bool(found_inf.item())
-        if not skipped and not cached.step.run(
-            self._hparam_table(),
-            None if grad_scale is None else grad_scale.to(cached.device),
-            None if found_inf is None else found_inf.to(cached.device),
-            clip_norm,
-            lrs,
-        ):
-            return False
-        self.last_backends.clear()
-        self.last_backends.update(cached.backends)
-        return True
-
-    def _lrs_on_device(self) -> Tensor | None:
-        """The groups' lrs as a float64 ``[groups]`` tensor that the op reads instead of the table's lr
-        column: a capturable optimizer's lr storage, or the lrs stacked where a group's lr is a tensor (the
-        pattern torch recommends for compiled optimizers), which a traced step reads without a graph break;
-        None where every lr is a number."""
-        if self.capturable:
-            return self.lr_tensor()
-        lrs = [group["lr"] for group in self.param_groups]
-        tensors = [lr for lr in lrs if isinstance(lr, Tensor)]
-        if not tensors:
-            return None
-        device = tensors[0].device
-        return torch.stack(
-            [torch.as_tensor(lr, dtype=torch.float64, device=device).reshape(()) for lr in lrs]
-        ).to(torch.float64)
-
-    def _hparam_table(self) -> Tensor:
-        rows = []
-        lr_on_device = self.capturable or any(isinstance(group["lr"], Tensor) for group in self.param_groups)
-        for group in self.param_groups:
-            values = {
-                **group,
-                # Read from lrs instead (_lrs_on_device); NaN makes any other use of the column show.
-                "lr": math.nan if lr_on_device else float(group["lr"]),
-                "lars_decayed_grad": group["lars_denominator"] == "decayed_grad",
-                "max_grad_norm": group["max_grad_norm"] or 0.0,
-                "max_grad_value": math.inf if group["max_grad_value"] is None else group["max_grad_value"],
-            }
-            rows.append([float(values[name]) for name in HPARAM_COLUMNS])
-        return torch.tensor(rows, dtype=torch.float64)
+    def schedule_lrs(self, position: Tensor, schedule: Tensor, peaks: Tensor, advance: bool) -> None:
+        """Runs the ``schedule_lrs`` op on this capturable optimizer's lrs (``WarmupLR``'s device schedule):
+        after
+        an applied step (``last_step_applied``, read on the device) the position advances and every lr becomes
+        f(position) of its group's peak."""
+        lrs = self.lr_tensor()
+        ops = _backends.implementation(self.backend, lrs.device)[1]
+        applied = self.last_step_applied
+        ops.schedule_lrs(lrs, position, schedule, peaks, None if applied is True else applied, advance)
 
     def state_dict(self) -> dict[str, Any]:
         """torch.optim's state dict; a capturable optimizer's lrs (and the ``initial_lr`` a scheduler keeps)
@@ -544,7 +438,7 @@ class FusedSGD(Optimizer):
         finally:
             self._optimizer_load_state_dict_pre_hooks = pre_hooks
             self._optimizer_load_state_dict_post_hooks = post_hooks
-        self._cached_plan = None
+        self._kept = None
         for group, before in zip(self.param_groups, current):
             for key, value in before.items():
                 group.setdefault(key, value)
@@ -586,11 +480,13 @@ class FusedSGD(Optimizer):
         """Refuses, before anything changes, a state dict that is not an optimizer's, holds values that
         cannot be optimizer state, or whose groups have hyperparameters FusedSGD refuses."""
         check_optimizer_state_dict(state_dict)
-        for index, group in enumerate(state_dict["param_groups"]):
+        groups = [
+            {**self.defaults, **{k: v for k, v in group.items() if k in self.defaults}}
+            for group in state_dict["param_groups"]
+        ]
+        for index, group in enumerate(groups):
             try:
-                _check_hyperparameters(
-                    {**self.defaults, **{k: v for k, v in group.items() if k in self.defaults}}
-                )
+                _hparams.check_group(group)
             except ValueError as error:
                 raise ValueError(f"saved param_groups[{index}]: {error}") from None
 

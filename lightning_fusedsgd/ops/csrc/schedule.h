@@ -1,4 +1,4 @@
-// The lr schedule on the device, for capturable steps: WarmupSchedule.lr_at (schedules.py) evaluated from a
+// The lr schedule on the device, for capturable steps: WarmupSchedule.lr_at (schedule/function.py) evaluated from a
 // step counter that lives on the params' device, for the CPU op and (under nvcc) the CUDA op. Written as lr_at
 // computes it, operation for operation in double, so the two give the same lr (the CUDA libm's cos and pow
 // may differ from the host's in the last bit).
@@ -11,25 +11,14 @@
 
 namespace lfsgd {
 
-// The decays, in the order of schedules.DECAYS (checked when the extension loads).
+// The decays, in the order of _abi.DECAYS (checked when the library loads).
 enum Decay : int { kCosine = 0, kMultistep, kPoly, kLinear, kConstant };
 constexpr const char* kDecayNames[] = {"cosine", "multistep", "poly", "linear", "constant"};
 
-// A schedule as a float64 row: these columns, then the multistep milestones (global steps, increasing).
+// A schedule as a float64 row: these columns (_abi.SCHEDULE_HEADER), then the multistep milestones (global steps,
+// increasing).
 enum ScheduleColumn : int { kTotalSteps = 0, kWarmupSteps, kStartFactor, kDecayColumn, kGamma, kPower, kEndLr };
 constexpr int kScheduleHeader = 7;
-
-// a * b rounded on its own, never fused into a multiply-add with what follows: compilers fuse by default
-// (GCC's -ffp-contract=fast, nvcc's --fmad=true), Python, whose lr_at this mirrors, never does.
-LFSGD_HOST_DEVICE inline double unfused_product(double a, double b) {
-#ifdef __CUDA_ARCH__
-  return __dmul_rn(a, b);
-#else
-  double product = a * b;
-  asm("" : "+m"(product));  // the product is stored before it is used
-  return product;
-#endif
-}
 
 // f(step) for a group whose peak lr is `peak`; `length` is the row's length (header and milestones).
 LFSGD_HOST_DEVICE inline double scheduled_lr(const double* schedule, int64_t length, int64_t step, double peak) {
@@ -49,7 +38,7 @@ LFSGD_HOST_DEVICE inline double scheduled_lr(const double* schedule, int64_t len
   const double shape = decay == kCosine ? 0.5 * (1.0 + cos(M_PI * progress))
                                         : pow(1.0 - progress, decay == kLinear ? 1.0 : schedule[kPower]);
   const double end_lr = schedule[kEndLr];
-  return end_lr + unfused_product(peak - end_lr, shape);
+  return end_lr + (peak - end_lr) * shape;  // two roundings, as in Python (the libraries fuse nothing implicitly)
 }
 
 // One scheduler step. `position` is [applied steps, skipped steps]. After an applied optimizer step (`applied`

@@ -1,0 +1,132 @@
+"""The kernel ABI: how a parameter group's hyperparameters reach the compiled kernels, in one place.
+
+Every op that takes hyperparameters reads them as a CPU float64 table with one row per group; ``HPARAMS``
+lists the columns in order (``LFSGD_HPARAMS`` in ``ops/csrc/sgd_math.h`` names the same fields in the same
+order, checked when the library loads), each with the group key it encodes, how (None and option names become
+numbers here, nowhere else), and which values the kernel accepts. The schedule op reads a schedule as a row
+too (``SCHEDULE_HEADER`` then the milestones, decays numbered as ``DECAYS``); ``lars_sq_sums`` returns
+``LARS_SUMS`` sums per tensor.
+
+Adding a hyperparameter: its column here, its argument on ``FusedSGD``, its field and math in
+``sgd_math.h``, its math in ``ops/reference.py``, and a row of the test table.
+
+Imports nothing of this package: every layer may use it.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "DECAYS",
+    "HPARAMS",
+    "HPARAM_NAMES",
+    "LARS_DENOMINATORS",
+    "LARS_SUMS",
+    "SCHEDULE_HEADER",
+    "Column",
+    "encode_groups",
+]
+
+
+def _number(value: Any) -> float:
+    return float(value)
+
+
+def _flag(value: Any) -> float:
+    return 1.0 if value else 0.0
+
+
+def _non_negative(value: Any) -> str | None:
+    return None if value >= 0 else "It must be >= 0."
+
+
+def _positive(value: Any) -> str | None:
+    return None if value > 0 else "It must be > 0."
+
+
+def _threshold(value: Any) -> str | None:
+    if value is None or (isinstance(value, numbers.Real) and value > 0):
+        return None
+    return "It must be a number > 0, or None for no clipping."
+
+
+LARS_DENOMINATORS = ("grad_plus_decay", "decayed_grad")
+"""LARS denominators: ``||g|| + lambda ||w||`` (You et al., MLPerf) or ``||g + lambda w||``."""
+
+
+def _denominator(value: Any) -> str | None:
+    return None if value in LARS_DENOMINATORS else f"Choose one of {LARS_DENOMINATORS}."
+
+
+@dataclass(frozen=True)
+class Column:
+    """One column of the hyperparameter table.
+
+    Attributes:
+        name: The kernel's field (``GroupHParams`` in sgd_math.h).
+        key: The parameter-group key it encodes.
+        encode: The group value as the kernel reads it (a float64).
+        check: Why a value is refused (a sentence naming the valid ones), or None where it is valid. Checks
+            that relate two keys live with the optimizer's other checks.
+    """
+
+    name: str
+    key: str
+    encode: Callable[[Any], float] = _number
+    check: Callable[[Any], str | None] | None = None
+
+
+HPARAMS: tuple[Column, ...] = (
+    Column("lr", "lr", check=_non_negative),  # NaN where the op reads the lrs from a tensor instead
+    Column("momentum", "momentum", check=_non_negative),
+    Column("dampening", "dampening"),
+    Column("weight_decay", "weight_decay", check=_non_negative),
+    Column("nesterov", "nesterov", _flag),
+    Column("maximize", "maximize", _flag),
+    Column("wd_after_momentum", "wd_after_momentum", _flag),
+    Column("lars", "lars", _flag),
+    Column("trust_coefficient", "trust_coefficient", check=_positive),
+    Column("lars_eps", "lars_eps", check=_non_negative),
+    Column("trust_clip", "trust_clip", _flag),
+    Column("lars_decayed_grad", "lars_denominator", lambda v: _flag(v == "decayed_grad"), _denominator),
+    Column("max_grad_norm", "max_grad_norm", lambda v: 0.0 if v is None else float(v), _threshold),
+    Column("max_grad_value", "max_grad_value", lambda v: math.inf if v is None else float(v), _threshold),
+)
+"""The table's columns, in the kernel's order."""
+
+HPARAM_NAMES: tuple[str, ...] = tuple(column.name for column in HPARAMS)
+
+
+def encode_groups(groups: Sequence[dict[str, Any]], lr_on_device: bool) -> list[list[float]]:
+    """The table's rows for these parameter groups. ``lr_on_device``: the op reads the lrs from a tensor, and
+    the lr column holds NaN, so that any other use of it shows."""
+    return [
+        [
+            math.nan if lr_on_device and column.key == "lr" else column.encode(group[column.key])
+            for column in HPARAMS
+        ]
+        for group in groups
+    ]
+
+
+DECAYS: tuple[str, ...] = ("cosine", "multistep", "poly", "linear", "constant")
+"""Decay shapes after warmup, numbered as ``kDecayNames`` in ops/csrc/schedule.h."""
+
+SCHEDULE_HEADER: tuple[str, ...] = (
+    "total_steps",
+    "warmup_steps",
+    "start_factor",
+    "decay",
+    "gamma",
+    "power",
+    "end_lr",
+)
+"""A schedule row's leading values (``ScheduleColumn`` in schedule.h); the milestones follow."""
+
+LARS_SUMS = 3
+"""Sums per tensor in a ``lars_sq_sums`` row: of w^2, of the LARS norm term squared, of w times it."""

@@ -1,0 +1,113 @@
+"""The operator library ``torch.ops.lightning_fusedsgd``: each op's schema, arguments and fake kernel, in one
+place.
+
+The compiled libraries (``csrc/``, loaded by :func:`load`) register the CPU and CUDA kernels of these ops;
+:mod:`lightning_fusedsgd.ops.reference` implements the same contract in plain PyTorch (the oracle in tests and
+the fallback where nothing compiles). The fake kernels give ``torch.compile`` the ops' output metadata, so a
+traced step calls the op inside its graph. The schemas say what each op writes (``a!``, ``b!``, ``c!``).
+
+The hyperparameter table ``group_hparams`` is a contiguous CPU float64 ``[groups, len(_abi.HPARAMS)]`` tensor,
+one row per parameter group, columns and encodings as ``lightning_fusedsgd._abi.HPARAMS`` lists them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from lightning_fusedsgd._abi import LARS_SUMS
+from lightning_fusedsgd.ops._loader import (
+    CPU_CAPABILITY_ENV,
+    REQUIRE_COMPILED_ENV,
+    KernelBuildError,
+    cpu_capability,
+    is_loaded,
+    load,
+)
+
+__all__ = [
+    "CPU_CAPABILITY_ENV",
+    "REQUIRE_COMPILED_ENV",
+    "KernelBuildError",
+    "cpu_capability",
+    "is_loaded",
+    "load",
+]
+
+_LIBRARY = torch.library.Library("lightning_fusedsgd", "DEF")  # the compiled libraries add the kernels
+
+_LIBRARY.define(
+    "sgd_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_buffers, "
+    "Tensor(c!)[] master_params, Tensor group_hparams, int[] tensor_group, bool[] first_step, "
+    "Tensor? grad_scale, Tensor? found_inf, Tensor? grad_sq_sum, Tensor? lars_sq_sums=None, "
+    "Tensor? lrs=None) -> ()"
+)
+"""One SGD/LARS step of one bucket (one device, one param dtype, master weights or not), in place.
+
+Arguments:
+    params: [n] dense tensors of one device and dtype (fp32, fp64, bf16, fp16); updated.
+    grads: [n] laid out as their params, of their dtype.
+    momentum_buffers: one per param whose group has momentum != 0, in param order; the params' dtype, fp32
+        with master weights; updated (seeded with the gradient where ``first_step``).
+    master_params: [n] fp32 masters of bf16/fp16 params, or []; updated.
+    group_hparams: the hyperparameter table (module docstring).
+    tensor_group: [n] each param's row of the table.
+    first_step: [n] whether a param's buffer is seeded this step.
+    grad_scale, found_inf: GradScaler's one-element float32 tensors on the params' device, or None: gradients
+        are unscaled in the kernel, and a step with found_inf != 0 changes nothing.
+    grad_sq_sum: one-element float64 on the params' device, the sum of squares of every gradient the optimizer
+        steps (``grad_sq_sum`` over all its buckets); needed where a group has ``max_grad_norm``.
+    lars_sq_sums: float64 [n, LARS_SUMS] on the params' device (``lars_sq_sums``, all-reduced over the shards
+    of
+        sharded params), or None: the trust ratios are taken from it instead of the kernel's own norm pass.
+    lrs: float64 [groups] on the params' device, or None: each group's lr, read there instead of the table's
+    lr
+        column (NaN then): capturable steps, and tensor lrs under torch.compile.
+"""
+
+_LIBRARY.define("grad_sq_sum(Tensor[] grads) -> Tensor")
+"""The sum of squares of every gradient, a float64 scalar on their device, summed in a fixed order (the result
+does not depend on the thread count)."""
+
+_LIBRARY.define(
+    "lars_sq_sums(Tensor[] params, Tensor[] grads, Tensor[] master_params, Tensor group_hparams, "
+    "int[] tensor_group, Tensor? grad_scale) -> Tensor"
+)
+"""Each LARS tensor's sums of w^2, of its norm term squared and of w times that term, before norm clipping, as
+a float64 [n, LARS_SUMS] tensor on the params' device (zeros for tensors without LARS); arguments as
+``sgd_step``'s. A sharded step all-reduces them and hands them to ``sgd_step``."""
+
+_LIBRARY.define(
+    "schedule_lrs(Tensor(a!) lrs, Tensor(b!) position, Tensor schedule, Tensor peaks, Tensor? applied, "
+    "bool advance) -> ()"
+)
+"""One step of the lr schedule on the lrs' device (capturable steps).
+
+Arguments:
+    lrs: float64 [groups], written: f(applied steps) of each group's peak.
+    position: int64 [applied steps, skipped steps], advanced.
+    schedule: the schedule as a float64 row (``_abi.SCHEDULE_HEADER`` then the milestones).
+    peaks: float64 [groups], each group's peak lr.
+    applied: a one-element bool, whether the optimizer's last step was applied (None: it was).
+    advance: False only sets the lrs from the position (a new or resumed scheduler).
+"""
+
+
+@torch.library.register_fake("lightning_fusedsgd::sgd_step")
+def _sgd_step_fake(*args: object) -> None:
+    """Writes its inputs in place and returns nothing: tracing needs no output metadata."""
+
+
+@torch.library.register_fake("lightning_fusedsgd::grad_sq_sum")
+def _grad_sq_sum_fake(grads: list[Tensor]) -> Tensor:
+    return grads[0].new_empty((), dtype=torch.float64)
+
+
+@torch.library.register_fake("lightning_fusedsgd::lars_sq_sums")
+def _lars_sq_sums_fake(params: list[Tensor], *args: object) -> Tensor:
+    return params[0].new_empty((len(params), LARS_SUMS), dtype=torch.float64)
+
+
+@torch.library.register_fake("lightning_fusedsgd::schedule_lrs")
+def _schedule_lrs_fake(*args: object) -> None:
+    """Writes the lrs and the position in place."""

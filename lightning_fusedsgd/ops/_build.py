@@ -1,0 +1,148 @@
+"""How the kernels are built, for the wheel (setup.py) and for the build on first use (``_loader``): sources,
+flags, the CPU instruction sets, the CUDA toolkit, the cache key, and the record that makes a built library
+trustworthy. Standard library only: setup.py loads this file before anything else of the package.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+CSRC = Path(__file__).parent / "csrc"
+HEADERS = ("sgd_math.h", "schedule.h", "bucket.h", "cached_step.h", "work_list.h")
+
+
+@dataclass(frozen=True)
+class Extension:
+    """One compiled library: what it is built from and how."""
+
+    name: str
+    sources: tuple[str, ...]
+    cflags: tuple[str, ...]
+    ldflags: tuple[str, ...] = ()
+    cuda_cflags: tuple[str, ...] = ()
+
+
+# -ffp-contract=off / --fmad=false: no multiply-add is fused behind the code's back. The kernels fuse exactly
+# where ATen's kernels do (sgd_math.h), which is what gives torch.optim.SGD's bits.
+EXTENSIONS = {
+    "cpu": Extension(
+        "lightning_fusedsgd_C", ("fused_sgd.cpp",), ("-O3", "-fopenmp", "-ffp-contract=off"), ("-fopenmp",)
+    ),
+    "cuda": Extension(
+        "lightning_fusedsgd_cuda", ("fused_sgd_cuda.cu",), ("-O3",), (), ("-O3", "--fmad=false")
+    ),
+}
+"""The libraries by device type."""
+
+CPU_CAPABILITIES = {
+    "default": (),
+    "avx2": ("-mavx2", "-mfma"),
+    "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"),
+}
+"""The CPU library's builds, lowest first, with the flags of the features torch checks before it reports its
+AVX2 capability (AVX2, FMA) and its AVX512 one (AVX-512 F/BW/VL/DQ, FMA): each build runs where torch runs
+ATen's kernels of that capability, and rounds as they do (fused multiply-adds exactly where FMA is in the
+flags)."""
+
+DEFAULT_CUDA_ARCH_LIST = "8.0;9.0+PTX"  # A100, H100/H200 machine code; PTX for later GPUs
+CACHE_ENV = "LIGHTNING_FUSEDSGD_CACHE"
+
+
+def cpu_flags(capability: str) -> list[str]:
+    """The CPU library's compiler flags for one capability of ``CPU_CAPABILITIES``."""
+    return [*EXTENSIONS["cpu"].cflags, *CPU_CAPABILITIES[capability]]
+
+
+def cache_dir() -> Path:
+    """Where libraries built on first use are kept: ``$LIGHTNING_FUSEDSGD_CACHE``, else
+    ``~/.cache/lightning_fusedsgd``."""
+    return Path(os.environ.get(CACHE_ENV, Path.home() / ".cache" / "lightning_fusedsgd"))
+
+
+def build_key(device_type: str, *parts: str) -> str:
+    """A hash of the library's sources, its flags and ``parts`` (what else it depends on: the torch it links
+    against, the Python, the instruction set or the CUDA toolkit and architectures)."""
+    extension = EXTENSIONS[device_type]
+    digest = hashlib.sha256()
+    for name in extension.sources + HEADERS:
+        digest.update((CSRC / name).read_bytes())
+    for part in (*extension.cflags, *extension.ldflags, *extension.cuda_cflags, platform.machine(), *parts):
+        digest.update(part.encode())
+    return digest.hexdigest()[:16]
+
+
+def cuda_toolkit() -> tuple[Path | None, str]:
+    """The CUDA toolkit to compile with, and how it was found or why none was.
+
+    ``CUDA_HOME`` (or ``CUDA_PATH``) when set; otherwise the toolkit the ``nvcc`` on PATH belongs to. That
+    nvcc may be a wrapper script outside the toolkit (``exec /usr/local/cuda-13.0/bin/nvcc "$@"``), whose
+    parent folder torch would take as the toolkit, failing at ``-lcudart``: nvcc's ``--dryrun`` names its real
+    installation (``TOP``). A toolkit without ``cuda_runtime.h`` and ``libcudart`` is no toolkit."""
+    for variable in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(variable):
+            return Path(os.environ[variable]), f"${variable}"
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        return None, "no nvcc on PATH and CUDA_HOME is not set"
+    try:
+        dryrun = subprocess.run(
+            [nvcc, "--dryrun", "-x", "cu", "-c", os.devnull, "-o", os.devnull],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    except (OSError, subprocess.SubprocessError) as error:
+        return None, f"{nvcc} does not run ({error})"
+    top = re.search(r"^#\$ TOP=(.+)$", dryrun.stdout + dryrun.stderr, re.MULTILINE)
+    if top is None:
+        return None, f"{nvcc} --dryrun does not name its toolkit"
+    toolkit = Path(top.group(1).strip()).resolve()
+    runtime = [*toolkit.glob("lib64/libcudart.so*"), *toolkit.glob("lib/libcudart.so*")]
+    if not (toolkit / "include" / "cuda_runtime.h").exists() or not runtime:
+        return (
+            None,
+            f"{nvcc} belongs to {toolkit}, which has no CUDA runtime (include/cuda_runtime.h, libcudart)",
+        )
+    return toolkit, f"the toolkit of {nvcc}"
+
+
+def library_record(path: Path) -> dict[str, str | int]:
+    """What a complete library file is: its size and SHA-256, recorded when it is built."""
+    return {"size": path.stat().st_size, "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+
+
+def library_problem(path: Path, record: dict[str, str | int] | None) -> str | None:
+    """Why ``path`` is not the library ``record`` describes (missing, cut short, changed), or None. Checked
+    before ``dlopen``: a truncated shared object kills the process with SIGBUS when it is mapped."""
+    if record is None:
+        return "it has no build record"
+    if not path.is_file():
+        return f"{path} is missing"
+    size = path.stat().st_size
+    if size != record.get("size"):
+        return f"{path} has {size} bytes, {record.get('size')} were built"
+    if hashlib.sha256(path.read_bytes()).hexdigest() != record.get("sha256"):
+        return f"{path} changed after it was built"
+    return None
+
+
+def read_record(path: Path) -> dict[str, str | int] | None:
+    """A build record written by :func:`write_record`, or None (absent or unreadable)."""
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def write_record(library: Path, record_path: Path) -> None:
+    """Records ``library`` as complete (written last: a build that stops before has no record)."""
+    record_path.write_text(json.dumps(library_record(library)) + "\n", encoding="utf-8")

@@ -1,0 +1,64 @@
+"""Which implementation of the ops runs a bucket: the compiled kernels or the reference in plain PyTorch.
+
+Backends:
+    ``compiled``: our kernels, for CPU and CUDA tensors. ``torch``: the same math in plain PyTorch
+    (``ops/reference.py``): the oracle in tests and the fallback. ``auto``: ``compiled`` on CPU and CUDA,
+    ``torch`` on other devices, and ``torch`` with one warning where the
+        kernel cannot be built. ``LIGHTNING_FUSEDSGD_REQUIRE_COMPILED=1`` turns that fallback into an error
+        (CI sets it, to prove the compiled kernel is what ran).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+from typing import Any
+
+import torch
+
+from lightning_fusedsgd import ops
+from lightning_fusedsgd.ops import reference
+
+BACKENDS = ("auto", "compiled", "torch")
+_KERNEL_DEVICES = ("cpu", "cuda")
+
+
+@functools.cache
+def _warn_fallback(reason: str) -> None:
+    warnings.warn(
+        f"lightning_fusedsgd: the compiled kernel is unavailable ({reason}); running the reference backend "
+        "(plain PyTorch ops) instead, which is correct but slower. Run `python -m lightning_fusedsgd "
+        "--verbose` to see why.",
+        RuntimeWarning,
+        stacklevel=5,
+    )
+
+
+def implementation(requested: str, device: torch.device) -> tuple[str, Any]:
+    """The backend that runs a bucket on ``device`` when ``requested`` is asked for: its name and its ops
+    (``sgd_step``, ``grad_sq_sum``, ``lars_sq_sums``, ``schedule_lrs``), with the signatures of the ops'
+    schemas.
+
+    Raises:
+        KernelBuildError: ``compiled`` was asked for (or CI's switch is set) and the kernel cannot be built.
+        RuntimeError: ``compiled`` was asked for on a device without kernels.
+    """
+    if requested == "torch" or (requested == "auto" and device.type not in _KERNEL_DEVICES):
+        return "torch", reference
+    if device.type not in _KERNEL_DEVICES:
+        raise RuntimeError(
+            f"backend='compiled' runs on CPU and CUDA tensors; these are on {device}. Use backend='auto'."
+        )
+    try:
+        return "compiled", ops.load(device.type)
+    except ops.KernelBuildError as error:
+        if requested == "compiled" or os.environ.get(ops.REQUIRE_COMPILED_ENV) == "1":
+            raise
+        _warn_fallback(str(error).splitlines()[0][:300])
+        return "torch", reference
+
+
+def is_compiled(requested: str, device: torch.device) -> bool:
+    """Whether ``requested`` runs our kernel on ``device`` (loading it, or falling back, on first use)."""
+    return implementation(requested, device)[0] == "compiled"

@@ -1,0 +1,75 @@
+"""A parameter group's hyperparameters: checked before anything is written, and encoded into the table the ops
+read (columns and encodings: ``lightning_fusedsgd._abi``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_fusedsgd import _abi
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, Tensor):
+        return str(value.item()) if value.numel() == 1 else f"a tensor of shape {tuple(value.shape)}"
+    return repr(value) if isinstance(value, str) else str(value)
+
+
+def check_group(group: dict[str, Any]) -> None:
+    """Raises ValueError, naming the value and the fix, for a hyperparameter the step cannot use."""
+    lr = group["lr"]
+    if isinstance(lr, Tensor) and lr.numel() != 1:
+        raise ValueError(f"lr as a Tensor must have one element, got shape {tuple(lr.shape)}")
+    for column in _abi.HPARAMS:
+        value = group[column.key]
+        if column.check is None or (isinstance(value, Tensor) and torch.compiler.is_compiling()):
+            continue  # a traced step cannot branch on a tensor's value; eager steps check it
+        problem = column.check(value)
+        if problem is not None:
+            raise ValueError(f"Invalid {column.key}: {_shown(value)}. {problem}")
+    if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
+        raise ValueError(
+            "Nesterov momentum requires momentum > 0 and dampening = 0 "
+            f"(got momentum={group['momentum']}, dampening={group['dampening']}): "
+            "set nesterov=False or choose a positive momentum with zero dampening."
+        )
+    if group["max_grad_norm"] is not None and group["max_grad_value"] is not None:
+        raise ValueError(
+            "max_grad_norm and max_grad_value are alternatives (as Lightning's gradient_clip_algorithm "
+            "'norm' and 'value'): set one of them, and None for the other."
+        )
+
+
+def check_groups(groups: Sequence[dict[str, Any]], label: str = "param_groups") -> None:
+    """Every group's check, naming the group, and the one global norm clipping takes."""
+    for index, group in enumerate(groups):
+        try:
+            check_group(group)
+        except ValueError as error:
+            raise ValueError(f"{label}[{index}]: {error}") from None
+    thresholds = {group["max_grad_norm"] for group in groups}
+    if len(thresholds) > 1:
+        raise ValueError(
+            f"max_grad_norm differs between parameter groups ({sorted(map(str, thresholds))}), but it clips "
+            "the one global norm of every group's gradients: set it on the optimizer "
+            "(FusedSGD(..., max_grad_norm=...)), not per group."
+        )
+
+
+def table(groups: Sequence[dict[str, Any]], lr_on_device: bool) -> Tensor:
+    """The hyperparameter table of these groups (``_abi.encode_groups``)."""
+    return torch.tensor(_abi.encode_groups(groups, lr_on_device), dtype=torch.float64)
+
+
+def stacked_lrs(groups: Sequence[dict[str, Any]]) -> Tensor | None:
+    """The groups' lrs as one float64 ``[groups]`` tensor where some group's lr is a tensor (the pattern torch
+    recommends for compiled optimizers: a traced step reads it without a graph break), else None."""
+    lrs = [group["lr"] for group in groups]
+    tensors = [lr for lr in lrs if isinstance(lr, Tensor)]
+    if not tensors:
+        return None
+    device = tensors[0].device
+    return torch.stack([torch.as_tensor(lr, dtype=torch.float64, device=device).reshape(()) for lr in lrs])

@@ -1,0 +1,243 @@
+"""A validated step plan, kept for the next steps while params, state and group structure are unchanged.
+
+Planning costs a few microseconds of Python per parameter, which on models with thousands of small tensors is
+as much as the update itself. A kept plan is checked in bulk instead: here, with C-level ``map`` only, the
+same params (by identity) and the switches that decide what the plan checks (momentum, master weights, LARS,
+clipping), the same state mapping (keys and per-param dicts by identity, in order) and the same state tensors
+(by identity); then, per kind of plan, that grads and params are laid out as recorded:
+
+* :class:`KeptSteps`: the bucket arguments held in C++ (``torch.classes.lightning_fusedsgd.CachedStep``),
+whose
+  ``gather()`` checks layouts and collects this step's grads, so a step converts no tensor lists from Python;
+* :class:`KeptShardedPlan`: a plan of DTensor params (whose local shards the C++ class cannot take), checked
+in
+  Python, with this step's local gradient shards put into its buckets.
+
+Either gives the buckets that the one step path (``_step.run``) runs, or None where the plan no longer holds,
+in which case nothing changed and the step plans anew."""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_fusedsgd import ops
+from lightning_fusedsgd.optim import _dtensor
+from lightning_fusedsgd.optim._plan import BucketKey, Plan, real_view
+
+_get_buffer = operator.methodcaller("get", "momentum_buffer")
+_get_master = operator.methodcaller("get", "master_param")
+_NO_STATE: dict[str, Any] = {}
+
+
+def _group_key(groups: Sequence[dict[str, Any]]) -> list[tuple[Any, ...]]:
+    """What of the groups decides what a plan checks and stores (plan_step's refusals included)."""
+    return [
+        (
+            len(g["params"]),
+            g["momentum"] != 0,
+            bool(g["master_weights"]),
+            bool(g["lars"]),
+            g["max_grad_norm"] is not None,
+            g["max_grad_value"] is not None,
+        )
+        for g in groups
+    ]
+
+
+@dataclass
+class _Record:
+    """What :meth:`matches` compares: the groups' switches, the params, and the state as the plan saw it."""
+
+    group_key: list[tuple[Any, ...]]
+    params: list[Tensor]
+    state_keys: list[Tensor]
+    state_dicts: list[dict[str, Any]]
+    stepped_dicts: list[dict[str, Any]]
+    buffers: list[Tensor | None]
+    masters: list[Tensor | None]  # empty when no bucket keeps master weights
+
+    @classmethod
+    def of(
+        cls, groups: Sequence[dict[str, Any]], state: Mapping[Tensor, dict[str, Any]], masters: bool
+    ) -> _Record:
+        params = [p for g in groups for p in g["params"]]
+        stepped_dicts = [state.get(p, _NO_STATE) for p in params if p.grad is not None]
+        return cls(
+            group_key=_group_key(groups),
+            params=params,
+            state_keys=list(state),
+            state_dicts=list(state.values()),
+            stepped_dicts=stepped_dicts,
+            buffers=list(map(_get_buffer, stepped_dicts)),
+            masters=list(map(_get_master, stepped_dicts)) if masters else [],
+        )
+
+    def matches(self, groups: Sequence[dict[str, Any]], state: Mapping[Tensor, dict[str, Any]]) -> bool:
+        return (
+            _group_key(groups) == self.group_key
+            and all(
+                map(operator.is_, itertools.chain.from_iterable(g["params"] for g in groups), self.params)
+            )
+            and len(state) == len(self.state_keys)
+            and all(map(operator.is_, state, self.state_keys))
+            and all(map(operator.is_, state.values(), self.state_dicts))
+            and all(map(operator.is_, map(_get_buffer, self.stepped_dicts), self.buffers))
+            and all(map(operator.is_, map(_get_master, self.stepped_dicts), self.masters))
+        )
+
+
+@dataclass
+class KeptBucket:
+    """One bucket of a :class:`KeptSteps`: the ops called on the arguments the C++ class holds."""
+
+    step: Any  # torch.classes.lightning_fusedsgd.CachedStep
+    index: int
+    key: BucketKey
+
+    def grad_sq_sum(self) -> Tensor:
+        return self.step.grad_sq_sum(self.index)
+
+    def sgd_step(
+        self,
+        table: Tensor,
+        grad_scale: Tensor | None,
+        found_inf: Tensor | None,
+        grad_sq_sum: Tensor | None,
+        lars_sq_sums: Tensor | None,
+        lrs: Tensor | None,
+    ) -> None:
+        del lars_sq_sums  # a kept C++ plan has no sharded params
+        self.step.sgd_step(self.index, table, grad_scale, found_inf, grad_sq_sum, lrs)
+
+
+def _stepped_positions(params: list[Tensor]) -> tuple[list[Tensor], dict[int, int]]:
+    """The params with a grad, and each one's position among them."""
+    stepped = [p for p in params if p.grad is not None]
+    return stepped, {id(p): i for i, p in enumerate(stepped)}
+
+
+@dataclass
+class KeptSteps:
+    """A plan of plain (not DTensor) params on one device, its bucket arguments held in C++."""
+
+    record: _Record
+    step: Any  # torch.classes.lightning_fusedsgd.CachedStep
+    keys: list[BucketKey]
+
+    @classmethod
+    def of(
+        cls, groups: Sequence[dict[str, Any]], state: Mapping[Tensor, dict[str, Any]], plan: Plan
+    ) -> KeptSteps:
+        record = _Record.of(groups, state, masters=any(key[2] for key in plan.buckets))
+        stepped, position = _stepped_positions(record.params)
+        ops.load(next(iter(plan.buckets))[0].type)  # the class is in the library
+        step = torch.classes.lightning_fusedsgd.CachedStep(
+            record.params, [p.grad is not None for p in record.params], [p.detach() for p in stepped]
+        )
+        for bucket in plan.buckets.values():
+            step.add_bucket(
+                bucket.params,
+                bucket.momentum_buffers,
+                bucket.master_params,
+                bucket.tensor_group,
+                [position[id(p)] for p in bucket.sources],
+            )
+        return cls(record, step, list(plan.buckets))
+
+    def buckets_for(
+        self, groups: Sequence[dict[str, Any]], state: Mapping[Tensor, dict[str, Any]]
+    ) -> list[KeptBucket] | None:
+        """This step's buckets, or None (nothing changed) where the plan no longer holds."""
+        if not self.record.matches(groups, state) or not self.step.gather():
+            return None
+        return [KeptBucket(self.step, index, key) for index, key in enumerate(self.keys)]
+
+
+def _same_layout(tensor: Tensor, recorded: Tensor) -> bool:
+    return (
+        tensor.layout == torch.strided
+        and tensor.dtype == recorded.dtype
+        and tensor.device == recorded.device
+        and tensor.shape == recorded.shape
+        and tensor.stride() == recorded.stride()
+    )
+
+
+@dataclass
+class KeptShardedPlan:
+    """A plan of DTensor params, kept in Python: whether each param had a grad, the stepped params' local
+    shards
+    as recorded, and each bucket's tensors as positions among the stepped params."""
+
+    record: _Record
+    plan: Plan
+    has_grad: list[bool] = field(default_factory=list)
+    shards: list[Tensor] = field(default_factory=list)
+    slots: list[list[int]] = field(default_factory=list)
+
+    @classmethod
+    def of(
+        cls, groups: Sequence[dict[str, Any]], state: Mapping[Tensor, dict[str, Any]], plan: Plan
+    ) -> KeptShardedPlan:
+        record = _Record.of(groups, state, masters=any(key[2] for key in plan.buckets))
+        stepped, position = _stepped_positions(record.params)
+        return cls(
+            record,
+            plan,
+            has_grad=[p.grad is not None for p in record.params],
+            shards=[_dtensor.local(p).detach() for p in stepped],
+            slots=[[position[id(p)] for p in bucket.sources] for bucket in plan.buckets.values()],
+        )
+
+    def plan_for(
+        self, groups: Sequence[dict[str, Any]], state: Mapping[Tensor, dict[str, Any]]
+    ) -> Plan | None:
+        """The kept plan with this step's local gradient shards, or None (nothing changed) where it no longer
+        holds: each grad must still be placed as its param, and params and grads laid out (and params located)
+        as recorded."""
+        if not self.record.matches(groups, state):
+            return None
+        grads = []
+        shards = iter(self.shards)
+        for param, had_grad in zip(self.record.params, self.has_grad):
+            grad = param.grad
+            if (grad is not None) != had_grad:
+                return None
+            if grad is None:
+                continue
+            shard = next(shards)
+            if _dtensor.is_sharded(grad) != _dtensor.is_sharded(param) or (
+                _dtensor.is_sharded(param)
+                and (grad.placements != param.placements or grad.device_mesh != param.device_mesh)
+            ):
+                return None
+            local_param, local_grad = _dtensor.local(param), _dtensor.local(grad)
+            if not (
+                _same_layout(local_param, shard)
+                and local_param.data_ptr() == shard.data_ptr()
+                and _same_layout(local_grad, shard)
+            ):
+                return None
+            grads.append(real_view(local_grad))
+        for bucket, slots in zip(self.plan.buckets.values(), self.slots):
+            bucket.grads[:] = [grads[i] for i in slots]
+        return self.plan
+
+
+def keep(
+    groups: Sequence[dict[str, Any]], state: Mapping[Tensor, dict[str, Any]], plan: Plan, compiled: bool
+) -> KeptSteps | KeptShardedPlan | None:
+    """The step just run, kept for the next steps, where our kernel ran it on one device and it created or
+    converted no state, staged no param and stepped no sparse gradient; else None."""
+    devices = {key[0] for key in plan.buckets}
+    if not (compiled and len(devices) == 1 and not plan.new_state and not plan.staged and not plan.sparse):
+        return None
+    # The C++ class reads p.grad, which would be a DTensor: sharded plans are kept in Python.
+    return KeptShardedPlan.of(groups, state, plan) if plan.dtensors else KeptSteps.of(groups, state, plan)

@@ -1,0 +1,191 @@
+"""The one step path: buckets -> norms -> reduce -> update, for every kind of step.
+
+Eager, kept (C++), sharded, traced (torch.compile) and capturable steps differ only in where their buckets
+come from (a plan made now, or one kept from an earlier step) and what the step's scalars are (tensors on the
+device for capturable steps); :func:`run` is the same for all of them:
+
+1. norms: where a group clips by global norm, each bucket's ``grad_sq_sum``; under sharding, each bucket's
+   ``lars_sq_sums`` (LARS tensors) and the clip sums per process group;
+2. reduce: under sharding, one ``all_reduce`` per process group of every sum taken over it;
+3. update: each bucket's ``sgd_step`` with the total.
+
+Unsharded LARS needs no separate pass: ``sgd_step`` takes each tensor's norms itself, in cache-sized waves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from lightning_fusedsgd._abi import LARS_SUMS
+from lightning_fusedsgd.optim._dtensor import ReduceKey
+from lightning_fusedsgd.optim._plan import Bucket, BucketKey
+
+
+class BucketStep(Protocol):
+    """A bucket the path runs: one made now (:class:`PlannedBucket`) or kept in C++ (``_kept.KeptBucket``)."""
+
+    key: BucketKey
+
+    def grad_sq_sum(self) -> Tensor: ...
+
+    def sgd_step(
+        self,
+        table: Tensor,
+        grad_scale: Tensor | None,
+        found_inf: Tensor | None,
+        grad_sq_sum: Tensor | None,
+        lars_sq_sums: Tensor | None,
+        lrs: Tensor | None,
+    ) -> None: ...
+
+
+@dataclass
+class PlannedBucket:
+    """A bucket of a plan made in Python, run by one implementation's ops (compiled or reference)."""
+
+    key: BucketKey
+    bucket: Bucket
+    ops: Any
+
+    def grad_sq_sum(self) -> Tensor:
+        return self.ops.grad_sq_sum(self.bucket.grads)
+
+    def lars_sq_sums(self, table: Tensor, grad_scale: Tensor | None) -> Tensor:
+        b = self.bucket
+        return self.ops.lars_sq_sums(b.params, b.grads, b.master_params, table, b.tensor_group, grad_scale)
+
+    def sgd_step(
+        self,
+        table: Tensor,
+        grad_scale: Tensor | None,
+        found_inf: Tensor | None,
+        grad_sq_sum: Tensor | None,
+        lars_sq_sums: Tensor | None,
+        lrs: Tensor | None,
+    ) -> None:
+        b = self.bucket
+        self.ops.sgd_step(
+            b.params,
+            b.grads,
+            b.momentum_buffers,
+            b.master_params,
+            table,
+            b.tensor_group,
+            b.first_step,
+            grad_scale,
+            found_inf,
+            grad_sq_sum,
+            lars_sq_sums,
+            lrs,
+        )
+
+
+@dataclass
+class Scalars:
+    """A step's inputs besides the buckets: the hyperparameter table, GradScaler's two tensors, the lrs read
+    on
+    the device (or None), and whether a group clips by global norm."""
+
+    table: Tensor
+    grad_scale: Tensor | None
+    found_inf: Tensor | None
+    lrs: Tensor | None
+    clip_norm: bool
+
+
+def _on(tensor: Tensor | None, device: torch.device) -> Tensor | None:
+    return None if tensor is None else tensor.to(device)
+
+
+def _sum_on(sums: Sequence[Tensor], device: torch.device) -> Tensor:
+    """The sum of 0-d tensors on ``device``, without a host sync."""
+    return (
+        torch.stack([s.reshape(()).to(device) for s in sums]).sum() if len(sums) > 1 else sums[0].to(device)
+    )
+
+
+def run(buckets: Sequence[BucketStep], scalars: Scalars, sharded: bool, lars_groups: Sequence[bool]) -> None:
+    """One optimizer step over ``buckets``: norms, their reduction, then the update. ``sharded``: some
+    tensor's
+    norms must be summed over other ranks (then every bucket is a :class:`PlannedBucket`); ``lars_groups``:
+    which groups use LARS."""
+    if not buckets:
+        return
+    lars_sums: dict[BucketKey, Tensor] = {}
+    grad_sq_sum = None
+    if sharded:
+        lars_sums, grad_sq_sum = _global_norm_sums(buckets, scalars, lars_groups)  # type: ignore[arg-type]
+    elif scalars.clip_norm:
+        grad_sq_sum = _sum_on([bucket.grad_sq_sum() for bucket in buckets], buckets[0].key[0])
+    for bucket in buckets:
+        device = bucket.key[0]
+        bucket.sgd_step(
+            scalars.table,
+            _on(scalars.grad_scale, device),
+            _on(scalars.found_inf, device),
+            _on(grad_sq_sum, device),
+            lars_sums.get(bucket.key),
+            _on(scalars.lrs, device),
+        )
+
+
+def _global_norm_sums(
+    buckets: Sequence[PlannedBucket], scalars: Scalars, lars_groups: Sequence[bool]
+) -> tuple[dict[BucketKey, Tensor], Tensor | None]:
+    """The sums of squares a sharded step needs, made global: each bucket's ``lars_sq_sums`` (where it has
+    LARS
+    tensors) and, under norm clipping, the sum of squares of every stepped gradient.
+
+    One kernel call per bucket produces the local partial sums; the rows and gradient sums of the tensors
+    split over one process group travel in one vector and one ``all_reduce`` (SUM), so a step costs one
+    collective per process group, whatever the number of tensors. Tensors split nowhere add their sums
+    locally."""
+    lars_sums: dict[BucketKey, Tensor] = {}
+    # Per reduce key of each bucket: (bucket key, LARS row indices, whether the clip sum follows, the groups),
+    # and its local sums as one vector (the rows, then the clip sum).
+    entries: list[tuple[BucketKey, list[int], bool, ReduceKey]] = []
+    sums: list[Tensor] = []
+    grad_sqs: list[Tensor] = []  # the clip norm's sums: local ones, then each entry's reduced one
+    for planned in buckets:
+        key, bucket, device = planned.key, planned.bucket, planned.key[0]
+        lars = [lars_groups[g] for g in bucket.tensor_group]
+        if any(lars):
+            lars_sums[key] = planned.lars_sq_sums(scalars.table, _on(scalars.grad_scale, device))
+        by_key: dict[ReduceKey | None, list[int]] = {}
+        for i, reduce_key in enumerate(bucket.reduce_keys):
+            by_key.setdefault(reduce_key, []).append(i)
+        for reduce_key, indices in by_key.items():
+            sq = planned.ops.grad_sq_sum([bucket.grads[i] for i in indices]) if scalars.clip_norm else None
+            if reduce_key is None:
+                if sq is not None:
+                    grad_sqs.append(sq)
+                continue
+            rows = [i for i in indices if lars[i]]
+            if rows or sq is not None:
+                parts = [lars_sums[key][rows].reshape(-1)] if rows else []
+                parts += [sq.reshape(1).to(device)] if sq is not None else []
+                entries.append((key, rows, sq is not None, reduce_key))
+                sums.append(torch.cat(parts))
+    # One all-reduce per process group, over the entries split on it (a tensor split over two mesh dimensions
+    # is summed over both, one after the other). Every rank meets the groups in its plan's order.
+    for group in dict.fromkeys(group for *_, reduce_key in entries for group in reduce_key):
+        members = [i for i, entry in enumerate(entries) if group in entry[3]]
+        device = sums[members[0]].device
+        vector = torch.cat([sums[i].to(device) for i in members])
+        torch.distributed.all_reduce(vector, group=group)
+        for i, reduced in zip(members, vector.split([sums[i].numel() for i in members])):
+            sums[i] = reduced
+    for (key, rows, has_sq, _), reduced in zip(entries, sums):
+        if rows:
+            count = LARS_SUMS * len(rows)
+            lars_sums[key][rows] = reduced[:count].view(len(rows), LARS_SUMS).to(lars_sums[key].device)
+        if has_sq:
+            grad_sqs.append(reduced[-1])
+    if not scalars.clip_norm:
+        return lars_sums, None
+    return lars_sums, _sum_on(grad_sqs, grad_sqs[0].device)

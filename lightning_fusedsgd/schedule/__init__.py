@@ -1,0 +1,8 @@
+"""Learning-rate schedules for large-batch SGD: the schedule as a pure function of the step
+(:class:`WarmupSchedule`, :func:`scaled_lr`) and the ``LRScheduler`` that steps an optimizer through it
+(:class:`WarmupLR`)."""
+
+from lightning_fusedsgd.schedule.function import DECAYS, WarmupSchedule, scaled_lr
+from lightning_fusedsgd.schedule.lr_scheduler import DeviceLrs, ReportsSkips, WarmupLR
+
+__all__ = ["DECAYS", "DeviceLrs", "ReportsSkips", "WarmupLR", "WarmupSchedule", "scaled_lr"]

@@ -1,0 +1,271 @@
+"""The lr schedule as a pure function of the step: linear scaling, linear warmup, then a decay.
+
+The lr at global step ``t`` is ``f(t)`` (:meth:`WarmupSchedule.lr_at`), never a chained update of the previous
+lr, so a resumed run only needs ``t`` to continue exactly. :class:`~lightning_fusedsgd.schedule.WarmupLR`
+steps an optimizer through it."""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import math
+import numbers
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+from lightning_fusedsgd._abi import DECAYS
+
+__all__ = ["DECAYS", "WarmupSchedule", "scaled_lr"]
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def scaled_lr(base_lr: float, global_batch_size: int, reference_batch_size: int = 256) -> float:
+    """Linear scaling rule (Goyal et al. 2017): the lr grows with the global batch size.
+
+    Args:
+        base_lr: The lr tuned for ``reference_batch_size`` (0.1 for ResNet-50 at 256).
+        global_batch_size: Images per optimizer step summed over all devices (and accumulation).
+        reference_batch_size: The batch size ``base_lr`` was tuned for.
+
+    Returns:
+        ``base_lr * global_batch_size / reference_batch_size``.
+
+    Raises:
+        ValueError: If ``base_lr`` is negative or not finite, or a batch size is not a positive
+            integer.
+    """
+    if not _is_real(base_lr) or base_lr < 0:
+        raise ValueError(f"base_lr must be a finite number >= 0, got {base_lr!r}")
+    for label, size in (
+        ("global_batch_size", global_batch_size),
+        ("reference_batch_size", reference_batch_size),
+    ):
+        if not _is_int(size) or size <= 0:
+            raise ValueError(f"{label} must be a positive integer, got {size!r}")
+    return float(base_lr) * global_batch_size / reference_batch_size
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmupSchedule:
+    """Linear warmup followed by a decay, as a pure function of the global step.
+
+    With ``w = warmup_steps``, ``T = total_steps`` and ``p = (t - w) / (T - w)``:
+
+    * ``t < w``: ``peak * (start_factor + (1 - start_factor) * t / w)``, so ``f(0) =
+      start_factor * peak`` and ``f(w) = peak``.
+    * ``w <= t <= T``, by ``decay``:
+
+      - ``cosine``: ``end_lr + (peak - end_lr) * (1 + cos(pi * p)) / 2``
+      - ``poly``: ``end_lr + (peak - end_lr) * (1 - p) ** power``
+      - ``linear``: ``poly`` with ``power = 1``
+      - ``multistep``: ``peak * gamma ** k``, ``k`` = number of milestones ``<= t``
+      - ``constant``: ``peak``
+
+    * ``t > T``: holds ``f(T)``.
+
+    Step ``t`` is the number of optimizer steps already taken, so a run of ``T`` steps uses
+    ``f(0) ... f(T - 1)``, and ``f(T)`` (``end_lr`` for cosine / poly / linear) is the value left
+    after the last ``scheduler.step()``; this is the convention of ``CosineAnnealingLR`` and optax.
+
+    ``end_lr`` is an **absolute** lr shared by every group, as in the MLPerf ResNet-50 LARS recipe
+    (poly power 2 to 1e-4) and torch's ``eta_min``, not a fraction of each group's peak: recipes
+    state it as a number, and a group whose peak is below it is rejected rather than silently
+    warmed *up* by the decay. ``start_factor``, by contrast, is a fraction of the peak, as in
+    ``LinearLR``. ``end_lr`` is ignored by ``multistep`` and ``constant``.
+
+    Args:
+        total_steps: Length of the run in optimizer steps (>= 1).
+        warmup_steps: Steps of linear warmup, ``0 <= warmup_steps < total_steps``.
+        start_factor: lr at step 0 as a fraction of the peak, in [0, 1].
+        decay: One of :data:`DECAYS`.
+        milestones: ``multistep`` only: strictly increasing global step indices with
+            ``warmup_steps < m < total_steps``.
+        gamma: ``multistep`` factor per milestone, in (0, 1].
+        power: ``poly`` exponent, > 0.
+        end_lr: Absolute final lr of ``cosine`` / ``poly`` / ``linear``, >= 0.
+
+    Raises:
+        ValueError: On any argument outside the ranges above, with the fix in the message.
+    """
+
+    total_steps: int
+    warmup_steps: int = 0
+    start_factor: float = 0.0
+    decay: str = "cosine"
+    milestones: tuple[int, ...] = ()
+    gamma: float = 0.1
+    power: float = 2.0
+    end_lr: float = 0.0
+
+    def __post_init__(self) -> None:
+        # Hydra hands over ListConfig, users lists: store a tuple so the dataclass stays hashable.
+        object.__setattr__(self, "milestones", tuple(self.milestones))
+        if not _is_int(self.total_steps) or self.total_steps < 1:
+            raise ValueError(f"total_steps must be an integer >= 1, got {self.total_steps!r}")
+        if not _is_int(self.warmup_steps) or self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be an integer >= 0, got {self.warmup_steps!r}")
+        if self.warmup_steps >= self.total_steps:
+            raise ValueError(
+                f"warmup_steps={self.warmup_steps} is not shorter than the run "
+                f"(total_steps={self.total_steps}): the peak lr would never be used; "
+                "shorten the warmup or lengthen the run"
+            )
+        if not _is_real(self.start_factor) or not 0.0 <= self.start_factor <= 1.0:
+            raise ValueError(
+                f"start_factor must be in [0, 1] (a fraction of the peak lr), got {self.start_factor!r}"
+            )
+        if self.decay not in DECAYS:
+            raise ValueError(f"unknown decay {self.decay!r}; valid decays: {', '.join(DECAYS)}")
+        if not _is_real(self.end_lr) or self.end_lr < 0:
+            raise ValueError(f"end_lr must be a finite absolute lr >= 0, got {self.end_lr!r}")
+        if not _is_real(self.power) or self.power <= 0:
+            raise ValueError(f"power must be a finite number > 0, got {self.power!r}")
+        if not _is_real(self.gamma) or not 0.0 < self.gamma <= 1.0:
+            raise ValueError(
+                f"gamma must be in (0, 1] (the lr is multiplied by it at each milestone), got {self.gamma!r}"
+            )
+        self._validate_milestones()
+
+    def _validate_milestones(self) -> None:
+        if self.decay != "multistep":
+            if self.milestones:
+                raise ValueError(f"milestones only apply to decay='multistep', got decay={self.decay!r}")
+            return
+        if not self.milestones:
+            raise ValueError("decay='multistep' needs milestones (global step indices where the lr drops)")
+        if not all(_is_int(m) for m in self.milestones):
+            raise ValueError(f"milestones must be integer step indices, got {self.milestones!r}")
+        if any(later <= earlier for earlier, later in zip(self.milestones, self.milestones[1:])):
+            raise ValueError(f"milestones must be strictly increasing, got {self.milestones!r}; sort them")
+        out_of_range = [m for m in self.milestones if not self.warmup_steps < m < self.total_steps]
+        if out_of_range:
+            raise ValueError(
+                f"milestones {out_of_range} are outside warmup_steps < m < total_steps "
+                f"({self.warmup_steps} < m < {self.total_steps}); milestones are global optimizer "
+                "steps, not epochs (multiply epochs by steps per epoch)"
+            )
+
+    def lr_at(self, step: int, peak: float) -> float:
+        """Return the lr at global step ``step`` for a group whose peak lr is ``peak``.
+
+        Args:
+            step: Optimizer steps already taken (>= 0).
+            peak: The group's lr at the end of warmup (>= 0; >= ``end_lr`` for decays using it).
+
+        Returns:
+            The lr as a float.
+
+        Raises:
+            ValueError: If ``step`` is negative, or ``peak`` is negative or below ``end_lr``.
+        """
+        step = operator.index(step)
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        if not _is_real(peak) or peak < 0:
+            raise ValueError(f"peak lr must be a finite number >= 0, got {peak!r}")
+        if self.decay in ("cosine", "poly", "linear") and peak < self.end_lr:
+            raise ValueError(
+                f"peak lr {peak} is below end_lr={self.end_lr} (an absolute lr), so decay={self.decay!r} "
+                "would raise the lr; lower end_lr or raise this group's lr"
+            )
+        if step < self.warmup_steps:
+            return peak * (self.start_factor + (1.0 - self.start_factor) * step / self.warmup_steps)
+        step = min(step, self.total_steps)
+        if self.decay == "constant":
+            return peak
+        if self.decay == "multistep":
+            return peak * self.gamma ** bisect.bisect_right(self.milestones, step)
+        progress = (step - self.warmup_steps) / (self.total_steps - self.warmup_steps)
+        if self.decay == "cosine":
+            shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+        else:
+            shape = (1.0 - progress) ** (1.0 if self.decay == "linear" else self.power)
+        return self.end_lr + (peak - self.end_lr) * shape
+
+    def changes_within(self, other: WarmupSchedule, num_steps: int) -> dict[str, tuple[Any, Any]]:
+        """The differences from ``other`` that change the lr of one of steps ``0 ... num_steps - 1``.
+
+        Empty means both schedules give bit-identical lrs on those steps, for any peak; for example a
+        longer run whose multistep milestones all lie ahead, or whose warmup is unchanged and still
+        in progress. Differences that only matter later (``total_steps`` of a multistep schedule, a
+        milestone not yet reached) are not reported. Conservative: a reported difference may, by
+        coincidence, leave every lr unchanged.
+
+        Args:
+            other: The schedule to compare with.
+            num_steps: How many steps, from step 0, are compared (the steps a run already took).
+
+        Returns:
+            ``{parameter: (this value, other value)}`` for the parameters that differ and shape the lr
+            of those steps.
+        """
+        mine, theirs = self._determinants(num_steps), other._determinants(num_steps)
+        if mine == theirs:
+            return {}
+        relevant = mine.keys() | theirs.keys()
+        return {
+            field.name: (getattr(self, field.name), getattr(other, field.name))
+            for field in dataclasses.fields(self)
+            if field.name in relevant and getattr(self, field.name) != getattr(other, field.name)
+        }
+
+    def _determinants(self, num_steps: int) -> dict[str, Any]:
+        """The parameters ``f(0) ... f(num_steps - 1)`` depend on, equivalent shapes written alike."""
+        if num_steps <= 0:
+            return {}
+        found: dict[str, Any] = {"warmup_steps": self.warmup_steps}
+        if self.warmup_steps:
+            found["start_factor"] = self.start_factor
+        last = num_steps - 1
+        if last < self.warmup_steps:
+            return found
+        if self.decay in ("constant", "multistep"):
+            # Both give exactly the peak until the first milestone is reached.
+            reached = tuple(m for m in self.milestones if m <= last)
+            found["decay"] = "multistep" if reached else "constant"
+            if reached:
+                found.update(milestones=reached, gamma=self.gamma)
+            return found
+        # cosine / poly / linear: the peak (shape 1.0) at the warmup's end, the curve after it.
+        found.update(decay="cosine" if self.decay == "cosine" else "poly", end_lr=self.end_lr)
+        if last > self.warmup_steps:
+            found["total_steps"] = self.total_steps
+            if self.decay != "cosine":
+                found["power"] = 1.0 if self.decay == "linear" else self.power
+        return found
+
+    def as_row(self) -> list[float]:
+        """The schedule as the device op ``schedule_lrs`` reads it (csrc/schedule.h): ``total_steps``,
+        ``warmup_steps``, ``start_factor``, the decay's index in :data:`DECAYS`, ``gamma``, ``power``,
+        ``end_lr``, then the milestones."""
+        header = [self.total_steps, self.warmup_steps, self.start_factor, DECAYS.index(self.decay)]
+        return [float(v) for v in (*header, self.gamma, self.power, self.end_lr, *self.milestones)]
+
+    @classmethod
+    def from_row(cls, row: Sequence[float]) -> WarmupSchedule:
+        """The schedule :meth:`as_row` encoded."""
+        total, warmup, start_factor, decay, gamma, power, end_lr, *milestones = row
+        return cls(
+            total_steps=int(total),
+            warmup_steps=int(warmup),
+            start_factor=start_factor,
+            decay=DECAYS[int(decay)],
+            milestones=tuple(int(m) for m in milestones),
+            gamma=gamma,
+            power=power,
+            end_lr=end_lr,
+        )
+
+    def curve(self, peak: float, num_steps: int | None = None) -> list[float]:
+        """``[f(0), ..., f(num_steps - 1)]``: the lrs of a run, ``total_steps`` of them by default."""
+        return [
+            self.lr_at(step, peak) for step in range(self.total_steps if num_steps is None else num_steps)
+        ]

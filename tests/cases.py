@@ -1,0 +1,335 @@
+"""The tables the optimizer tests cross with backends, dtypes, devices and oracles (torch's OptimizerInfo and
+optax's ``_OPTIMIZERS_UNDER_TEST`` in spirit): the option combinations of the update, and the refusals that
+must change nothing."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from helpers import make_params
+from torch import nn
+
+from lightning_fusedsgd import FusedSGD
+
+
+@dataclass(frozen=True)
+class OptimCase:
+    """One combination of FusedSGD's options.
+
+    ``oracle`` names what the case is checked against: ``"torch"`` (``torch.optim.SGD`` given the same
+    arguments: bit for bit in fp32 and fp64), ``"lars"`` (the LARS formula in float64, tests/oracles.py) or
+    ``"clip"`` (torch's clip function, then ``torch.optim.SGD``).
+    """
+
+    id: str
+    hparams: dict[str, Any]
+    oracle: str = "torch"
+
+
+def _torch_cases() -> list[OptimCase]:
+    cases = []
+    for momentum, dampening, nesterov, weight_decay, maximize in itertools.product(
+        (0.0, 0.9), (0.0, 0.3), (False, True), (0.0, 1e-2), (False, True)
+    ):
+        if nesterov and (momentum == 0 or dampening != 0):
+            continue  # torch refuses it (a refusal case below)
+        hparams = dict(
+            momentum=momentum,
+            dampening=dampening,
+            nesterov=nesterov,
+            weight_decay=weight_decay,
+            maximize=maximize,
+        )
+        cases.append(OptimCase("-".join(f"{k}={v}" for k, v in hparams.items()), hparams))
+    return cases
+
+
+TORCH_CASES = _torch_cases()
+"""Every combination of torch.optim.SGD's options (20): FusedSGD gives its bits on the plain path."""
+
+LARS_CASES = [
+    OptimCase(
+        f"lars-nesterov={nesterov}-trust_clip={trust_clip}-decayed={decayed}-maximize={maximize}",
+        dict(
+            lars=True,
+            momentum=0.9,
+            nesterov=nesterov,
+            trust_clip=trust_clip,
+            lars_denominator="decayed_grad" if decayed else "grad_plus_decay",
+            maximize=maximize,
+            weight_decay=5e-4,
+        ),
+        "lars",
+    )
+    for nesterov, trust_clip, decayed, maximize in itertools.product((False, True), repeat=4)
+]
+"""LARS options against the float64 formula of You et al. (16)."""
+
+CLIP_CASES = [
+    OptimCase(f"clip-{name}-{algorithm}", dict(hparams, **{f"max_grad_{algorithm}": threshold}), "clip")
+    for (name, hparams), (algorithm, threshold) in itertools.product(
+        {
+            "plain": dict(momentum=0.9, weight_decay=1e-4),
+            "nesterov-maximize": dict(momentum=0.9, nesterov=True, maximize=True),
+            "no-momentum": dict(),
+        }.items(),
+        [("norm", 0.5), ("norm", 1e6), ("value", 0.005)],
+    )
+]
+"""Clipping inside the step against torch's clip function, then torch.optim.SGD (9)."""
+
+
+@dataclass
+class Scenario:
+    """An optimizer about to be asked something it must refuse: ``act()`` raises, and afterwards the optimizer
+    and ``params`` are as :func:`helpers.snapshot` saw them before."""
+
+    optimizer: FusedSGD
+    params: list[torch.Tensor]
+    act: Callable[[], Any]
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A refused input: how to set it up, the error's type and what its message says (the problem and the
+    fix)."""
+
+    id: str
+    scenario: Callable[[], Scenario]
+    error: type[Exception]
+    match: str
+    marks: tuple = field(default=())
+
+
+def _stepped(params: list[nn.Parameter], named: bool = False, **hparams: Any) -> FusedSGD:
+    """A FusedSGD over ``params`` that took three steps (its plan is kept: a refusal must not slip past
+    it)."""
+    arguments = list(zip("abcdefgh", params)) if named else params
+    optimizer = FusedSGD(arguments, **{"lr": 0.1, "momentum": 0.9, **hparams})
+    for _ in range(3):
+        for p in params:
+            p.grad = torch.ones_like(p)
+        optimizer.step()
+    return optimizer
+
+
+def _step_refusal(params: list[nn.Parameter], edit: Callable[[FusedSGD], Any], **hparams: Any) -> Scenario:
+    optimizer = _stepped(params, **hparams)
+    edit(optimizer)
+    return Scenario(optimizer, params, optimizer.step)
+
+
+def _loaded(edit: Callable[[dict], Any]) -> Callable[[], Scenario]:
+    """A named two-param FusedSGD asked to load its own state dict, edited."""
+
+    def scenario() -> Scenario:
+        params = make_params([(5,), (3,)])
+        optimizer = _stepped(params, named=True)
+        state = copy.deepcopy(optimizer.state_dict())
+        edit(state)
+        return Scenario(optimizer, params, lambda: optimizer.load_state_dict(state))
+
+    return scenario
+
+
+def _overlapping_views() -> Scenario:
+    base = torch.randn(10)
+    first, second = nn.Parameter(base[:6]), nn.Parameter(base[4:])
+    other = nn.Parameter(torch.randn(70_000))
+    optimizer = FusedSGD([{"params": [("other", other)]}, {"params": [("a", first), ("b", second)]}], lr=0.1)
+    for p in (other, first, second):
+        p.grad = torch.ones_like(p)
+    return Scenario(optimizer, [other, first, second], optimizer.step)
+
+
+def _with_grad(optimizer: FusedSGD, *params: torch.Tensor) -> FusedSGD:
+    for p in params:
+        p.grad = torch.ones_like(p)
+    return optimizer
+
+
+def _sparse(**hparams: Any) -> Callable[[], Scenario]:
+    def scenario() -> Scenario:
+        model = nn.ModuleDict({"proj": nn.Linear(4, 4), "emb": nn.Embedding(10, 4, sparse=True)})
+        optimizer = FusedSGD(model.named_parameters(), lr=0.1, momentum=0.9, **hparams)
+        model["proj"].weight.grad = torch.ones(4, 4)
+        model["emb"](torch.tensor([1, 2])).sum().backward()
+        return Scenario(optimizer, list(model.parameters()), optimizer.step)
+
+    return scenario
+
+
+def _float8() -> Scenario:
+    good = nn.Parameter(torch.randn(5))
+    odd = nn.Parameter(torch.zeros(3, dtype=torch.float8_e4m3fn), requires_grad=False)
+    optimizer = _stepped([good])
+    optimizer.add_param_group({"params": [odd]})
+    good.grad, odd.grad = torch.ones(5), torch.zeros(3, dtype=torch.float8_e4m3fn)
+    return Scenario(optimizer, [good], optimizer.step)
+
+
+def _expanded() -> Scenario:
+    good, expanded = nn.Parameter(torch.randn(70_000)), nn.Parameter(torch.randn(1, 3).expand(4, 3))
+    optimizer = FusedSGD([good, expanded], lr=0.1, momentum=0.9)
+    good.grad, expanded.grad = torch.ones_like(good), torch.ones(4, 3)
+    return Scenario(optimizer, [good], optimizer.step)
+
+
+def _complex_value_clip() -> Scenario:
+    params = [nn.Parameter(torch.randn(4, dtype=torch.complex64)), nn.Parameter(torch.randn(3))]
+    optimizer = _with_grad(FusedSGD(params, lr=0.1, momentum=0.9, max_grad_value=0.5), *params)
+    return Scenario(optimizer, params, optimizer.step)
+
+
+def _fsdp1(**hparams: Any) -> Callable[[], Scenario]:
+    """FSDP1 needs a GPU here, so the param carries FSDP's own flattened marker (set by FSDP's helper)."""
+
+    def scenario() -> Scenario:
+        from torch.distributed.fsdp._common_utils import _set_fsdp_flattened
+
+        params = make_params([(300, 70), (50,)])
+        _set_fsdp_flattened(params[0])
+        optimizer = _with_grad(FusedSGD(params, lr=0.1, momentum=0.9, **hparams), *params)
+        return Scenario(optimizer, params, optimizer.step)
+
+    return scenario
+
+
+def _capturable_group_elsewhere() -> Scenario:
+    params = make_params([(4, 3), (3,)])
+    optimizer = _with_grad(FusedSGD(params, lr=0.1, momentum=0.9, capturable=True), *params)
+    on_meta = nn.Parameter(torch.empty(3, device="meta"))
+    return Scenario(optimizer, params, lambda: optimizer.add_param_group({"params": [on_meta]}))
+
+
+def _norm_clip_per_group() -> Scenario:
+    params = make_params([(5,), (3,)])
+    optimizer = FusedSGD([{"params": params[:1]}, {"params": params[1:]}], lr=0.1, momentum=0.9)
+    _with_grad(optimizer, *params).step()
+    optimizer.param_groups[1]["max_grad_norm"] = 1.0
+    return Scenario(optimizer, params, optimizer.step)
+
+
+def _set(key: str, value: Any) -> Callable[[FusedSGD], None]:
+    return lambda optimizer: optimizer.param_groups[0].__setitem__(key, value)
+
+
+def _set_state(index: int, value: Any) -> Callable[[dict], None]:
+    return lambda state: state["state"][index].__setitem__("momentum_buffer", value)
+
+
+REFUSALS = [
+    Refusal(
+        "group-edited-to-an-unknown-denominator",
+        lambda: _step_refusal(make_params([(5,), (3,)]), _set("lars_denominator", "decayed")),
+        ValueError,
+        r"param_groups\[0\]: Invalid lars_denominator: 'decayed'. Choose one of",
+    ),
+    Refusal(
+        "group-edited-to-a-negative-lr",
+        lambda: _step_refusal(make_params([(5,), (3,)]), _set("lr", -1.0)),
+        ValueError,
+        r"param_groups\[0\]: Invalid lr: -1.0. It must be >= 0",
+    ),
+    Refusal(
+        "max-grad-norm-differs-between-groups", _norm_clip_per_group, ValueError, "max_grad_norm differs"
+    ),
+    Refusal(
+        "state-buffer-of-another-shape",
+        lambda: _step_refusal(
+            make_params([(5,), (4, 3)]),
+            lambda o: o.state[o.param_groups[0]["params"][1]].__setitem__(
+                "momentum_buffer", torch.zeros(5, 3)
+            ),
+        ),
+        ValueError,
+        r"parameter 1 of group 0 \(shape \(4, 3\)\).*belongs to a different model",
+    ),
+    Refusal("overlapping-views", _overlapping_views, ValueError, "'a' and 'b' are overlapping views"),
+    Refusal("float8-param", _float8, TypeError, r"parameter 0 of group 1 .*float8_e4m3fn.*convert it"),
+    Refusal("expanded-param", _expanded, ValueError, r"parameter 1 of group 0 .*expand\(\)ed view"),
+    Refusal(
+        "sparse-with-lars",
+        _sparse(lars=True),
+        RuntimeError,
+        "'emb.weight' has a sparse gradient.*without lars",
+    ),
+    Refusal(
+        "sparse-with-value-clip",
+        _sparse(max_grad_value=1.0),
+        RuntimeError,
+        "'emb.weight' has a sparse gradient.*without max_grad_value",
+    ),
+    Refusal(
+        "sparse-with-weight-decay",
+        _sparse(weight_decay=1e-4),
+        RuntimeError,
+        "'emb.weight' has a sparse gradient.*neither adds weight decay",
+    ),
+    Refusal(
+        "value-clip-on-complex",
+        _complex_value_clip,
+        ValueError,
+        "max_grad_value clips each gradient element.*complex.*max_grad_norm",
+    ),
+    Refusal("fsdp1-with-lars", _fsdp1(lars=True), ValueError, "FSDP1 .* Use FSDP2"),
+    Refusal("fsdp1-with-norm-clip", _fsdp1(max_grad_norm=1.0), ValueError, "FSDP1 .* Use FSDP2"),
+    Refusal(
+        "capturable-group-on-another-device",
+        _capturable_group_elsewhere,
+        ValueError,
+        "capturable=True keeps the lrs on the params' device.*one optimizer per device",
+    ),
+    Refusal(
+        "state-dict-buffer-of-another-shape",
+        _loaded(_set_state(1, torch.zeros(7, 3))),
+        ValueError,
+        r"momentum_buffer of 'b' has shape \(7, 3\)",
+    ),
+    Refusal(
+        "state-dict-buffer-on-meta",
+        _loaded(_set_state(1, torch.empty(3, device="meta"))),
+        ValueError,
+        "meta device",
+    ),
+    Refusal(
+        "state-dict-buffer-an-int",
+        _loaded(_set_state(1, 3)),
+        ValueError,
+        "momentum_buffer of 'b' is a int, not a tensor",
+    ),
+    Refusal(
+        "state-dict-buffer-a-list", _loaded(_set_state(1, [1.0, 2.0])), ValueError, "is a list, not a tensor"
+    ),
+    Refusal("state-dict-without-state", _loaded(lambda s: s.pop("state")), ValueError, "no 'state' entry"),
+    Refusal(
+        "state-dict-group-with-an-unknown-denominator",
+        _loaded(lambda s: s["param_groups"][0].__setitem__("lars_denominator", "decayed")),
+        ValueError,
+        r"saved param_groups\[0\]: Invalid lars_denominator",
+    ),
+]
+"""Inputs FusedSGD refuses before anything is written, with an error that names the problem and the fix."""
+
+CONSTRUCTION_REFUSALS = [
+    (dict(lr=-0.1), "Invalid lr: -0.1. It must be >= 0"),
+    (dict(lr=torch.tensor(-0.1)), "Invalid lr"),
+    (dict(lr=torch.ones(2)), "lr as a Tensor must have one element"),
+    (dict(momentum=-0.9), "Invalid momentum"),
+    (dict(weight_decay=-1e-4), "Invalid weight_decay"),
+    (dict(nesterov=True), "Nesterov momentum requires momentum > 0"),
+    (dict(nesterov=True, momentum=0.9, dampening=0.1), "dampening = 0"),
+    (dict(lars_denominator="nope"), r"Invalid lars_denominator: 'nope'. Choose one of \('grad_plus_decay'"),
+    (dict(trust_coefficient=0.0), r"Invalid trust_coefficient: 0.0. It must be > 0"),
+    (dict(lars_eps=-1e-8), r"Invalid lars_eps: -1e-08. It must be >= 0"),
+    (dict(max_grad_norm=-1), "Invalid max_grad_norm: -1. It must be a number > 0, or None"),
+    (dict(max_grad_value="1"), "Invalid max_grad_value: '1'"),
+    (dict(max_grad_norm=1.0, max_grad_value=0.1), "max_grad_norm and max_grad_value are alternatives"),
+    (dict(backend="cuda_magic"), "Unknown backend"),
+]
+"""FusedSGD's arguments it refuses at construction: (kwargs, what the message says)."""

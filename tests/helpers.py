@@ -1,0 +1,80 @@
+"""What the optimizer tests share, written once: parameter sets, gradients, copies, and snapshots that prove a
+refusal changed nothing."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+# Shapes a step meets in vision models: a conv weight (channels_last), a bias, an odd-sized matrix, a tensor
+# spanning several kernel chunks and past the single-thread threshold, and a small conv weight.
+SHAPES = [(8, 3, 3, 3), (8,), (33, 17), (70_000,), (3, 5, 4, 4)]
+
+
+def make_params(
+    shapes: Sequence[tuple[int, ...]] = SHAPES,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+    channels_last: bool = True,
+) -> list[nn.Parameter]:
+    """Random params of ``shapes``; 4-d ones channels_last unless told otherwise."""
+    generator = torch.Generator().manual_seed(seed)
+    params = []
+    for shape in shapes:
+        p = torch.randn(shape, generator=generator).to(device=device, dtype=dtype)
+        if channels_last and p.dim() == 4:
+            p = p.contiguous(memory_format=torch.channels_last)
+        params.append(nn.Parameter(p))
+    return params
+
+
+def clone_params(params: Sequence[torch.Tensor]) -> list[nn.Parameter]:
+    """Independent copies, with the same values and memory formats."""
+    return [nn.Parameter(p.detach().clone(memory_format=torch.preserve_format)) for p in params]
+
+
+def set_grads(param_sets: Sequence[Sequence[torch.Tensor]], step: int, generator: torch.Generator) -> None:
+    """The same gradients on every copy. Some params get no grad on some steps (skipped, as torch does) and
+    4-d
+    grads alternate between layouts, so steps see params without grads and grads laid out unlike their
+    param."""
+    for i, p in enumerate(param_sets[0]):
+        if (step + i) % 7 == 3:
+            grad = None
+        else:
+            grad = torch.randn(p.shape, generator=generator).to(device=p.device, dtype=p.dtype)
+            if p.dim() == 4 and step % 2:
+                grad = grad.contiguous(memory_format=torch.channels_last)
+        for params in param_sets:
+            params[i].grad = None if grad is None else grad.clone(memory_format=torch.preserve_format)
+
+
+def two_groups(params: Sequence[torch.Tensor], weight_decay: float = 0.0) -> list[dict[str, Any]]:
+    """The params in two groups with their own lr and decay (the second decays where the first does not)."""
+    return [
+        {"params": list(params[:3])},
+        {"params": list(params[3:]), "lr": 0.02, "weight_decay": 0.0 if weight_decay else 1e-3},
+    ]
+
+
+def snapshot(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> tuple[list, dict]:
+    """The params' values and a deep copy of the optimizer's state dict."""
+    return [p.detach().clone() for p in params], copy.deepcopy(optimizer.state_dict())
+
+
+def assert_unchanged(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], before: tuple) -> None:
+    """Params, groups and every state tensor are bit-identical to ``before`` (a :func:`snapshot`)."""
+    weights, state = before
+    assert all(torch.equal(p, w) for p, w in zip(params, weights))
+    after = optimizer.state_dict()
+    assert after["param_groups"] == state["param_groups"]
+    assert after["state"].keys() == state["state"].keys()
+    for key, value in state["state"].items():
+        assert value.keys() == after["state"][key].keys()
+        for name, tensor in value.items():
+            assert torch.equal(after["state"][key][name], tensor)

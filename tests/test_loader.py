@@ -1,0 +1,254 @@
+"""Loading the kernels: the fallback and CI's switch, the build cache (unwritable, damaged, keyed by what a
+build
+depends on), ``python -m lightning_fusedsgd``, the CUDA architectures a library runs on, and the CUDA toolkit
+behind an nvcc wrapper. The GPU-dependent paths run with the CUDA checks mocked."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_fusedsgd import FusedSGD, ops
+from lightning_fusedsgd.ops import _build, _loader
+from lightning_fusedsgd.optim import _backends
+
+
+@pytest.fixture
+def broken_toolchain(monkeypatch):
+    def fail(device_type="cpu", verbose=False):
+        raise ops.KernelBuildError("could not build the lightning_fusedsgd kernel: g++ not found")
+
+    monkeypatch.setattr(ops, "load", fail)
+    _backends._warn_fallback.cache_clear()
+    yield
+    _backends._warn_fallback.cache_clear()
+
+
+def test_fallback_warns_once_and_still_steps(broken_toolchain, monkeypatch):
+    monkeypatch.delenv(ops.REQUIRE_COMPILED_ENV, raising=False)
+    p = nn.Parameter(torch.ones(4))
+    opt = FusedSGD([p], lr=0.5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            p.grad = torch.ones(4)
+            opt.step()
+    fallback_warnings = [w for w in caught if "reference backend" in str(w.message)]
+    assert len(fallback_warnings) == 1
+    assert opt.last_backends == {"cpu/float32": "torch"}
+    torch.testing.assert_close(p.detach(), torch.full((4,), -0.5))
+
+
+def test_ci_switch_turns_the_fallback_into_an_error(broken_toolchain, monkeypatch):
+    monkeypatch.setenv(ops.REQUIRE_COMPILED_ENV, "1")
+    p = nn.Parameter(torch.ones(4))
+    opt = FusedSGD([p], lr=0.5)
+    p.grad = torch.ones(4)
+    with pytest.raises(ops.KernelBuildError, match="g\\+\\+ not found"):
+        opt.step()
+    assert torch.equal(p.detach(), torch.ones(4))
+
+
+def test_explicit_compiled_backend_never_falls_back(broken_toolchain, monkeypatch):
+    monkeypatch.delenv(ops.REQUIRE_COMPILED_ENV, raising=False)
+    with pytest.raises(ops.KernelBuildError):
+        _backends.implementation("compiled", torch.device("cpu"))
+    assert _backends.implementation("auto", torch.device("meta"))[0] == "torch"
+    with pytest.raises(RuntimeError, match="runs on CPU and CUDA tensors"):
+        _backends.implementation("compiled", torch.device("meta"))
+    with pytest.raises(ops.KernelBuildError, match="no compiled kernel for mps"):
+        _loader.load("mps")
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+def test_build_key_changes_with_the_sources(monkeypatch, tmp_path, device_type):
+    parts = ("torch", "python", "machine")
+    key = _build.build_key(device_type, *parts)
+    source = tmp_path / "csrc"
+    source.mkdir()
+    for name in ("fused_sgd.cpp", "fused_sgd_cuda.cu", *_build.HEADERS):
+        (source / name).write_bytes((_build.CSRC / name).read_bytes())
+    monkeypatch.setattr(_build, "CSRC", source)
+    assert _build.build_key(device_type, *parts) == key
+    assert _build.build_key(device_type, "torch", "python", "another machine") != key
+    (source / _build.HEADERS[0]).write_text("// changed\n", encoding="utf-8")
+    assert _build.build_key(device_type, *parts) != key
+    assert _build.build_key("cpu", *parts) != _build.build_key("cuda", *parts)
+
+
+def _run(script: str, env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if k != ops.REQUIRE_COMPILED_ENV}
+    return subprocess.run(
+        [sys.executable, "-c", script],
+        env={**clean, **env},
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+STEP_TWICE = """
+import torch
+from lightning_fusedsgd import FusedSGD
+p = torch.nn.Parameter(torch.ones(4))
+optimizer = FusedSGD([p], lr=0.5)
+for _ in range(2):
+    p.grad = torch.ones(4)
+    optimizer.step()
+assert optimizer.last_backends == {"cpu/float32": "torch"}, optimizer.last_backends
+assert torch.equal(p.detach(), torch.zeros(4))
+"""
+
+
+@pytest.mark.parametrize("how", ["under a file", "read-only"])
+def test_an_unusable_cache_warns_and_falls_back_as_promised(tmp_path, how):
+    if how == "under a file":
+        (tmp_path / "file").write_text("")
+        cache = tmp_path / "file" / "cache"
+    else:  # a read-only filesystem, which root cannot write either
+        cache = Path("/sys/lightning_fusedsgd_cache")
+    env = {_build.CACHE_ENV: str(cache)}
+    result = _run(STEP_TWICE, env, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.count("RuntimeWarning: lightning_fusedsgd: the compiled kernel is unavailable") == 1
+    assert _build.CACHE_ENV in result.stderr and "Traceback" not in result.stderr
+    # The command that prebuilds the kernel says the same, with no traceback, and fails.
+    command = subprocess.run(
+        [sys.executable, "-m", "lightning_fusedsgd"],
+        env={**os.environ, **env},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert command.returncode == 1
+    assert f"set {_build.CACHE_ENV} to a writable directory" in command.stderr
+    assert "Traceback" not in command.stderr
+
+
+def test_a_truncated_cached_library_is_never_mapped(tmp_path):
+    """A library cut short (a full disk) with its build record in place would kill the process with SIGBUS at
+    dlopen: its size and hash are checked first, and it is rebuilt (here no compiler is on PATH, so the step
+    falls back with one message saying why)."""
+    ops.load("cpu")
+    _, library, record = _loader.cache_entry("cpu")
+    cache = tmp_path / "cache"
+    copied = cache / library.parent.name
+    shutil.copytree(library.parent, copied)
+    data = (copied / library.name).read_bytes()
+    (copied / library.name).write_bytes(data[: len(data) // 3])
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    result = _run(STEP_TWICE, {_build.CACHE_ENV: str(cache), "PATH": str(empty)}, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert (
+        f"the cached library is damaged ({copied / library.name} has {len(data) // 3} bytes" in result.stderr
+    )
+    assert "RuntimeWarning: lightning_fusedsgd: the compiled kernel is unavailable" in result.stderr
+    assert not (copied / library.name).exists()  # removed: never loaded again
+
+
+def test_the_prebuild_command_loads_each_library_once(monkeypatch):
+    """``python -m lightning_fusedsgd`` on a machine with a GPU: the CPU library, then the CUDA one, each
+    once."""
+    loaded = []
+
+    def fake_load(device_type, verbose):
+        loaded.append(device_type)
+        return Path(f"/libraries/{device_type}.so")
+
+    monkeypatch.setattr(_loader, "OUTCOMES", {})
+    monkeypatch.setattr(_loader, "_load", fake_load)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert _loader.main([]) == 0
+    assert loaded == ["cpu", "cuda"]
+
+
+@pytest.mark.parametrize(
+    "arch_list, capabilities, runs",
+    [
+        ("8.0;9.0+PTX", [(8, 0), (8, 6), (9, 0), (10, 0), (12, 0)], True),
+        ("8.0;9.0+PTX", [(9, 0), (7, 5)], False),
+        ("8.0 8.6", [(9, 0)], False),  # machine code runs on its major version only
+        ("9.0a", [(9, 0)], True),  # architecture-specific: that version only
+        ("9.0a", [(10, 0)], False),
+        ("10.0f", [(10, 3)], True),  # family-specific: its major version, same or later minor
+        ("10.0f", [(12, 0)], False),
+        ("10.0f;12.0f+PTX", [(12, 1), (10, 0)], True),
+    ],
+)
+def test_cuda_architectures_a_library_runs_on(arch_list, capabilities, runs):
+    problem = _loader.cuda_arch_problem(arch_list, capabilities)
+    assert (problem is None) == runs, problem
+
+
+def test_an_unreadable_architecture_is_a_reason_to_build_not_an_error(monkeypatch):
+    assert "'sm_90' cannot be read" in _loader.cuda_arch_problem("8.0;sm_90", [(9, 0)])
+    # The wheel's CUDA library on a GPU its list does not cover: not used, with the reason, and no exception.
+    info = {
+        "torch": torch.__version__,
+        "libraries": {"cuda": {"path": "ops/_lib/cuda.so"}},
+        "cuda_arch_list": "9.0a",
+    }
+    monkeypatch.setattr(_loader, "_build_info", lambda: info)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=0: (10, 0))
+    assert _loader._prebuilt_library("cuda") == (
+        None,
+        "it was built for CUDA architectures 9.0a, this GPU is 10.0",
+    )
+
+
+def test_the_cpu_capability_can_only_be_lowered(monkeypatch):
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    monkeypatch.delenv(ops.CPU_CAPABILITY_ENV, raising=False)
+    assert ops.cpu_capability() == "avx2"
+    monkeypatch.setenv(ops.CPU_CAPABILITY_ENV, "default")
+    assert ops.cpu_capability() == "default"
+    monkeypatch.setenv(ops.CPU_CAPABILITY_ENV, "avx512")
+    with pytest.raises(ops.KernelBuildError, match="runs at most 'avx2'"):
+        ops.cpu_capability()
+    monkeypatch.setenv(ops.CPU_CAPABILITY_ENV, "sse9")
+    with pytest.raises(ops.KernelBuildError, match="use one of default, avx2, avx512"):
+        ops.cpu_capability()
+
+
+def _fake_nvcc(directory: Path, top: Path) -> None:
+    """An nvcc wrapper script outside the toolkit, as on the development machines; its --dryrun names
+    ``top``."""
+    directory.mkdir(parents=True)
+    nvcc = directory / "nvcc"
+    nvcc.write_text(f'#!/bin/sh\necho "#$ _HERE_={top}/bin"\necho "#$ TOP={top}/bin/.."\n')
+    nvcc.chmod(0o755)
+
+
+def test_the_toolkit_is_the_one_nvcc_belongs_to(monkeypatch, tmp_path):
+    toolkit = tmp_path / "cuda-13.0"
+    (toolkit / "include").mkdir(parents=True)
+    (toolkit / "include" / "cuda_runtime.h").write_text("")
+    (toolkit / "lib64").mkdir()
+    (toolkit / "lib64" / "libcudart.so").write_text("")
+    _fake_nvcc(tmp_path / "wrapper", toolkit)
+    for variable in ("CUDA_HOME", "CUDA_PATH"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path / "wrapper"))
+    found, how = _build.cuda_toolkit()
+    assert found == toolkit.resolve() and "wrapper/nvcc" in how
+    # A toolkit without the CUDA runtime is none: the wheel is built for the CPU, saying why.
+    (toolkit / "lib64" / "libcudart.so").unlink()
+    found, why = _build.cuda_toolkit()
+    assert found is None and "has no CUDA runtime" in why
+    monkeypatch.setenv("CUDA_HOME", str(toolkit))  # an explicit toolkit wins
+    assert _build.cuda_toolkit() == (toolkit, "$CUDA_HOME")
+    monkeypatch.delenv("CUDA_HOME")
+    monkeypatch.setenv("PATH", str(tmp_path / "nothing"))
+    assert _build.cuda_toolkit() == (None, "no nvcc on PATH and CUDA_HOME is not set")
