@@ -251,32 +251,32 @@ class BucketStep {
     }
   }
 
-  // `c` by value: the loop's stores could alias a referenced Coeffs, which stops vectorization.
+  // One chunk's elements. The switches of the momentum step (a buffer at all, the first step) become constants
+  // of the loop, so the compiler sees a loop without branches and vectorizes it. `c` by value: the loop's stores
+  // could alias a referenced Coeffs, which stops vectorization too.
   template <bool kClipValue>
   void update_elements(const Chunk& chunk, int32_t t, const Coeffs<O> c) const {
+    if (!c.has_momentum) return update_loop<kClipValue, false, false>(chunk, t, c);
+    return c.first ? update_loop<kClipValue, true, true>(chunk, t, c)
+                   : update_loop<kClipValue, true, false>(chunk, t, c);
+  }
+
+  template <bool kClipValue, bool kMomentum, bool kFirst>
+  void update_loop(const Chunk& chunk, int32_t t, Coeffs<O> c) const {
+    c.has_momentum = kMomentum;
+    c.first = kFirst;
     P* w = w_ptr_[t];
     const P* gr = g_ptr_[t];
     B* b = b_ptr_[t];
     float* m = m_ptr_[t];
-    if (c.has_momentum) {
 #pragma omp simd
-      for (int64_t i = chunk.begin; i < chunk.end; ++i) {
-        O wi = load_weight<kMaster>(w, m, i);
-        O bi = c.first ? O(0) : static_cast<O>(load(b, i));
-        sgd_element<kClipValue>(wi, static_cast<O>(load(gr, i)), bi, c);
-        if (kMaster) m[i] = static_cast<float>(wi);
-        store(w, i, wi);
-        store(b, i, bi);
-      }
-    } else {
-#pragma omp simd
-      for (int64_t i = chunk.begin; i < chunk.end; ++i) {
-        O wi = load_weight<kMaster>(w, m, i);
-        O bi = 0;
-        sgd_element<kClipValue>(wi, static_cast<O>(load(gr, i)), bi, c);
-        if (kMaster) m[i] = static_cast<float>(wi);
-        store(w, i, wi);
-      }
+    for (int64_t i = chunk.begin; i < chunk.end; ++i) {
+      O wi = load_weight<kMaster>(w, m, i);
+      O bi = kMomentum && !kFirst ? static_cast<O>(load(b, i)) : O(0);
+      sgd_element<kClipValue>(wi, static_cast<O>(load(gr, i)), bi, c);
+      if (kMaster) m[i] = static_cast<float>(wi);
+      store(w, i, wi);
+      if (kMomentum) store(b, i, bi);
     }
   }
 

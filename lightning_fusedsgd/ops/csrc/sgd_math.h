@@ -6,11 +6,14 @@
 #include <cmath>
 #include <cstdint>
 
-// Compiled for the host (C++ kernel) and, under nvcc, for the device (CUDA kernel) too.
+// Compiled for the host (C++ kernel) and, under nvcc, for the device (CUDA kernel) too. The per-element
+// functions are always inlined: a call left in a loop body keeps the compiler from vectorizing it.
 #ifdef __CUDACC__
 #define LFSGD_HOST_DEVICE __host__ __device__
+#define LFSGD_ELEMENT __host__ __device__ __forceinline__
 #else
 #define LFSGD_HOST_DEVICE
+#define LFSGD_ELEMENT inline __attribute__((always_inline))
 #endif
 
 namespace lfsgd {
@@ -81,14 +84,15 @@ LFSGD_HOST_DEVICE inline double clip_coef(double grad_sq_sum, double max_norm, d
 // (ATen's Vectorized::fmadd, and its scalar loops, contracted by the compiler), two roundings where it has not
 // (the baseline x86-64 build). The CUDA kernel fuses, as nvcc does for ATen's CUDA kernels. The libraries are
 // compiled with -ffp-contract=off / --fmad=false, so this is the only place where a multiply-add is fused.
-template <typename T>
-LFSGD_HOST_DEVICE inline T mul_add(T a, T b, T c) {
 #if defined(__CUDA_ARCH__) || defined(__FMA__)
-  return fma(a, b, c);
+LFSGD_ELEMENT float mul_add(float a, float b, float c) { return fmaf(a, b, c); }
+LFSGD_ELEMENT double mul_add(double a, double b, double c) { return fma(a, b, c); }
 #else
+template <typename T>
+LFSGD_ELEMENT T mul_add(T a, T b, T c) {
   return a * b + c;
-#endif
 }
+#endif
 
 // Everything the element update needs, resolved once per tensor. `T` is the opmath type.
 template <typename T>
@@ -132,7 +136,7 @@ LFSGD_HOST_DEVICE inline Coeffs<T> make_coeffs(const GroupHParams& h, double inv
 // out, for a clip_value of inf: the CPU kernel's loops vectorize only without it when they also re-sync
 // bf16 masters.
 template <bool kClipValue, typename T>
-LFSGD_HOST_DEVICE inline T clipped_grad(T g, const Coeffs<T>& c) {
+LFSGD_ELEMENT T clipped_grad(T g, const Coeffs<T>& c) {
   g = g * c.grad_mul;
   if constexpr (kClipValue) g = g < -c.clip_value ? -c.clip_value : (g > c.clip_value ? c.clip_value : g);
   return g * c.clip_coef;
@@ -141,25 +145,31 @@ LFSGD_HOST_DEVICE inline T clipped_grad(T g, const Coeffs<T>& c) {
 // One element's update, rounding as torch.optim.SGD's default path rounds (its single-tensor ops, each with
 // ATen's rounding): grad.add(param, alpha=wd), buf.mul_(momentum).add_(grad, alpha=1 - dampening),
 // grad.add(buf, alpha=momentum), param.add_(grad, alpha=-lr); a term whose coefficient is 0 is left out, as
-// torch leaves out its op. The plain path (no clipping, LARS, GradScaler or masters) therefore gives torch's
-// bits; the trust ratio and clipping multiply where torch has nothing.
+// torch leaves out its op (computed and selected away rather than branched around: a branch around a
+// multiply-add keeps the compiler from vectorizing the loop). The
+// plain path (no clipping, LARS, GradScaler or masters) therefore gives torch's bits; the trust ratio and
+// clipping multiply where torch has nothing.
 template <bool kClipValue = true, typename T>
-LFSGD_HOST_DEVICE inline void sgd_element(T& w, T g, T& b, const Coeffs<T>& c) {
+LFSGD_ELEMENT void sgd_element(T& w, T g, T& b, const Coeffs<T>& c) {
   g = clipped_grad<kClipValue>(g, c);
-  if (c.wd_coupled != T(0)) g = mul_add(w, c.wd_coupled, g);
+  const T decayed = mul_add(w, c.wd_coupled, g);
+  g = c.wd_coupled != T(0) ? decayed : g;
   g = g * c.trust;
-  if (c.has_momentum) {
-    b = c.first ? g : mul_add(g, c.one_minus_dampening, b * c.momentum);
-    g = c.nesterov ? mul_add(b, c.momentum, g) : b;
-  }
-  if (c.wd_after != T(0)) g = mul_add(w, c.wd_after, g);
+  const T averaged = mul_add(g, c.one_minus_dampening, b * c.momentum);
+  const T buffer = c.first ? g : averaged;
+  const T looked_ahead = mul_add(buffer, c.momentum, g);
+  const T direction = c.nesterov ? looked_ahead : buffer;
+  b = c.has_momentum ? buffer : b;
+  g = c.has_momentum ? direction : g;
+  const T decayed_after = mul_add(w, c.wd_after, g);
+  g = c.wd_after != T(0) ? decayed_after : g;
   w = mul_add(g, -c.lr, w);
 }
 
 // The gradient term whose squares the LARS norm pass sums: g_raw (clipped_grad) for the default
 // denominator, g_raw + lambda w for "decayed_grad".
 template <bool kClipValue = true, typename T>
-LFSGD_HOST_DEVICE inline T lars_norm_term(T w, T g, const Coeffs<T>& c, T weight_decay, bool decayed_grad) {
+LFSGD_ELEMENT T lars_norm_term(T w, T g, const Coeffs<T>& c, T weight_decay, bool decayed_grad) {
   const T raw = clipped_grad<kClipValue>(g, c);
   return decayed_grad ? mul_add(w, weight_decay, raw) : raw;
 }
@@ -184,7 +194,7 @@ LFSGD_HOST_DEVICE inline double clipped_term_sq_sum(double sum_w, double sum_t, 
 // master from this step on. Compared bit for bit, element by element, at the cost of reading the param
 // (2 bytes per element) in the pass that already reads the master.
 template <typename Bits, typename T>
-LFSGD_HOST_DEVICE inline T synced_master(T master, Bits master_rounded, Bits param_bits, T param) {
+LFSGD_ELEMENT T synced_master(T master, Bits master_rounded, Bits param_bits, T param) {
   return master_rounded == param_bits ? master : param;
 }
 
