@@ -1,19 +1,31 @@
-# The two set-up commands of README.md: `make train` (the default recipe) and `make test`.
-# Each installs what it needs (the package, its dependencies, the compiled kernel) into the current Python.
+# The two set-up commands of README.md: `make train` (the default recipe) and `make test` (what CI runs).
+# Each installs what it needs (the package editable, its extras, the compiled kernel) into the current Python.
 PYTHON ?= python3
+PIP = $(PYTHON) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: install train test bench
+.PHONY: install install-dev train test test-fast docs bench
 
-install:
-	$(PYTHON) -m pip install --quiet --disable-pip-version-check -e ".[dev]"
+install:  # the library, the recipe runner, and the kernel built for this machine
+	$(PIP) -e ".[recipes,jit]"
+	$(PYTHON) -m lightning_fusedsgd
+
+install-dev:  # and what the tests and the docs need
+	$(PIP) -e ".[dev]"
 	$(PYTHON) -m lightning_fusedsgd
 
 train: install
 	$(PYTHON) train.py
 
-test: install
+test: install-dev  # everything, the docs build included (at most 10 minutes on 2 cores)
 	$(PYTHON) -m pytest -q
 
+test-fast: install-dev  # the inner loop: everything but whole runs, subprocesses and builds (under 2 minutes)
+	$(PYTHON) -m pytest -q -m "not slow"
+
+docs: install-dev  # the site, in site/; a warning (a broken link or reference) fails
+	$(PYTHON) docs/gen_benchmarks.py
+	$(PYTHON) -m mkdocs build --strict
+
 bench: install
-	$(PYTHON) -m pip install --quiet --disable-pip-version-check -e ".[bench]"
+	$(PIP) -e ".[bench]"
 	$(PYTHON) bench/step.py && $(PYTHON) bench/lars.py

@@ -1,22 +1,36 @@
 """Train an image classifier with FusedSGD/LARS: ``python train.py [recipe=NAME] [key=value ...]``.
 
-The config is ``conf/train.yaml`` plus a recipe from ``conf/recipe/`` (default ``quickstart``);
-``python train.py recipe=NAME --cfg job`` prints the composed config.
+The config is ``conf/train.yaml`` (its groups: trainer, data, model, optim, schedule, callbacks, debug) plus a
+recipe from ``recipes/`` (default ``quickstart``), a short delta over it; ``python train.py recipe=NAME
+--cfg job`` prints the composed config. Needs the ``recipes`` extra: ``pip install -e ".[recipes]"``.
 """
 
 import logging
 import sys
+from pathlib import Path
 
 import hydra
-from omegaconf import DictConfig
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+RECIPES = Path(__file__).resolve().parent / "recipes"
+
+
+def register_recipes(directory: Path = RECIPES) -> None:
+    """Makes each ``recipes/NAME.yaml`` the option ``NAME`` of the config group ``recipe``, merged at the top
+    of the config (``python train.py recipe=NAME``): the recipes sit at the top level, beside the ``conf/``
+    groups they override, where Hydra would look for them in ``conf/recipe/``."""
+    store = ConfigStore.instance()
+    for path in sorted(directory.glob("*.yaml")):
+        store.store(group="recipe", name=path.stem, node=OmegaConf.load(path), package="_global_")
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> None:
     # Heavy imports after Hydra has parsed the command line, so --help and --cfg stay instant.
     from lightning_fusedsgd.checkpoint import CheckpointError
-    from lightning_fusedsgd.lightning.errors import ConfigError
-    from lightning_fusedsgd.lightning.runner import train
+    from lightning_fusedsgd.lightning import ConfigError
+    from lightning_fusedsgd.runner.run import train
 
     # `import lightning` gives its logger a console handler; Hydra's root handlers already print to the
     # console and to <run dir>/train.log, so without this every Lightning line would appear twice.
@@ -27,6 +41,8 @@ def main(cfg: DictConfig) -> None:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
 
+
+register_recipes()
 
 if __name__ == "__main__":
     main()

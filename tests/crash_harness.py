@@ -58,7 +58,7 @@ def _pause_in_checkpoint_write(number: int, signal_file: str) -> None:
 
 
 def _pause_before_step(number: int, signal_file: str) -> None:
-    from lightning_fusedsgd.lightning.module import ImageClassifier
+    from lightning_fusedsgd.runner.model import ImageClassifier
 
     real_training_step = ImageClassifier.training_step
 

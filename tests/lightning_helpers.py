@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -109,8 +110,15 @@ def cpu_trainer(**kwargs: Any) -> pl.Trainer:
     return pl.Trainer(**{**defaults, **kwargs})
 
 
+def _register_recipes() -> None:
+    """train.py's own registration of recipes/ as the config group ``recipe`` (it runs at import)."""
+    spec = importlib.util.spec_from_file_location("train_script", ROOT / "train.py")
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
+
+
 def compose_train(overrides: list[str], output_dir: Path) -> DictConfig:
-    """``train.py``'s config as Hydra composes it, with the run dir set, ready for ``runner.train``."""
+    """``train.py``'s config as Hydra composes it, with the run dir set, ready for ``runner.run.train``."""
+    _register_recipes()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("train", overrides=overrides, return_hydra_config=True)
     with open_dict(cfg):

@@ -30,9 +30,10 @@ from lightning_helpers import (
 
 from lightning_fusedsgd.checkpoint import read_checkpoint_file
 
-pytestmark = pytest.mark.skipif(
-    not sys.platform.startswith("linux"), reason="the harness reads /proc/self/fd"
-)
+pytestmark = [
+    pytest.mark.slow,  # several processes: make test runs them, make test-fast not
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the harness reads /proc/self/fd"),
+]
 
 RUN = [*SMALL_RUN, "schedule.milestones=[3]", "trainer.max_epochs=4"]
 # last.ckpt also every 2 steps: writes at steps 2, 3 (epoch end), 4, 6, 6 (epoch end), 8, 9 (epoch end)...

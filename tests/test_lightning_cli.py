@@ -12,7 +12,10 @@ from lightning.pytorch.cli import LightningCLI
 from lightning_helpers import run_train_py
 
 from lightning_fusedsgd import FusedLARS, FusedSGD
-from lightning_fusedsgd.lightning import DigitsDataModule, ImageClassifier
+from lightning_fusedsgd.runner.data import DigitsDataModule
+from lightning_fusedsgd.runner.model import ImageClassifier
+
+pytestmark = pytest.mark.slow  # whole runs in subprocesses: make test runs them, make test-fast not
 
 SHORT_RUN = [
     "trainer.max_epochs=2",

@@ -5,14 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_fusedsgd.lightning import (
+from lightning_fusedsgd.lightning import ConfigError
+from lightning_fusedsgd.runner.data import (
     CIFAR10DataModule,
-    ConfigError,
     DataNotFoundError,
     DigitsDataModule,
     EpochSampler,
+    ImageFolderDataModule,
+    SyntheticDataModule,
 )
-from lightning_fusedsgd.lightning.data import ImageFolderDataModule, SyntheticDataModule
 
 
 def _epoch(sampler: EpochSampler, epoch: int) -> list[tuple[int, int]]:

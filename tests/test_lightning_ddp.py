@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from lightning_helpers import run_train_py
+
+pytestmark = pytest.mark.slow  # whole runs in subprocesses: make test runs them, make test-fast not
 
 
 def test_two_process_ddp_scales_lr_with_world_size(tmp_path):

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import logging
+import warnings
 
 import lightning.pytorch as pl
 import pytest
 import torch
 from lightning_helpers import TinyClassifier, cpu_trainer
 
-from lightning_fusedsgd.lightning import ConfigError, Schedule, configure_fused_sgd
+from lightning_fusedsgd.lightning import ConfigError, Schedule, configure_fused_sgd, factory
 from lightning_fusedsgd.optim import FusedSGD
 from lightning_fusedsgd.schedule import WarmupLR
 
@@ -155,7 +156,7 @@ def test_schedule_errors_are_config_errors():
 
 def test_run_summary_records_the_lr_each_step_used(tmp_path):
     """RunSummary records f(0), f(1), ...: Lightning steps the scheduler before batch-end hooks."""
-    from lightning_fusedsgd.lightning import RunSummary
+    from lightning_fusedsgd.runner.summary import RunSummary
 
     summary = RunSummary(str(tmp_path))
     model = TinyClassifier(base_lr=0.2, schedule=Schedule(warmup=3, unit="step", decay="linear"))
@@ -195,3 +196,33 @@ def test_lr_find_suggestion_is_the_peak_lr_the_next_fit_uses():
     trainer.fit(module)
     # Every step of the fit runs at the suggested lr, in both groups: no batch scaling on top of it.
     assert recorder.lrs and all(lrs == [suggestion, suggestion] for lrs in recorder.lrs)
+
+
+@pytest.mark.parametrize(
+    "flags, native",
+    [("fpu sse avx2 fma", False), ("fpu avx2 avx512f avx512_bf16", True), ("fp asimd bf16", True)],
+)
+def test_native_bf16_is_read_from_the_cpu_flags(tmp_path, flags, native):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+    assert factory.cpu_has_native_bf16(str(cpuinfo)) is native
+    assert factory.cpu_has_native_bf16(str(tmp_path / "missing")) is False
+
+
+@pytest.mark.parametrize(
+    "precision, native, warned",
+    [("bf16-true", False, True), ("bf16-true", True, False), ("32-true", False, False)],
+)
+def test_a_bf16_run_on_a_cpu_without_bf16_gets_one_line_at_start_up(monkeypatch, precision, native, warned):
+    monkeypatch.setattr(factory, "cpu_has_native_bf16", lambda: native)
+    module = TinyClassifier(schedule=Schedule(decay="constant"))
+    if precision.startswith("bf16"):
+        module = module.to(torch.bfloat16) if precision == "bf16-true" else module
+    trainer = cpu_trainer(max_steps=1, precision=precision)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module)
+    lines = [str(w.message) for w in caught if "without native bf16" in str(w.message)]
+    assert len(lines) == (1 if warned else 0)
+    if warned:
+        assert "The optimizer step is not the slow part" in lines[0] and "precision=32-true" in lines[0]

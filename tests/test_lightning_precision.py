@@ -15,8 +15,8 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning_helpers import TinyClassifier, cpu_trainer
 
 from lightning_fusedsgd import param_groups
-from lightning_fusedsgd.lightning import Schedule
-from lightning_fusedsgd.lightning.callbacks import RunSummary
+from lightning_fusedsgd.lightning import Schedule, configure_fused_sgd
+from lightning_fusedsgd.runner.summary import RunSummary
 
 CONSTANT = Schedule(decay="constant")
 
@@ -198,3 +198,38 @@ def test_skipped_steps_do_not_advance_the_schedule_under_lightning(tmp_path):
     expected = scheduler.schedule.curve(1.0, steps - 2)
     assert applied == pytest.approx(expected)
     assert module.lrs[1] == module.lrs[2] == module.lrs[3] == pytest.approx(expected[1])
+
+
+def test_a_pytorch_lightning_module_clips_in_the_fused_step():
+    """Modules written against the older ``pytorch_lightning`` package (lightly's and solo-learn's examples are)
+    get the clipping hook too."""
+    import pytorch_lightning
+
+    class Module(pytorch_lightning.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(4, 2)
+
+        def training_step(self, batch, batch_idx):
+            return self.net(batch[0]).pow(2).sum()
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(
+                torch.utils.data.TensorDataset(torch.randn(8, 4)), batch_size=4
+            )
+
+        def configure_optimizers(self):
+            return configure_fused_sgd(self, lr=0.1, schedule=CONSTANT)
+
+    module = Module()
+    trainer = pytorch_lightning.Trainer(
+        accelerator="cpu",
+        max_steps=2,
+        gradient_clip_val=0.5,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module)
+    assert [group["max_grad_norm"] for group in trainer.optimizers[0].param_groups] == [0.5, 0.5]

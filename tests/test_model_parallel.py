@@ -13,7 +13,10 @@ import pytest
 import torch
 
 HERE = Path(__file__).parent
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
+pytestmark = [
+    pytest.mark.slow,  # several processes: make test runs them, make test-fast not
+    pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed"),
+]
 
 
 def torchrun(*args: str) -> None:

@@ -14,7 +14,10 @@ from oracles import assert_close_rel
 
 from lightning_fusedsgd import FusedSGD
 
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
+pytestmark = [
+    pytest.mark.slow,  # several processes: make test runs them, make test-fast not
+    pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed"),
+]
 
 # fp32 results differ from the one-process run only by the order in which the norms are summed; masters too.
 REL_FP32 = 1e-5

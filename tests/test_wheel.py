@@ -19,6 +19,8 @@ import torch
 from lightning_fusedsgd import ops
 from lightning_fusedsgd.ops import _build
 
+pytestmark = pytest.mark.slow  # builds a wheel: make test runs it, make test-fast not
+
 ROOT = Path(__file__).resolve().parents[1]
 TOOLS = ("gcc", "g++", "cc", "c++", "clang", "clang++", "nvcc", "ninja")
 TORCH_CAPABILITY = {"AVX512": "avx512", "AVX2": "avx2"}.get(

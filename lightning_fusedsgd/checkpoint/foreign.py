@@ -14,7 +14,7 @@ from torch import nn
 
 from lightning_fusedsgd.checkpoint.errors import CheckpointError, CheckpointMismatchError
 from lightning_fusedsgd.checkpoint.files import check_optimizer_state_dict, read_checkpoint_file
-from lightning_fusedsgd.checkpoint.remap import _group_names, _listed, _match_names, _state_shapes
+from lightning_fusedsgd.checkpoint.remap import group_names, listed, match_names, state_shapes
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -84,7 +84,7 @@ def _unpack(
         return "weights", checkpoint["state_dict"], None, {}
     if _is_state_dict(checkpoint):
         return "weights", checkpoint, None, {}
-    keys = _listed(sorted(map(str, checkpoint)))
+    keys = listed(sorted(map(str, checkpoint)))
     raise CheckpointError(
         f"checkpoint {path!r} has an unknown layout (top-level keys: {keys}); "
         "expected a Lightning checkpoint, a torchvision reference checkpoint ({'model', 'optimizer', "
@@ -157,7 +157,7 @@ def _named_optimizer_state(
     there, before it creates or overwrites anything."""
     check_optimizer_state_dict(optimizer_state, source=f"the optimizer state in checkpoint {path!r}")
     saved_groups = optimizer_state["param_groups"]
-    names = _group_names(saved_groups)
+    names = group_names(saved_groups)
     if names is None:
         names = (
             _torchvision_group_names(module, args)
@@ -174,12 +174,12 @@ def _named_optimizer_state(
             )
     state = optimizer_state["state"]
     saved_shapes = {
-        name: _state_shapes(state.get(index, {}))
+        name: state_shapes(state.get(index, {}))
         for group_names, group in zip(names, saved_groups, strict=True)
         for name, index in zip(group_names, group["params"], strict=True)
     }
     # Parameters without saved state (e.g. frozen ones) are checked later against the real optimizer.
-    to_module = _match_names(
+    to_module = match_names(
         saved_shapes,
         {name: p.shape for name, p in module.named_parameters()},
         source=path,
@@ -229,7 +229,7 @@ def read_start_checkpoint(
     kind, weights, optimizer_state, meta = _unpack(checkpoint, path, weights_only)
 
     expected = {name: tensor.shape for name, tensor in module.state_dict().items()}
-    rename = _match_names(
+    rename = match_names(
         {name: [tensor.shape] for name, tensor in weights.items()},
         expected,
         source=path,

@@ -16,7 +16,8 @@ from lightning_fusedsgd.checkpoint.errors import CheckpointMismatchError
 _MAX_LISTED = 8
 
 
-def _listed(items: Sequence[str]) -> str:
+def listed(items: Sequence[str]) -> str:
+    """Names for a message: the first few, and how many more."""
     shown = ", ".join(items[:_MAX_LISTED])
     return shown + (f", ... ({len(items) - _MAX_LISTED} more)" if len(items) > _MAX_LISTED else "")
 
@@ -53,7 +54,7 @@ def _name_translation(saved: Collection[str], target: Collection[str]) -> Callab
     return lambda name: add + name[len(strip) :]
 
 
-def _match_names(
+def match_names(
     saved_shapes: Mapping[str, Collection[torch.Size]],
     target_shapes: Mapping[str, torch.Size],
     *,
@@ -87,7 +88,7 @@ def _match_names(
         if mapping[name] in target_shapes and any(s != target_shapes[mapping[name]] for s in shapes)
     ]
     problems = [
-        f"  {label} ({len(items)}): {_listed(items)}"
+        f"  {label} ({len(items)}): {listed(items)}"
         for label, items in (
             ("missing from the checkpoint", missing),
             ("in the checkpoint but not in the model", extra),
@@ -105,7 +106,7 @@ def _match_names(
     return mapping
 
 
-def _group_names(groups: Sequence[Mapping[str, Any]]) -> list[list[str]] | None:
+def group_names(groups: Sequence[Mapping[str, Any]]) -> list[list[str]] | None:
     """Each group's ``param_names``, or None unless every group has them."""
     if groups and all("param_names" in group for group in groups):
         return [list(group["param_names"]) for group in groups]
@@ -127,7 +128,7 @@ def _split_flat(names: Sequence[str], groups: Sequence[Mapping[str, Any]], side:
     return out
 
 
-def _state_shapes(state: Mapping[str, Any]) -> list[torch.Size]:
+def state_shapes(state: Mapping[str, Any]) -> list[torch.Size]:
     """Shapes of a parameter's per-element state tensors (0-d ones, like a step count, are skipped)."""
     return [value.shape for value in state.values() if isinstance(value, torch.Tensor) and value.ndim > 0]
 
@@ -149,7 +150,7 @@ def same_param_layout(saved: Mapping[str, Any], target_groups: Sequence[Mapping[
     saved_groups = saved["param_groups"]
     if [len(g["params"]) for g in saved_groups] != [len(g["params"]) for g in target_groups]:
         return False
-    saved_names, target_names = _group_names(saved_groups), _group_names(target_groups)
+    saved_names, target_names = group_names(saved_groups), group_names(target_groups)
     return saved_names is None or target_names is None or saved_names == target_names
 
 
@@ -190,7 +191,7 @@ def remap_optimizer_state_dict(
             message names the parameters; nothing is modified.
     """
     saved_groups = saved["param_groups"]
-    saved_by_group = _group_names(saved_groups)
+    saved_by_group = group_names(saved_groups)
     if saved_by_group is None:
         if saved_names is None:
             raise CheckpointMismatchError(
@@ -201,7 +202,7 @@ def remap_optimizer_state_dict(
                 "model.named_parameters()])."
             )
         saved_by_group = _split_flat(saved_names, saved_groups, "saved")
-    target_by_group = _group_names(target_groups)
+    target_by_group = group_names(target_groups)
     if target_by_group is None:
         if target_names is None:
             raise CheckpointMismatchError(
@@ -213,16 +214,16 @@ def remap_optimizer_state_dict(
     flat_saved = [name for names in saved_by_group for name in names]
     repeated = sorted(name for name, count in Counter(flat_saved).items() if count > 1)
     if repeated:
-        raise CheckpointMismatchError(f"{source}: parameter names repeat ({_listed(repeated)})")
+        raise CheckpointMismatchError(f"{source}: parameter names repeat ({listed(repeated)})")
     saved_index = dict(zip(flat_saved, (i for group in saved_groups for i in group["params"]), strict=True))
     saved_state = saved["state"]
-    saved_shapes = {name: _state_shapes(saved_state.get(index, {})) for name, index in saved_index.items()}
+    saved_shapes = {name: state_shapes(saved_state.get(index, {})) for name, index in saved_index.items()}
     target_shapes = {
         name: param.shape
         for names, group in zip(target_by_group, target_groups, strict=True)
         for name, param in zip(names, group["params"], strict=True)
     }
-    to_target = _match_names(saved_shapes, target_shapes, source=source, what="optimizer parameter names")
+    to_target = match_names(saved_shapes, target_shapes, source=source, what="optimizer parameter names")
     from_target = {target: saved_name for saved_name, target in to_target.items()}
 
     groups, state, next_index = [], {}, 0
@@ -275,7 +276,7 @@ def load_optimizer_state(
         CheckpointMismatchError: See :func:`remap_optimizer_state_dict`; the optimizer is unchanged.
     """
     target_names = None
-    if _group_names(optimizer.param_groups) is None and module is not None:
+    if group_names(optimizer.param_groups) is None and module is not None:
         target_names = _names_by_identity(optimizer, module)
     remapped = remap_optimizer_state_dict(
         saved, optimizer.param_groups, saved_names=saved_names, target_names=target_names, source=source

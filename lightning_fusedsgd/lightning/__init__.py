@@ -1,32 +1,18 @@
-"""PyTorch Lightning integration: the optimizer factory, an image classifier, DataModules, callbacks."""
+"""PyTorch Lightning integration: :func:`configure_fused_sgd` for ``configure_optimizers`` (parameter groups,
+linear lr scaling, warmup and decay), clipping inside the fused step, and checkpoint glue (atomic checkpoint
+files, starting a fit from another run's or torchvision's checkpoint). Needs ``lightning`` only; the recipe
+runner behind ``train.py`` is :mod:`lightning_fusedsgd.runner`."""
 
-from lightning_fusedsgd.lightning.callbacks import RunSummary
 from lightning_fusedsgd.lightning.checkpointing import AtomicCheckpointIO, InitFromCheckpoint
-from lightning_fusedsgd.lightning.data import (
-    CIFAR10DataModule,
-    DigitsDataModule,
-    EpochSampler,
-    ImageFolderDataModule,
-    SyntheticDataModule,
-)
-from lightning_fusedsgd.lightning.errors import ConfigError, DataNotFoundError
-from lightning_fusedsgd.lightning.factory import Schedule, clip_gradients, configure_fused_sgd
-from lightning_fusedsgd.lightning.module import ImageClassifier, build_resnet
+from lightning_fusedsgd.lightning.clipping import clip_gradients
+from lightning_fusedsgd.lightning.errors import ConfigError
+from lightning_fusedsgd.lightning.factory import Schedule, configure_fused_sgd
 
 __all__ = [
     "AtomicCheckpointIO",
-    "CIFAR10DataModule",
     "ConfigError",
-    "DataNotFoundError",
-    "DigitsDataModule",
-    "EpochSampler",
-    "ImageClassifier",
-    "ImageFolderDataModule",
     "InitFromCheckpoint",
-    "RunSummary",
     "Schedule",
-    "SyntheticDataModule",
-    "build_resnet",
     "clip_gradients",
     "configure_fused_sgd",
 ]

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import types
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -23,12 +22,13 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
+from lightning_fusedsgd.lightning.clipping import clip_in_the_step
 from lightning_fusedsgd.lightning.errors import ConfigError
 from lightning_fusedsgd.optim import FusedSGD
 from lightning_fusedsgd.param_groups import param_groups
 from lightning_fusedsgd.schedule import WarmupLR, scaled_lr
 
-__all__ = ["Schedule", "clip_gradients", "configure_fused_sgd"]
+__all__ = ["Schedule", "configure_fused_sgd"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,12 +122,7 @@ def configure_fused_sgd(
     reference_batch_size: int = 256,
     momentum: float = 0.9,
     weight_decay: float = 1e-4,
-    nesterov: bool = False,
-    dampening: float = 0.0,
     lars: bool = False,
-    trust_coefficient: float = 0.001,
-    lars_eps: float = 0.0,
-    trust_clip: bool = False,
     master_weights: bool | None = None,
     no_decay_bias: bool = True,
     no_decay_norm: bool = True,
@@ -160,12 +155,7 @@ def configure_fused_sgd(
         reference_batch_size: Batch size ``base_lr`` was tuned for.
         momentum: Momentum factor.
         weight_decay: L2 weight decay of the decayed group.
-        nesterov: Nesterov momentum.
-        dampening: Momentum dampening.
         lars: LARS trust ratio on the weights (not on biases/norm parameters, per the ``no_lars_*`` flags).
-        trust_coefficient: LARS eta.
-        lars_eps: LARS epsilon.
-        trust_clip: LARC-style clipping of the trust ratio.
         master_weights: fp32 master weights; ``None`` turns them on when the module's parameters are
             bf16/fp16 (``precision="bf16-true"``).
         no_decay_bias: No weight decay on biases.
@@ -175,8 +165,9 @@ def configure_fused_sgd(
         extra_no_decay: fnmatch patterns of more parameter names with neither decay nor LARS.
         schedule: Warmup and decay; default cosine to zero without warmup.
         batch_size: Per-device batch size; read from the training DataLoader when ``None``.
-        **optimizer_kwargs: Further :class:`FusedSGD` arguments (``wd_after_momentum``, ``backend``,
-            ``lars_denominator``, ...).
+        **optimizer_kwargs: Further :class:`~lightning_fusedsgd.FusedSGD` arguments, as FusedSGD takes them:
+            ``nesterov``, ``dampening``, the LARS options (``trust_coefficient``, ``trust_clip``, ...),
+            ``wd_after_momentum``, ``capturable``, ``backend``, ...
 
     Returns:
         ``{"optimizer": ..., "lr_scheduler": {"scheduler": ..., "interval": "step"}}``.
@@ -185,7 +176,10 @@ def configure_fused_sgd(
         ConfigError: If the module has no trainer, the run length or batch size cannot be found,
             or the schedule does not fit the run.
     """
-    trainer = module._trainer
+    try:
+        trainer = module.trainer
+    except RuntimeError:
+        trainer = None  # Lightning raises where the module is not attached
     if trainer is None:
         raise ConfigError(
             "configure_fused_sgd needs the module attached to a Trainer: call it from configure_optimizers"
@@ -227,20 +221,16 @@ def configure_fused_sgd(
         groups,
         lr=peak_lr,
         momentum=momentum,
-        dampening=dampening,
         weight_decay=weight_decay,
-        nesterov=nesterov,
         master_weights=master_weights,
         lars=lars,
-        trust_coefficient=trust_coefficient,
-        lars_eps=lars_eps,
-        trust_clip=trust_clip,
         **optimizer_kwargs,
     )
     scheduler = schedule.build(
         optimizer, total_steps=total_steps, steps_per_epoch=steps_per_epoch, peak_lr=peak_lr
     )
-    _clip_in_the_step(module)
+    clip_in_the_step(module)
+    _warn_if_bf16_is_emulated(trainer)
 
     rank_zero_info(
         f"configure_fused_sgd: {'LARS' if lars else 'SGD'} peak lr {peak_lr:g}{scaling}, "
@@ -291,55 +281,27 @@ def _per_device_batch_size(trainer: pl.Trainer) -> int:
     )
 
 
-def clip_gradients(
-    module: pl.LightningModule,
-    optimizer: torch.optim.Optimizer,
-    gradient_clip_val: float | None = None,
-    gradient_clip_algorithm: str | None = None,
-) -> None:
-    """Lightning's gradient clipping, done inside FusedSGD's step: a ``configure_gradient_clipping``.
-
-    Lightning's ``MixedPrecision.clip_gradients`` refuses every optimizer that unscales gradients itself
-    (``_step_supports_amp_scaling``, as FusedSGD), under ``16-mixed`` and ``bf16-mixed`` alike. For a
-    FusedSGD this hands the threshold to the optimizer instead (``max_grad_norm`` or ``max_grad_value`` on
-    every group), and the step that follows clips the unscaled gradients in the kernel: one fused call under
-    every precision, no extra pass over the gradients in Python. Lightning calls it once per optimizer
-    step, so with ``accumulate_grad_batches`` the accumulated gradient is clipped. Other optimizers go
-    through Lightning's own ``clip_gradients``. With no ``gradient_clip_val`` (None) the optimizer's own
-    clipping settings are left as they are.
-
-    :func:`configure_fused_sgd` installs it on the module unless the module's class defines its own
-    ``configure_gradient_clipping``; a module that builds FusedSGD itself adds one line to its class::
-
-        configure_gradient_clipping = lightning_fusedsgd.lightning.clip_gradients
-
-    Args:
-        module: The LightningModule being trained.
-        optimizer: The optimizer about to step.
-        gradient_clip_val: Clip threshold (``trainer.gradient_clip_val``); 0 turns clipping off.
-        gradient_clip_algorithm: ``"norm"`` (default) or ``"value"``.
-
-    Raises:
-        ConfigError: If the algorithm is neither ``"norm"`` nor ``"value"``.
-    """
-    optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap a LightningOptimizer
-    if not isinstance(optimizer, FusedSGD):
-        module.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
-        return
-    if gradient_clip_val is None:
-        return
-    algorithm = str(getattr(gradient_clip_algorithm, "value", gradient_clip_algorithm or "norm"))
-    if algorithm not in ("norm", "value"):
-        raise ConfigError(
-            f"gradient_clip_algorithm must be 'norm' or 'value', got {gradient_clip_algorithm!r}"
+def _warn_if_bf16_is_emulated(trainer: pl.Trainer) -> None:
+    """One line where a bf16 precision runs on a CPU without native bf16: the model's convolutions and matmuls
+    are then tens of times slower than in fp32, which users would otherwise blame on the optimizer."""
+    precision = str(trainer.precision)
+    on_cpu = type(trainer.accelerator).__name__ == "CPUAccelerator"
+    if precision.startswith("bf16") and on_cpu and not cpu_has_native_bf16():
+        rank_zero_warn(
+            f"precision={precision} on a CPU without native bf16 (no AVX512-BF16, AMX or Arm BF16): "
+            "PyTorch runs this model's bf16 convolutions and matmuls tens of times slower than fp32 here "
+            "(oneDNN has no fast bf16 path on it). The optimizer step is not the slow part. Use "
+            "precision=32-true on this machine, or bf16 where the hardware has it (recent GPUs, Sapphire "
+            "Rapids and later)."
         )
-    threshold = float(gradient_clip_val) or None
-    for group in optimizer.param_groups:
-        group["max_grad_norm"] = threshold if algorithm == "norm" else None
-        group["max_grad_value"] = threshold if algorithm == "value" else None
 
 
-def _clip_in_the_step(module: pl.LightningModule) -> None:
-    """Makes ``clip_gradients`` the module's ``configure_gradient_clipping``, unless its class has its own."""
-    if type(module).configure_gradient_clipping is pl.LightningModule.configure_gradient_clipping:
-        module.configure_gradient_clipping = types.MethodType(clip_gradients, module)
+def cpu_has_native_bf16(cpuinfo_path: str = "/proc/cpuinfo") -> bool:
+    """Whether this CPU computes in bf16 natively (AVX512-BF16 or AMX on x86, the BF16 extension on Arm), from
+    the flags Linux lists; False where they cannot be read."""
+    try:
+        with open(cpuinfo_path, encoding="utf-8") as cpuinfo:
+            flags = next((line for line in cpuinfo if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return False
+    return bool({"avx512_bf16", "amx_bf16", "bf16"} & set(flags.split(":", 1)[-1].split()))

@@ -20,16 +20,50 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
 from torchvision.transforms import v2
 
-from lightning_fusedsgd.lightning.errors import ConfigError, DataNotFoundError
+from lightning_fusedsgd.lightning import ConfigError
 
 __all__ = [
     "CIFAR10DataModule",
+    "DataNotFoundError",
     "DigitsDataModule",
     "EpochSampler",
     "ImageFolderDataModule",
     "SeededDataset",
     "SyntheticDataModule",
 ]
+
+
+class DataNotFoundError(ConfigError):
+    """A dataset is missing or not laid out as expected.
+
+    Args:
+        dataset: What was looked for, e.g. ``"ImageNet-style (ImageFolder) data"``.
+        path: The path that was checked.
+        layout: The directory layout the datamodule expects.
+        setting: The config key that sets the path, e.g. ``"data.root"``.
+    """
+
+    def __init__(self, dataset: str, path: str, layout: str, setting: str = "data.root") -> None:
+        self.dataset = dataset
+        self.path = path
+        self.layout = layout
+        self.setting = setting
+        super().__init__(self.describe())
+
+    def describe(self, recipe: str | None = None) -> str:
+        """The message, naming ``recipe`` (and how to run it without data) when given."""
+        who = f"recipe '{recipe}' needs" if recipe else "needs"
+        lines = [
+            f"{who} {self.dataset}, but found none at {self.path}",
+            f"  expected layout: {self.layout}",
+            f"  point {self.setting}=/path/to/data at it",
+        ]
+        if recipe:
+            lines.append(f"  or try the recipe without data: python train.py recipe={recipe} data=synthetic")
+        else:
+            lines.append("  or use synthetic data (SyntheticDataModule / data=synthetic)")
+        return "\n".join(lines)
+
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -299,6 +333,7 @@ class CIFAR10DataModule(_SeededDataModule):
     Args:
         root: Folder holding ``cifar-10-batches-py/``.
         batch_size: Per-device batch size.
+        image_size: Side of the images the model sees (CIFAR's 32, or resized to it).
         download: Let torchvision download the data into ``root`` if it is missing.
         num_workers: Loader processes.
         seed: Seed of the training order and augmentation.
@@ -312,6 +347,7 @@ class CIFAR10DataModule(_SeededDataModule):
         self,
         root: str = "data/cifar10",
         batch_size: int = 128,
+        image_size: int = 32,
         download: bool = False,
         num_workers: int = 4,
         seed: int = 0,
@@ -322,6 +358,7 @@ class CIFAR10DataModule(_SeededDataModule):
         super().__init__(batch_size, num_workers, seed, drop_last, num_classes, in_channels)
         self._check_declared(num_classes=10, in_channels=3)
         self.root = root
+        self.image_size = image_size
         self.download = download
 
     def check_data(self) -> None:
@@ -349,9 +386,12 @@ class CIFAR10DataModule(_SeededDataModule):
 
         self.check_data()
         finish = _to_normalized_tensor(CIFAR10_MEAN, CIFAR10_STD)
-        train_transform = v2.Compose([v2.RandomCrop(32, padding=4), v2.RandomHorizontalFlip(), *finish])
+        resize = [v2.Resize(self.image_size)] if self.image_size != 32 else []
+        train_transform = v2.Compose(
+            [v2.RandomCrop(32, padding=4), v2.RandomHorizontalFlip(), *resize, *finish]
+        )
         self.train_set = SeededDataset(CIFAR10(self.root, train=True), train_transform)
-        self.val_set = SeededDataset(CIFAR10(self.root, train=False), v2.Compose(finish))
+        self.val_set = SeededDataset(CIFAR10(self.root, train=False), v2.Compose([*resize, *finish]))
 
 
 class ImageFolderDataModule(_SeededDataModule):

@@ -13,9 +13,9 @@ from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_fusedsgd.checkpoint import CheckpointError, read_start_checkpoint
-from lightning_fusedsgd.lightning.callbacks import RunSummary
-from lightning_fusedsgd.lightning.checkpointing import InitFromCheckpoint
-from lightning_fusedsgd.lightning.errors import ConfigError, DataNotFoundError
+from lightning_fusedsgd.lightning import ConfigError, InitFromCheckpoint
+from lightning_fusedsgd.runner.data import DataNotFoundError
+from lightning_fusedsgd.runner.summary import RunSummary
 
 __all__ = ["train"]
 

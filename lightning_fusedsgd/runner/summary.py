@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import time
 from pathlib import Path
 from typing import Any
@@ -97,10 +96,10 @@ class RunSummary(pl.Callback):
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         metrics = {key: float(value) for key, value in trainer.callback_metrics.items() if value.numel() == 1}
         checkpoints = [cb for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint)]
-        best = max((acc for _, acc in self.val_acc), default=math.nan)
+        best = max((acc for _, acc in self.val_acc), default=None)  # None: no validation ran
         self.summary = {
             "name": self.name,
-            self.monitor: metrics.get(self.monitor, math.nan),
+            self.monitor: metrics.get(self.monitor),
             f"best_{self.monitor}": best,
             "epochs": trainer.current_epoch,
             "global_step": trainer.global_step,
@@ -118,13 +117,21 @@ class RunSummary(pl.Callback):
         print(self.summary_line(), flush=True)
 
     def summary_line(self) -> str:
-        """``summary: name=quickstart val_acc=0.9833 ...`` from the last recorded run."""
+        """``summary: name=quickstart val_acc=0.9833 ...`` from the last recorded run; ``validation=none``
+        where
+        the run ended before its first validation (``trainer.max_steps`` short of an epoch, say)."""
         metrics = self.summary["metrics"]
-        fields = {"val_acc": self.summary[self.monitor], "best_val_acc": self.summary[f"best_{self.monitor}"]}
-        fields.update(
-            {key.replace("/", "_"): metrics[key] for key in ("val/acc5", "val/loss") if key in metrics}
-        )
-        parts = [f"{key}={value:.4f}" for key, value in fields.items()]
+        if self.val_acc:
+            fields = {
+                "val_acc": self.summary[self.monitor],
+                "best_val_acc": self.summary[f"best_{self.monitor}"],
+            }
+            fields.update(
+                {key.replace("/", "_"): metrics[key] for key in ("val/acc5", "val/loss") if key in metrics}
+            )
+            parts = [f"{key}={value:.4f}" for key, value in fields.items()]
+        else:
+            parts = ["validation=none"]
         parts += [
             f"epochs={self.summary['epochs']}",
             f"steps={self.summary['global_step']}",

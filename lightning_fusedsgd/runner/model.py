@@ -12,8 +12,7 @@ import torchvision
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
-from lightning_fusedsgd.lightning.errors import ConfigError
-from lightning_fusedsgd.lightning.factory import configure_fused_sgd
+from lightning_fusedsgd.lightning import ConfigError, configure_fused_sgd
 
 __all__ = ["ImageClassifier", "build_resnet"]
 
