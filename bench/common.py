@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import datetime
 import functools
 import json
+import os
 import platform
 import statistics
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -72,12 +75,39 @@ def time_interleaved(steps: dict[str, Callable[[], None]], repeats: int, warmup:
     return {name: statistics.median(times) for name, times in samples.items()}
 
 
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            return next(
+                (line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), ""
+            )
+    except OSError:
+        return platform.processor()
+
+
+def _commit() -> str:
+    """The commit measured, with "-dirty" where the tree has uncommitted changes."""
+    root = Path(__file__).resolve().parents[1]
+    run = functools.partial(subprocess.run, cwd=root, capture_output=True, text=True)
+    head = run(["git", "rev-parse", "--short=12", "HEAD"]).stdout.strip()
+    dirty = run(["git", "status", "--porcelain", "--untracked-files=no"]).stdout.strip()
+    return f"{head}-dirty" if head and dirty else head or "unknown"
+
+
 def machine_info() -> dict[str, object]:
+    """What a result was measured on and with: the machine, its CPU and GPU, the versions, the commit, the
+    date."""
     return {
-        "torch": torch.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": _commit(),
+        "cpu": _cpu_model(),
+        "cores": os.cpu_count(),
         "threads": torch.get_num_threads(),
         "machine": platform.machine(),
-        "processor": platform.processor(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "capability": torch.backends.cpu.get_cpu_capability(),
     }
 
 

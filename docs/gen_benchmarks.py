@@ -1,0 +1,242 @@
+"""Writes the benchmark page (docs/benchmarks.md) and its plots (docs/img/) from bench/results/*.json, and the
+changelog page from CHANGELOG.md: ``python docs/gen_benchmarks.py`` (``make docs`` runs it before MkDocs).
+
+Every number on the page comes from a result file, with the machine, versions, commit and date it records.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global state
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+DOCS = ROOT / "docs"
+IMAGES = DOCS / "img"
+
+
+def _load(name: str) -> dict[str, Any] | None:
+    path = RESULTS / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f} ms"
+
+
+def _where(result: dict[str, Any]) -> str:
+    machine = result["machine"]
+    device = machine.get("gpu") or f"{machine.get('cpu') or 'CPU'}, {machine['threads']} threads"
+    return f"{device}; torch {machine['torch']}"
+
+
+def _provenance(name: str, result: dict[str, Any]) -> str:
+    machine = result["machine"]
+    return (
+        f"`bench/results/{name}.json`: {_where(result)}, commit {machine.get('commit', 'not recorded')}, "
+        f"{machine.get('date', 'date not recorded')}."
+    )
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = [
+        "| " + " | ".join(header) + " |",
+        "|" + "|".join("---" if i == 0 else "---:" for i in range(len(header))) + "|",
+    ]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _bars(path: Path, title: str, labels: list[str], series: dict[str, list[float]], ylabel: str) -> None:
+    figure = Figure(figsize=(8, 3.2), layout="constrained")
+    axes = figure.subplots()
+    width = 0.8 / len(series)
+    for k, (name, values) in enumerate(series.items()):
+        axes.bar([i + k * width for i in range(len(labels))], values, width, label=name)
+    axes.axhline(1.0, color="black", linewidth=0.8)
+    axes.set_xticks([i + width * (len(series) - 1) / 2 for i in range(len(labels))], labels, fontsize=8)
+    axes.set_ylabel(ylabel)
+    axes.set_title(title)
+    axes.legend(fontsize=8)
+    axes.grid(axis="y", alpha=0.3)
+    figure.savefig(path, dpi=110)
+
+
+def step_section(result: dict[str, Any]) -> str:
+    cases = result["cases"]
+    plain = {
+        case: times for case, times in cases.items() if "floor" in times and "FusedSGD clipped" not in times
+    }
+    rows = [
+        [
+            case,
+            _ms(t["FusedSGD"]),
+            _ms(t["torch fused"]),
+            _ms(t["torch foreach"]),
+            _ms(t["floor"]),
+            f"{t['FusedSGD'] / t['floor']:.2f}",
+            f"{t['torch fused'] / t['FusedSGD']:.2f}",
+        ]
+        for case, t in plain.items()
+    ]
+    labels = [case.split(")")[0] + ")" for case in plain]
+    _bars(
+        IMAGES / "step.png",
+        "Step time / data-movement floor (lower is better)",
+        labels,
+        {
+            name: [t[name] / t["floor"] for t in plain.values()]
+            for name in ("FusedSGD", "torch fused", "torch foreach")
+        },
+        "x floor",
+    )
+    text = [
+        "## The optimizer step on the CPU",
+        "",
+        "`bench/step.py`: momentum 0.9, Nesterov, weight decay 1e-4, the median of interleaved steps of "
+        "every "
+        "contender. The **floor** is a kernel built beside ours with the same reads and writes as a "
+        "momentum step "
+        "and no arithmetic, over the same tensors and work list: 20 bytes per fp32 parameter. Times vary "
+        "between "
+        "runs on a shared machine; the ratios within one run are what carries over.",
+        "",
+        _table(
+            [
+                "case",
+                "FusedSGD",
+                "torch fused",
+                "torch foreach",
+                "floor",
+                "FusedSGD / floor",
+                "torch fused / FusedSGD",
+            ],
+            rows,
+        ),
+        "",
+        "![Step time over the floor](img/step.png)",
+        "",
+    ]
+    clipped = next((t for t in cases.values() if "FusedSGD clipped" in t), None)
+    if clipped is not None:
+        text += [
+            f"Norm clipping on ResNet-50 (`max_grad_norm={result.get('max_grad_norm', 1.0)}`): the clipped "
+            "step "
+            f"takes {_ms(clipped['FusedSGD clipped'])}, "
+            f"{clipped['FusedSGD clipped'] / clipped['FusedSGD']:.2f}x the plain one (one more read of the "
+            f"gradients); `clip_grad_norm_(foreach=True)` and torch's fused step take "
+            f"{_ms(clipped['torch clip_grad_norm_ + fused'])}, "
+            f"{clipped['torch clip_grad_norm_ + fused'] / clipped['FusedSGD clipped']:.2f}x ours.",
+            "",
+        ]
+    if "bf16_master_over_fp32" in result:
+        text += [
+            "bf16 params with fp32 master weights: "
+            f"{result['bf16_master_over_fp32']:.2f}x the fp32 step (22 bytes moved per parameter against "
+            "20). "
+            "torch's fused bf16 step keeps bf16 momentum and no fp32 copy: it moves 10.",
+            "",
+        ]
+    return "\n".join([*text, _provenance("step", result), ""])
+
+
+def lars_section(result: dict[str, Any]) -> str:
+    times, ratios = result["times"], result["ratios"]
+    rows = [[name, _ms(seconds)] for name, seconds in times.items()]
+    text = [
+        "## LARS on ResNet-50",
+        "",
+        "`bench/lars.py`: LARS and decay on the 54 conv and fc weights, neither on the 107 BN and bias "
+        "tensors "
+        "(`param_groups`). Besides the optimizers, the same loop times two floors on copies of the tensors: "
+        "the "
+        "plain floor (a momentum step's traffic) and the LARS floor (the LARS step's waves: the norm pass's "
+        "re-read of w and g, then the update's traffic, no math).",
+        "",
+        _table(["contender", "step"], rows),
+        "",
+        _table(["ratio", "value"], [[name, f"{value:.2f}"] for name, value in ratios.items()]),
+        "",
+        _provenance("lars", result),
+        "",
+    ]
+    return "\n".join(text)
+
+
+def sharded_section(result: dict[str, Any]) -> str:
+    times, reductions = result["median_s"], result["all_reduces_per_step"]
+    rows = [[name, _ms(seconds), str(reductions[name])] for name, seconds in times.items()]
+    return "\n".join(
+        [
+            "## Sharded steps (FSDP2)",
+            "",
+            f"`bench/sharded.py`: ResNet-50 under FSDP2 on {result['world']} gloo ranks, one thread each; "
+            "rank "
+            "0's median step and the all-reduces a step makes.",
+            "",
+            _table(["contender", "step", "all-reduces a step"], rows),
+            "",
+            _provenance("sharded", result),
+            "",
+        ]
+    )
+
+
+def verified_section(results: dict[str, dict[str, Any]]) -> str:
+    rows = []
+    for name, result in results.items():
+        machine = result["machine"]
+        rows.append(
+            [
+                f"`{name}.json`",
+                machine.get("gpu") or machine.get("cpu") or "CPU",
+                machine["torch"],
+                str(machine.get("cuda")),
+                machine.get("commit", "not recorded"),
+                machine.get("date", "not recorded"),
+            ]
+        )
+    gpu_runs = [name for name, result in results.items() if result["machine"].get("gpu")]
+    text = [
+        "## Verified on",
+        "",
+        _table(["result", "device", "torch", "CUDA (torch's build)", "commit", "date"], rows),
+        "",
+    ]
+    if not gpu_runs:
+        text += [
+            "**GPUs**: no run of this version on a GPU yet. The CUDA kernels compile with nvcc 13.0 (sm_80, "
+            "sm_90); their tests (`tests/test_cuda.py`, the device cases of every parity test, the CUDA "
+            "graph "
+            "tests) and `bench/gpu.py` run where a GPU is present, and `bench/gpu_check.sh` runs them all. "
+            "The changelog records what an earlier kernel measured on an H200.",
+            "",
+        ]
+    return "\n".join(text)
+
+
+def main() -> None:
+    IMAGES.mkdir(exist_ok=True)
+    names = ("step", "lars", "sharded", "gpu")
+    results = {name: result for name in names if (result := _load(name)) is not None}
+    sections = [
+        "# Benchmarks",
+        "",
+        "Generated by `docs/gen_benchmarks.py` from `bench/results/*.json`; each section names the file, "
+        "machine, "
+        "versions, commit and date it comes from. `make bench` reruns the CPU ones.",
+        "",
+    ]
+    builders = {"step": step_section, "lars": lars_section, "sharded": sharded_section}
+    sections += [builders[name](result) for name, result in results.items() if name in builders]
+    sections.append(verified_section(results))
+    (DOCS / "benchmarks.md").write_text("\n".join(sections))
+    shutil.copyfile(ROOT / "CHANGELOG.md", DOCS / "changelog.md")
+
+
+if __name__ == "__main__":
+    main()
