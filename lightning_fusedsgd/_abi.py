@@ -27,6 +27,7 @@ __all__ = [
     "HPARAM_NAMES",
     "LARS_DENOMINATORS",
     "LARS_SUMS",
+    "LARS_ZERO_NORMS",
     "SCHEDULE_HEADER",
     "Column",
     "encode_groups",
@@ -58,9 +59,12 @@ def _threshold(value: Any) -> str | None:
 LARS_DENOMINATORS = ("grad_plus_decay", "decayed_grad")
 """LARS denominators: ``||g|| + lambda ||w||`` (You et al., MLPerf) or ``||g + lambda w||``."""
 
+LARS_ZERO_NORMS = ("unit_ratio", "plain_grad")
+"""What LARS does where a norm is 0: a ratio of 1 with the decay applied, or the plain gradient."""
 
-def _denominator(value: Any) -> str | None:
-    return None if value in LARS_DENOMINATORS else f"Choose one of {LARS_DENOMINATORS}."
+
+def _one_of(choices: tuple[str, ...]) -> Callable[[Any], str | None]:
+    return lambda value: None if value in choices else f"Choose one of {choices}."
 
 
 @dataclass(frozen=True)
@@ -93,9 +97,18 @@ HPARAMS: tuple[Column, ...] = (
     Column("trust_coefficient", "trust_coefficient", check=_positive),
     Column("lars_eps", "lars_eps", check=_non_negative),
     Column("trust_clip", "trust_clip", _flag),
-    Column("lars_decayed_grad", "lars_denominator", lambda v: _flag(v == "decayed_grad"), _denominator),
+    Column(
+        "lars_decayed_grad",
+        "lars_denominator",
+        lambda v: _flag(v == "decayed_grad"),
+        _one_of(LARS_DENOMINATORS),
+    ),
     Column("max_grad_norm", "max_grad_norm", lambda v: 0.0 if v is None else float(v), _threshold),
     Column("max_grad_value", "max_grad_value", lambda v: math.inf if v is None else float(v), _threshold),
+    Column("always_adapt", "always_adapt", _flag),
+    Column(
+        "lars_zero_plain_grad", "lars_zero_norm", lambda v: _flag(v == "plain_grad"), _one_of(LARS_ZERO_NORMS)
+    ),
 )
 """The table's columns, in the kernel's order."""
 

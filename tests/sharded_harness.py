@@ -44,19 +44,33 @@ SCENARIOS: dict[str, tuple[torch.dtype, dict[str, Any]]] = {
     ),
     # Biases in a group without LARS and decay: the all-reduced vector holds only the weights' rows.
     "lars_weights_only_max_grad_norm": (torch.float32, {**_LARS, "max_grad_norm": 0.05, "split_bias": True}),
+    # lightly's grouping (biases: weight decay 0, lars not said) with its rules: only always_adapt=False
+    # keeps LARS off the biases, whose rows still travel (zeros) in the all-reduce.
+    "lars_lightly_rules_max_grad_norm": (
+        torch.float32,
+        {
+            **_LARS,
+            "max_grad_norm": 0.05,
+            "undecayed_bias": True,
+            "always_adapt": False,
+            "lars_zero_norm": "plain_grad",
+        },
+    ),
 }
 
 
 def make_optimizer(model: nn.Module, kwargs: dict[str, Any]) -> FusedSGD:
+    """FusedSGD over the model: one group, or the biases apart (``split_bias``: no LARS and no decay on them;
+    ``undecayed_bias``: no decay, lars left to the optimizer, as lightly groups them)."""
     kwargs = dict(kwargs)
-    if not kwargs.pop("split_bias", False):
+    split, undecayed = kwargs.pop("split_bias", False), kwargs.pop("undecayed_bias", False)
+    if not (split or undecayed):
         return FusedSGD(model.parameters(), lr=LR, **kwargs)
     named = list(model.named_parameters())
-    groups = [
-        {"params": [p for n, p in named if not n.endswith("bias")]},
-        {"params": [p for n, p in named if n.endswith("bias")], "lars": False, "weight_decay": 0.0},
-    ]
-    return FusedSGD(groups, lr=LR, **kwargs)
+    biases = {"params": [p for n, p in named if n.endswith("bias")], "weight_decay": 0.0}
+    if split:
+        biases["lars"] = False
+    return FusedSGD([{"params": [p for n, p in named if not n.endswith("bias")]}, biases], lr=LR, **kwargs)
 
 
 def make_model(dtype: torch.dtype = torch.float32) -> nn.Module:

@@ -201,8 +201,8 @@ def test_skipped_steps_do_not_advance_the_schedule_under_lightning(tmp_path):
 
 
 def test_a_pytorch_lightning_module_clips_in_the_fused_step():
-    """Modules written against the older ``pytorch_lightning`` package (lightly's and solo-learn's examples are)
-    get the clipping hook too."""
+    """Modules written against the older ``pytorch_lightning`` package (lightly's and solo-learn's examples
+    are) get the clipping hook too."""
     import pytorch_lightning
 
     class Module(pytorch_lightning.LightningModule):

@@ -1,12 +1,12 @@
 """The ops in plain PyTorch: the oracle in tests and the fallback where nothing compiles.
 
 ``clip_coef``, ``make_coeffs``, ``clipped_grad``, ``sgd_element``, ``lars_norm_term``, ``trust_ratio``,
-``lars_trust``, ``clipped_term_sq_sum`` and ``synced_master`` mirror ``csrc/sgd_math.h`` function for
-function, with ATen's ops where the kernel rounds as they do (``x.add(y, alpha=a)`` is the kernel's
-``mul_add``); ``sgd_step``, ``grad_sq_sum``, ``lars_sq_sums`` and ``schedule_lrs`` implement the contract
-documented with the ops' schemas in ``ops/__init__.py``, so either implementation can run a bucket. Unlike the
-kernels, these read device values on the host (``found_inf``, the lrs and the schedule position): they are not
-capturable."""
+``lars_adapts``, ``lars_trust``, ``apply_lars``, ``clipped_term_sq_sum`` and ``synced_master`` mirror
+``csrc/sgd_math.h`` function for function, with ATen's ops where the kernel rounds as they do (``x.add(y,
+alpha=a)`` is the kernel's ``mul_add``); ``sgd_step``, ``grad_sq_sum``, ``lars_sq_sums`` and ``schedule_lrs``
+implement the contract documented with the ops' schemas in ``ops/__init__.py``, so either implementation can
+run a bucket. Unlike the kernels, these read device values on the host (``found_inf``, the lrs and the
+schedule position): they are not capturable."""
 
 from __future__ import annotations
 
@@ -131,23 +131,38 @@ def lars_norm_term(w: Tensor, g: Tensor, c: Coeffs, weight_decay: float, decayed
     return raw.add(w, alpha=weight_decay) if decayed else raw
 
 
-def lars_trust(w: Tensor, g: Tensor, h: dict[str, float], c: Coeffs) -> Tensor:
-    """The trust ratio from the tensor's norms in float64 (``lars_trust`` in sgd_math.h)."""
-    decayed = bool(h["lars_decayed_grad"])
-    w_norm = torch.linalg.vector_norm(w, dtype=torch.float64)
-    g_norm = torch.linalg.vector_norm(
-        lars_norm_term(w, g, c, h["weight_decay"], decayed), dtype=torch.float64
-    )
+def lars_adapts(h: dict[str, float]) -> bool:
+    """Whether LARS adapts a group's tensors (``lars_adapts`` in sgd_math.h)."""
+    return bool(h["lars"]) and (bool(h["always_adapt"]) or h["weight_decay"] != 0)
+
+
+def lars_trust(sum_w: Tensor, sum_g: Tensor, h: dict[str, float]) -> Tensor:
+    """The trust ratio from a tensor's float64 sums of squares (``lars_trust`` in sgd_math.h)."""
     return trust_ratio(
-        w_norm,
-        g_norm,
+        sum_w.sqrt(),
+        sum_g.sqrt(),
         h["weight_decay"],
         h["trust_coefficient"],
         h["lars_eps"],
-        decayed,
+        bool(h["lars_decayed_grad"]),
         bool(h["trust_clip"]),
         h["lr"],
     )
+
+
+def apply_lars(c: Coeffs, sum_w: Tensor, sum_g: Tensor, h: dict[str, float], opmath: torch.dtype) -> None:
+    """A LARS tensor's coefficients from its sums of squares (``apply_lars`` in sgd_math.h). Reads whether a
+    norm is 0 on the host: the reference is not capturable."""
+    c.trust = lars_trust(sum_w, sum_g, h).to(opmath)
+    if h["lars_zero_plain_grad"] and bool((sum_w == 0) | (sum_g == 0)):
+        c.wd_coupled = 0.0
+
+
+def lars_norm_sums(w: Tensor, g: Tensor, h: dict[str, float], c: Coeffs) -> tuple[Tensor, Tensor]:
+    """A tensor's float64 sums of squares of w and of its LARS norm term (the kernel's norm pass)."""
+    term = lars_norm_term(w, g, c, h["weight_decay"], bool(h["lars_decayed_grad"]))
+    w, term = w.double(), term.double()
+    return (w * w).sum(), (term * term).sum()
 
 
 def clipped_term_sq_sum(sum_w: Tensor, sum_t: Tensor, sum_wt: Tensor, c: float | Tensor, h: dict) -> Tensor:
@@ -175,8 +190,7 @@ def sgd_step(
     lrs: Tensor | None = None,
 ) -> None:
     """``torch.ops.lightning_fusedsgd.sgd_step`` (arguments documented with its schema): updates params,
-    momentum
-    buffers (one per param whose group has momentum) and masters in place."""
+    momentum buffers (one per param whose group has momentum) and masters in place."""
     if not params or (found_inf is not None and bool(found_inf.item())):
         return
     hparams = group_hparams.tolist()
@@ -195,21 +209,13 @@ def sgd_step(
         coeffs = make_coeffs(h, inv_scale, grad_sq_sum, first_step[i])
         if isinstance(coeffs.clip_coef, Tensor):
             coeffs.clip_coef = coeffs.clip_coef.to(opmath)
-        if h["lars"] and lars_sq_sums is not None:
-            sum_w, sum_t, sum_wt = lars_sq_sums[i]
-            sum_g = clipped_term_sq_sum(sum_w, sum_t, sum_wt, coeffs.clip_coef, h)
-            coeffs.trust = trust_ratio(
-                sum_w.sqrt(),
-                sum_g.sqrt(),
-                h["weight_decay"],
-                h["trust_coefficient"],
-                h["lars_eps"],
-                bool(h["lars_decayed_grad"]),
-                bool(h["trust_clip"]),
-                h["lr"],
-            ).to(opmath)
-        elif h["lars"]:
-            coeffs.trust = lars_trust(w, g, h, coeffs).to(opmath)
+        if lars_adapts(h):
+            if lars_sq_sums is not None:  # sums reduced across shards replace the norm pass
+                sum_w, sum_t, sum_wt = lars_sq_sums[i]
+                sum_g = clipped_term_sq_sum(sum_w, sum_t, sum_wt, coeffs.clip_coef, h)
+            else:
+                sum_w, sum_g = lars_norm_sums(w, g, h, coeffs)
+            apply_lars(coeffs, sum_w, sum_g, h, opmath)
         w_new, b_new = sgd_element(w, g, None if b is None or coeffs.first else b.to(opmath), coeffs)
         if master is not None:
             master.copy_(w_new)
@@ -239,7 +245,7 @@ def lars_sq_sums(
     rows = []
     for i, param in enumerate(params):
         h = dict(zip(HPARAM_NAMES, hparams[tensor_group[i]]))
-        if not h["lars"]:
+        if not lars_adapts(h):
             rows.append(torch.zeros(3, dtype=torch.float64, device=param.device))
             continue
         master = master_params[i] if master_params else None

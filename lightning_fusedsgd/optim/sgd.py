@@ -62,6 +62,11 @@ class FusedSGD(Optimizer):
         trust_clip: LARC's clip, ``r <- min(r / lr, 1)``.
         lars_denominator: ``"grad_plus_decay"`` (``||g|| + lambda ||w||``, You et al., MLPerf) or
             ``"decayed_grad"`` (``||g + lambda w||``).
+        always_adapt: LARS adapts every group with ``lars`` on; False leaves a group whose weight decay is 0
+            unadapted (timm's switch: lightly, lightning-bolts and, by default, timm do so).
+        lars_zero_norm: Where ``||w||`` or ``||g||`` is 0: ``"unit_ratio"`` takes a ratio of 1 and still
+            applies the decay (timm, torchlars); ``"plain_grad"`` steps the plain gradient, no decay
+            (lightly, lightning-bolts).
         max_grad_norm: Clip the gradients as ``torch.nn.utils.clip_grad_norm_(params, max_grad_norm)``
             does, inside the step: one L2 norm over every stepped gradient, unscaled under a GradScaler,
             and the coefficient ``min(1, max_grad_norm / (norm + 1e-6))`` applied before weight decay and
@@ -106,6 +111,8 @@ class FusedSGD(Optimizer):
         lars_eps: float = 0.0,
         trust_clip: bool = False,
         lars_denominator: str = "grad_plus_decay",
+        always_adapt: bool = True,
+        lars_zero_norm: str = "unit_ratio",
         max_grad_norm: float | None = None,
         max_grad_value: float | None = None,
         capturable: bool = False,
@@ -132,6 +139,8 @@ class FusedSGD(Optimizer):
             lars_eps=lars_eps,
             trust_clip=trust_clip,
             lars_denominator=lars_denominator,
+            always_adapt=always_adapt,
+            lars_zero_norm=lars_zero_norm,
             max_grad_norm=max_grad_norm,
             max_grad_value=max_grad_value,
         )

@@ -118,7 +118,7 @@ inline BucketArgs check_bucket(const StepArgs& a) {
     check_same_layout(p, a.grads[t], "grad");
     TORCH_CHECK(a.grads[t].scalar_type() == dtype, "lightning_fusedsgd::sgd_step: grads must have their params' dtype");
     const GroupHParams& h = args.groups[a.tensor_group[t]];
-    args.any_lars = args.any_lars || h.lars;
+    args.any_lars = args.any_lars || lars_adapts(h);
     TORCH_CHECK(h.max_grad_norm <= 0.0 || a.grad_sq_sum.has_value(),
                 "lightning_fusedsgd::sgd_step: a group with max_grad_norm needs grad_sq_sum");
     args.buffer_slot.push_back(h.momentum != 0.0 ? static_cast<int64_t>(slot++) : -1);

@@ -169,11 +169,10 @@ class BucketStep {
       if (kMaster) m_ptr_[t] = a.master_params[t].data_ptr<float>();
       coeffs_[t] = make_coeffs<O>(h, inv_scale, grad_sq_sum, a.first_step[t]);
       // Given sums (sharded params, reduced across shards) replace the norm pass: the ratio is set here.
-      lars_[t] = h.lars && lars_sums == nullptr;
-      if (h.lars && lars_sums != nullptr) {
+      lars_[t] = lars_adapts(h) && lars_sums == nullptr;
+      if (lars_adapts(h) && lars_sums != nullptr) {
         const double* row = lars_sums + kNumLarsSums * t;
-        const double sum_g = clipped_term_sq_sum(row[0], row[1], row[2], coeffs_[t].clip_coef, h);
-        coeffs_[t].trust = static_cast<O>(lars_trust(row[0], sum_g, h));
+        apply_lars(coeffs_[t], row[0], clipped_term_sq_sum(row[0], row[1], row[2], coeffs_[t].clip_coef, h), h);
       }
     }
     work_ = make_work_list(params, lars_);
@@ -185,8 +184,8 @@ class BucketStep {
   void run() {
 #pragma omp parallel num_threads(num_threads_for(work_))
     {
-      int32_t trust_tensor = -1;
-      O trust = 1;
+      int32_t lars_tensor = -1;
+      Coeffs<O> lars_c{};
       for (const Wave& wave : work_.waves) {
         if (wave.needs_norms) {
 #pragma omp for schedule(static)
@@ -196,7 +195,7 @@ class BucketStep {
         }
 #pragma omp for schedule(static)
         for (int64_t c = wave.chunk_begin; c < wave.chunk_end; ++c) {
-          update_chunk(work_.chunks[c], trust_tensor, trust);
+          update_chunk(work_.chunks[c], lars_tensor, lars_c);
         }
       }
     }
@@ -220,30 +219,29 @@ class BucketStep {
     if (!exact_in_opmath(w_sq_[c]) || !exact_in_opmath(g_sq_[c])) sum(double{});
   }
 
-  // Sums the chunk partials in a fixed order, so the ratio does not depend on the thread count. Each thread
-  // computes it for the tensors its chunks belong to (update_chunk keeps the last one), which saves a
-  // barrier per wave.
-  O tensor_trust(int32_t t) const {
+  // The coefficients of a LARS tensor: its chunk partials summed in a fixed order (the ratio does not depend on
+  // the thread count), then apply_lars. Each thread computes them for the tensors its chunks belong to
+  // (update_chunk keeps the last one), which saves a barrier per wave.
+  Coeffs<O> lars_coeffs(int32_t t) const {
     double sum_w = 0, sum_g = 0;
     for (int64_t c = work_.tensor_first_chunk[t]; c < work_.tensor_first_chunk[t + 1]; ++c) {
       sum_w += w_sq_[c];
       sum_g += g_sq_[c];
     }
-    return static_cast<O>(lars_trust(sum_w, sum_g, groups_[tensor_group_[t]]));
+    Coeffs<O> c = coeffs_[t];
+    apply_lars(c, sum_w, sum_g, groups_[tensor_group_[t]]);
+    return c;
   }
 
-  // `trust_tensor` / `trust`: the calling thread's last computed ratio (static schedules give each thread
-  // consecutive chunks, so a tensor's ratio is computed about once per thread).
-  void update_chunk(const Chunk& chunk, int32_t& trust_tensor, O& trust) const {
+  // `lars_tensor` / `lars_c`: the calling thread's last computed LARS coefficients (static schedules give each
+  // thread consecutive chunks, so a tensor's are computed about once per thread).
+  void update_chunk(const Chunk& chunk, int32_t& lars_tensor, Coeffs<O>& lars_c) const {
     const int32_t t = chunk.tensor;
-    Coeffs<O> c = coeffs_[t];
-    if (lars_[t]) {
-      if (trust_tensor != t) {
-        trust = tensor_trust(t);
-        trust_tensor = t;
-      }
-      c.trust = trust;
+    if (lars_[t] && lars_tensor != t) {
+      lars_c = lars_coeffs(t);
+      lars_tensor = t;
     }
+    const Coeffs<O>& c = lars_[t] ? lars_c : coeffs_[t];
     if (std::isfinite(c.clip_value)) {
       update_elements<true>(chunk, t, c);
     } else {
@@ -331,7 +329,7 @@ at::Tensor lars_sq_sums_cpu(at::TensorList params, at::TensorList grads, at::Ten
       const Chunk& chunk = work.chunks[c];
       const int32_t t = chunk.tensor;
       GroupHParams h = groups[tensor_group[t]];
-      if (!h.lars) continue;
+      if (!lars_adapts(h)) continue;
       h.max_grad_norm = 0.0;  // the norm clip is applied to the reduced sums (clipped_term_sq_sum)
       const Coeffs<O> coeffs = make_coeffs<O>(h, inv_scale, 0.0, false);
       const bool clip_value = std::isfinite(coeffs.clip_value);

@@ -155,9 +155,9 @@ __global__ void __launch_bounds__(kThreads)
   Coeffs<O> c = coeffs_of<O>(h, t, scalars);
   if (t.lars && scalars.lars_sums != nullptr) {
     const double* row = scalars.lars_sums + kNumLarsSums * chunk.tensor;
-    c.trust = static_cast<O>(lars_trust(row[0], clipped_term_sq_sum(row[0], row[1], row[2], c.clip_coef, h), h));
+    apply_lars(c, row[0], clipped_term_sq_sum(row[0], row[1], row[2], c.clip_coef, h), h);
   } else if (t.lars) {
-    __shared__ O trust;
+    __shared__ O trust, wd_coupled;
     __shared__ double scratch[kThreads / 32];
     double part_w = 0, part_g = 0;
     for (int64_t k = t.first_chunk + threadIdx.x; k < t.first_chunk + t.num_chunks; k += kThreads) {
@@ -166,9 +166,14 @@ __global__ void __launch_bounds__(kThreads)
     }
     const double sum_w = block_sum(part_w, scratch);
     const double sum_g = block_sum(part_g, scratch);
-    if (threadIdx.x == 0) trust = static_cast<O>(lars_trust(sum_w, sum_g, h));
+    if (threadIdx.x == 0) {
+      apply_lars(c, sum_w, sum_g, h);
+      trust = c.trust;
+      wd_coupled = c.wd_coupled;
+    }
     __syncthreads();
     c.trust = trust;
+    c.wd_coupled = wd_coupled;
   }
   P* w = static_cast<P*>(t.param);
   const P* g = static_cast<const P*>(t.grad);
@@ -290,7 +295,7 @@ void run_cuda(const StepArgs& a, const BucketArgs& bucket) {
     args.master = bucket.master ? a.master_params[t].data_ptr<float>() : nullptr;
     args.group = a.tensor_group[t];
     args.first = a.first_step[t] ? 1 : 0;
-    args.lars = bucket.groups[a.tensor_group[t]].lars ? 1 : 0;
+    args.lars = lars_adapts(bucket.groups[a.tensor_group[t]]) ? 1 : 0;
     args.first_chunk = static_cast<int64_t>(chunks.size());
     append_chunks(chunks, t, p.numel());
     args.num_chunks = static_cast<int64_t>(chunks.size()) - args.first_chunk;
@@ -391,7 +396,7 @@ at::Tensor lars_sq_sums_cuda(at::TensorList params, at::TensorList grads, at::Te
     args.master = master ? master_params[t].data_ptr<float>() : nullptr;
     args.group = tensor_group[t];
     args.first = 0;
-    args.lars = groups[tensor_group[t]].lars ? 1 : 0;
+    args.lars = lars_adapts(groups[tensor_group[t]]) ? 1 : 0;
     args.first_chunk = static_cast<int64_t>(chunks.size());
     append_chunks(chunks, t, params[t].numel());
     args.num_chunks = static_cast<int64_t>(chunks.size()) - args.first_chunk;

@@ -34,7 +34,9 @@ namespace lfsgd {
   X(bool, trust_clip)           \
   X(bool, lars_decayed_grad)    \
   X(double, max_grad_norm)      \
-  X(double, max_grad_value)
+  X(double, max_grad_value)     \
+  X(bool, always_adapt)         \
+  X(bool, lars_zero_plain_grad)
 
 struct GroupHParams {
 #define LFSGD_FIELD(type, name) type name;
@@ -210,10 +212,25 @@ LFSGD_HOST_DEVICE inline double trust_ratio(double w_norm, double g_norm, double
   return r;
 }
 
+// Whether LARS adapts a group's tensors: LARS on, and always_adapt or a weight decay (timm's switch: lightly,
+// lightning-bolts and, by default, timm leave a group without weight decay unadapted).
+LFSGD_HOST_DEVICE inline bool lars_adapts(const GroupHParams& h) {
+  return h.lars && (h.always_adapt || h.weight_decay != 0.0);
+}
+
 // The trust ratio from a tensor's sums of squares (of w and of lars_norm_term).
 LFSGD_HOST_DEVICE inline double lars_trust(double sum_w, double sum_g, const GroupHParams& h) {
   return trust_ratio(sqrt(sum_w), sqrt(sum_g), h.weight_decay, h.trust_coefficient, h.lars_eps,
                      h.lars_decayed_grad, h.trust_clip, h.lr);
+}
+
+// A LARS tensor's coefficients from its sums of squares: the trust ratio, and where a norm is 0 under
+// lars_zero_norm="plain_grad" (lightly's and lightning-bolts' rule) no weight decay either, so the plain
+// gradient steps.
+template <typename T>
+LFSGD_HOST_DEVICE inline void apply_lars(Coeffs<T>& c, double sum_w, double sum_g, const GroupHParams& h) {
+  c.trust = static_cast<T>(lars_trust(sum_w, sum_g, h));
+  if (h.lars_zero_plain_grad && (sum_w == 0.0 || sum_g == 0.0)) c.wd_coupled = T(0);
 }
 
 }  // namespace lfsgd
