@@ -16,6 +16,7 @@ from omegaconf import OmegaConf
 from lightning_fusedsgd.lightning import Schedule
 from lightning_fusedsgd.runner.model import ImageClassifier
 from lightning_fusedsgd.runner.run import train
+from lightning_fusedsgd.runner.simclr import SimCLR
 
 RECIPES = sorted(path.stem for path in (ROOT / "recipes").glob("*.yaml"))
 
@@ -94,7 +95,43 @@ PUBLISHED = {
         "schedule.decay": "cosine",
         "trainer.max_epochs": 200,
     },
+    "simclr": {
+        "data._target_": "DigitsDataModule",
+        "data.views._target_": "SimCLRTransform",
+        "data.drop_last": True,
+        "model._target_": "SimCLR",
+        "model.arch": "resnet18",
+        "model.temperature": 0.5,
+        "model.projection_dim": 128,
+        "optim.lars": True,
+        "optim.lars_denominator": "decayed_grad",
+        "optim.base_lr": 0.3,
+        "optim.weight_decay": 1e-6,
+        "optim.momentum": 0.9,
+        "schedule.decay": "cosine",
+    },
+    "simclr_imagenet": {
+        "data._target_": "ImageFolderDataModule",
+        "data.views._target_": "SimCLRTransform",
+        "data.batch_size": 512,
+        "data.drop_last": True,
+        "model._target_": "SimCLR",
+        "model.arch": "resnet50",
+        "model.temperature": 0.1,
+        "optim.lars": True,
+        "optim.trust_coefficient": 0.001,
+        "optim.lars_denominator": "decayed_grad",
+        "optim.base_lr": 0.3,
+        "optim.reference_batch_size": 256,
+        "optim.weight_decay": 1e-6,
+        "optim.momentum": 0.9,
+        "schedule.decay": "cosine",
+        "schedule.warmup": 10,
+        "trainer.max_epochs": 1000,
+    },
 }
+
+OFFLINE = {"quickstart", "simclr"}  # digits ship with scikit-learn: the tiny runs use the real data
 
 
 def test_every_recipe_is_checked():
@@ -130,8 +167,8 @@ def test_recipe_composes_and_instantiates(recipe, tmp_path):
     schedule = instantiate(cfg.schedule)
     assert isinstance(schedule, Schedule)
     model = instantiate(cfg.model, optimizer=functools.partial(factory, schedule=schedule))
-    assert isinstance(model, ImageClassifier)
-    if cfg.model.zero_init_residual:
+    assert isinstance(model, SimCLR if cfg.data.get("views") else ImageClassifier)
+    if cfg.model.get("zero_init_residual"):
         last_bn = model.net.layer1[0].bn3 if cfg.model.arch == "resnet50" else model.net.layer1[0].bn2
         assert torch.count_nonzero(last_bn.weight) == 0
     callbacks = [instantiate(node) for node in cfg.callbacks.values()]
@@ -152,12 +189,14 @@ def test_fast_dev_run_default_recipe(tmp_path):
 def test_every_recipe_runs_tiny_on_synthetic_data(recipe, tmp_path):
     """debug=tiny bounds what makes a run long (epochs, steps, image size, validation, workers): each recipe,
     ImageNet's ResNet-50s included, trains 2 epochs of 3 steps on 32x32 synthetic images."""
-    overrides = [f"recipe={recipe}", "debug=tiny", *([] if recipe == "quickstart" else ["data=synthetic"])]
+    overrides = [f"recipe={recipe}", "debug=tiny", *([] if recipe in OFFLINE else ["data=synthetic"])]
     cfg = compose_train(overrides, tmp_path)
     assert cfg.data.image_size == 32 and cfg.trainer.max_epochs == 2 and cfg.data.num_workers == 0
     summary = train(cfg)
     assert summary["name"] == recipe and summary["global_step"] == 6 and summary["epochs"] == 2
     assert 0.0 <= summary["val/acc"] <= 1.0
+    if cfg.data.get("views"):  # self-supervised: the kNN accuracy beside a random backbone's
+        assert 0.0 <= summary["metrics"]["val/acc_random_init"] <= 1.0
 
 
 def test_the_summary_says_when_no_validation_ran(tmp_path, capsys):

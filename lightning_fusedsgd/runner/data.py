@@ -5,19 +5,26 @@ Every training loader draws from :class:`EpochSampler`: the order of epoch ``e``
 DataModules save their position in the data (epoch, batches used) in Lightning checkpoints, so a run
 resumed at an epoch boundary or mid-epoch sees the same batches and the same augmented pixels as an
 uninterrupted run, whatever the number of loader workers or the global RNG state.
+
+Given ``views`` (a multi-view transform such as lightly's ``SimCLRTransform``), any of them serves
+self-supervised training instead: training batches hold the views of each image, and validation has two
+loaders, the un-augmented training images (a kNN memory bank) and the validation images.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
+import random
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, TensorDataset
 from torchvision.transforms import v2
 
 from lightning_fusedsgd.lightning import ConfigError
@@ -26,6 +33,7 @@ __all__ = [
     "CIFAR10DataModule",
     "DataNotFoundError",
     "DigitsDataModule",
+    "EachView",
     "EpochSampler",
     "ImageFolderDataModule",
     "SeededDataset",
@@ -73,9 +81,9 @@ CIFAR10_STD = (0.2470, 0.2435, 0.2616)
 Transform = Callable[[Any], Any]
 
 
-def _to_normalized_tensor(mean: Sequence[float], std: Sequence[float]) -> list[Any]:
-    """The last transforms of every image pipeline: PIL image -> float tensor in [0, 1] -> normalized."""
-    return [v2.ToImage(), v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)]
+def _to_normalized_tensor(mean: Sequence[float], std: Sequence[float]) -> Transform:
+    """The last transform of every image pipeline: PIL image or [0, 1] tensor -> normalized float tensor."""
+    return v2.Compose([v2.ToImage(), v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)])
 
 
 class EpochSampler(DistributedSampler):
@@ -160,10 +168,44 @@ class SeededDataset(Dataset):
             return image, target
         if seed is None:
             return self.transform(image), target
-        # Only the CPU generator is reseeded (and restored), so CUDA RNG streams are untouched.
+        with _seeded_host_rngs(seed):
+            return self.transform(image), target
+
+
+@contextlib.contextmanager
+def _seeded_host_rngs(seed: int) -> Iterator[None]:
+    """Seeds torch's CPU generator, ``random`` and NumPy's global RNG, and restores all three after.
+
+    Transforms draw from any of them (lightly's blur and solarization draw from NumPy). CUDA RNG streams
+    are left untouched.
+    """
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    try:
         with torch.random.fork_rng(devices=[]):
             torch.default_generator.manual_seed(seed)
-            return self.transform(image), target
+            random.seed(seed)
+            np.random.seed(seed)
+            yield
+    finally:
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)
+
+
+class EachView:
+    """Applies a multi-view transform, then ``finish`` to each view: ``image -> [view, ...]``.
+
+    Args:
+        views: ``image -> list of views``, each a float tensor in [0, 1] (lightly's view transforms with
+            ``normalize=None``).
+        finish: What the datamodule does last to every image it serves (its normalization).
+    """
+
+    def __init__(self, views: Transform, finish: Transform) -> None:
+        self.views = views
+        self.finish = finish
+
+    def __call__(self, image: Any) -> list[Any]:
+        return [self.finish(view) for view in self.views(image)]
 
 
 class _SeededDataModule(pl.LightningDataModule):
@@ -183,6 +225,8 @@ class _SeededDataModule(pl.LightningDataModule):
         drop_last: bool,
         num_classes: int,
         in_channels: int,
+        views: Transform | None,
+        bank_size: int | None,
     ) -> None:
         super().__init__()
         #: Label count and image channels, as the data config declares them (the model config reads them).
@@ -194,8 +238,13 @@ class _SeededDataModule(pl.LightningDataModule):
         self.num_workers = num_workers
         self.seed = seed
         self.drop_last = drop_last
+        if bank_size is not None and bank_size < 1:
+            raise ConfigError(f"data.bank_size={bank_size} must be >= 1, or null for every training image")
+        self.views = views
+        self.bank_size = bank_size
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None
+        self.bank_set: Dataset | None = None  # with views: the training images as validation sees them
         self._train_sampler: EpochSampler | None = None
         self._resume: tuple[int, int] | None = None  # (epoch, batches used), from a checkpoint
 
@@ -237,6 +286,28 @@ class _SeededDataModule(pl.LightningDataModule):
     def check_data(self) -> None:
         """Raise :class:`DataNotFoundError` if the data is not on disk (cheap; no decoding)."""
 
+    def _build(
+        self,
+        train: Dataset,
+        val: Dataset,
+        augment: list[Transform],
+        evaluate: list[Transform],
+        finish: Transform,
+    ) -> None:
+        """The datasets from raw images: training through ``augment`` (or ``views``), evaluation through
+        ``evaluate``, each then through ``finish`` (to a normalized tensor)."""
+        if self.views is None:
+            self.train_set = SeededDataset(train, v2.Compose([*augment, finish]))
+        else:
+            self.train_set = SeededDataset(train, EachView(self.views, finish))
+            bank = SeededDataset(train, v2.Compose([*evaluate, finish]))
+            if self.bank_size is not None and self.bank_size < len(bank):
+                # A fixed random subset (seed 0), the same for every run and every rank.
+                order = torch.randperm(len(bank), generator=torch.Generator().manual_seed(0))
+                bank = Subset(bank, sorted(order[: self.bank_size].tolist()))
+            self.bank_set = bank
+        self.val_set = SeededDataset(val, v2.Compose([*evaluate, finish]))
+
     def _ready(self, dataset: Dataset | None) -> Dataset:
         if dataset is None:
             raise RuntimeError(f"{type(self).__name__}.setup() has not been called")
@@ -261,8 +332,11 @@ class _SeededDataModule(pl.LightningDataModule):
         self._apply_resume(self._train_sampler)
         return self._loader(train_set, self._train_sampler)
 
-    def val_dataloader(self) -> DataLoader:
-        return self._loader(self._ready(self.val_set), None)
+    def val_dataloader(self) -> DataLoader | list[DataLoader]:
+        val = self._loader(self._ready(self.val_set), None)
+        if self.views is None:
+            return val
+        return [self._loader(self._ready(self.bank_set), None), val]
 
 
 class DigitsDataModule(_SeededDataModule):
@@ -280,6 +354,10 @@ class DigitsDataModule(_SeededDataModule):
         seed: Seed of the training order and augmentation.
         drop_last: Drop the last incomplete training batch.
         num_classes, in_channels: As the config declares them; must be 10 and 1.
+        views: A multi-view transform for self-supervised training (lightly's ``SimCLRTransform``,
+            say, with ``normalize=None``); see the module docstring. ``None``: supervised batches.
+        bank_size: With ``views``: training images in the kNN memory bank (a fixed random subset);
+            ``None``: all of them.
     """
 
     def __init__(
@@ -293,8 +371,10 @@ class DigitsDataModule(_SeededDataModule):
         drop_last: bool = False,
         num_classes: int = 10,
         in_channels: int = 1,
+        views: Transform | None = None,
+        bank_size: int | None = None,
     ) -> None:
-        super().__init__(batch_size, num_workers, seed, drop_last, num_classes, in_channels)
+        super().__init__(batch_size, num_workers, seed, drop_last, num_classes, in_channels, views, bank_size)
         self._check_declared(num_classes=10, in_channels=1)
         self.image_size = image_size
         self.val_fraction = val_fraction
@@ -318,13 +398,11 @@ class DigitsDataModule(_SeededDataModule):
         train_images = images[train_idx]
         normalize = v2.Normalize([train_images.mean().item()], [train_images.std().item()])
         # Augment before normalizing so the affine fill (0) is the background colour.
-        train_transform = (
-            v2.Compose([v2.RandomAffine(degrees=10, translate=(0.1, 0.1), scale=(0.9, 1.1)), normalize])
-            if self.augment
-            else normalize
+        augment = (
+            [v2.RandomAffine(degrees=10, translate=(0.1, 0.1), scale=(0.9, 1.1))] if self.augment else []
         )
-        self.train_set = SeededDataset(TensorDataset(train_images, targets[train_idx]), train_transform)
-        self.val_set = SeededDataset(TensorDataset(images[val_idx], targets[val_idx]), normalize)
+        train = TensorDataset(train_images, targets[train_idx])
+        self._build(train, TensorDataset(images[val_idx], targets[val_idx]), augment, [], normalize)
 
 
 class CIFAR10DataModule(_SeededDataModule):
@@ -339,6 +417,10 @@ class CIFAR10DataModule(_SeededDataModule):
         seed: Seed of the training order and augmentation.
         drop_last: Drop the last incomplete training batch.
         num_classes, in_channels: As the config declares them; must be 10 and 3.
+        views: A multi-view transform for self-supervised training (lightly's ``SimCLRTransform``,
+            say, with ``normalize=None``); see the module docstring. ``None``: supervised batches.
+        bank_size: With ``views``: training images in the kNN memory bank (a fixed random subset);
+            ``None``: all of them.
     """
 
     _FILES = ("data_batch_1", "data_batch_2", "data_batch_3", "data_batch_4", "data_batch_5", "test_batch")
@@ -354,8 +436,10 @@ class CIFAR10DataModule(_SeededDataModule):
         drop_last: bool = False,
         num_classes: int = 10,
         in_channels: int = 3,
+        views: Transform | None = None,
+        bank_size: int | None = None,
     ) -> None:
-        super().__init__(batch_size, num_workers, seed, drop_last, num_classes, in_channels)
+        super().__init__(batch_size, num_workers, seed, drop_last, num_classes, in_channels, views, bank_size)
         self._check_declared(num_classes=10, in_channels=3)
         self.root = root
         self.image_size = image_size
@@ -385,13 +469,15 @@ class CIFAR10DataModule(_SeededDataModule):
         from torchvision.datasets import CIFAR10
 
         self.check_data()
-        finish = _to_normalized_tensor(CIFAR10_MEAN, CIFAR10_STD)
         resize = [v2.Resize(self.image_size)] if self.image_size != 32 else []
-        train_transform = v2.Compose(
-            [v2.RandomCrop(32, padding=4), v2.RandomHorizontalFlip(), *resize, *finish]
+        augment = [v2.RandomCrop(32, padding=4), v2.RandomHorizontalFlip(), *resize]
+        self._build(
+            CIFAR10(self.root, train=True),
+            CIFAR10(self.root, train=False),
+            augment,
+            resize,
+            _to_normalized_tensor(CIFAR10_MEAN, CIFAR10_STD),
         )
-        self.train_set = SeededDataset(CIFAR10(self.root, train=True), train_transform)
-        self.val_set = SeededDataset(CIFAR10(self.root, train=False), v2.Compose([*resize, *finish]))
 
 
 class ImageFolderDataModule(_SeededDataModule):
@@ -408,6 +494,10 @@ class ImageFolderDataModule(_SeededDataModule):
         seed: Seed of the training order and augmentation.
         drop_last: Drop the last incomplete training batch.
         num_classes: Class folders in ``train/`` (checked); in_channels: 3 (RGB).
+        views: A multi-view transform for self-supervised training (lightly's ``SimCLRTransform``,
+            say, with ``normalize=None``); see the module docstring. ``None``: supervised batches.
+        bank_size: With ``views``: training images in the kNN memory bank (a fixed random subset);
+            ``None``: all of them.
     """
 
     LAYOUT = (
@@ -424,8 +514,10 @@ class ImageFolderDataModule(_SeededDataModule):
         drop_last: bool = False,
         num_classes: int = 1000,
         in_channels: int = 3,
+        views: Transform | None = None,
+        bank_size: int | None = None,
     ) -> None:
-        super().__init__(batch_size, num_workers, seed, drop_last, num_classes, in_channels)
+        super().__init__(batch_size, num_workers, seed, drop_last, num_classes, in_channels, views, bank_size)
         self._check_declared(num_classes=num_classes, in_channels=3)
         self.root = root
         self.image_size = image_size
@@ -449,24 +541,17 @@ class ImageFolderDataModule(_SeededDataModule):
         from torchvision.datasets import ImageFolder
 
         self.check_data()
-        finish = _to_normalized_tensor(IMAGENET_MEAN, IMAGENET_STD)
-        train_transform = v2.Compose(
-            [v2.RandomResizedCrop(self.image_size, antialias=True), v2.RandomHorizontalFlip(), *finish]
+        self._build(
+            ImageFolder(os.path.join(self.root, "train")),
+            ImageFolder(os.path.join(self.root, "val")),
+            [v2.RandomResizedCrop(self.image_size, antialias=True), v2.RandomHorizontalFlip()],
+            [v2.Resize(round(self.image_size / 0.875), antialias=True), v2.CenterCrop(self.image_size)],
+            _to_normalized_tensor(IMAGENET_MEAN, IMAGENET_STD),
         )
-        val_transform = v2.Compose(
-            [
-                v2.Resize(round(self.image_size / 0.875), antialias=True),
-                v2.CenterCrop(self.image_size),
-                *finish,
-            ]
-        )
-        train = ImageFolder(os.path.join(self.root, "train"))
-        self.train_set = SeededDataset(train, train_transform)
-        self.val_set = SeededDataset(ImageFolder(os.path.join(self.root, "val")), val_transform)
 
 
 class SyntheticImages(Dataset):
-    """Gaussian-noise images with random labels, each a pure function of ``(seed, index)``."""
+    """Uniform-noise images in [0, 1] with random labels, each a pure function of ``(seed, index)``."""
 
     def __init__(self, length: int, shape: tuple[int, int, int], num_classes: int, seed: int) -> None:
         self.length = length
@@ -479,7 +564,7 @@ class SyntheticImages(Dataset):
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
-        image = torch.randn(self.shape, generator=generator)
+        image = torch.rand(self.shape, generator=generator)
         return image, int(torch.randint(self.num_classes, (), generator=generator))
 
 
@@ -496,6 +581,10 @@ class SyntheticDataModule(_SeededDataModule):
         num_workers: Loader processes.
         seed: Seed of the images and the training order.
         drop_last: Drop the last incomplete training batch.
+        views: A multi-view transform for self-supervised training (lightly's ``SimCLRTransform``,
+            say, with ``normalize=None``); see the module docstring. ``None``: supervised batches.
+        bank_size: With ``views``: training images in the kNN memory bank (a fixed random subset);
+            ``None``: all of them.
     """
 
     def __init__(
@@ -509,18 +598,21 @@ class SyntheticDataModule(_SeededDataModule):
         num_workers: int = 0,
         seed: int = 0,
         drop_last: bool = False,
+        views: Transform | None = None,
+        bank_size: int | None = None,
     ) -> None:
-        super().__init__(batch_size, num_workers, seed, drop_last, num_classes, in_channels)
+        super().__init__(batch_size, num_workers, seed, drop_last, num_classes, in_channels, views, bank_size)
         self.image_size = image_size
         self.train_samples = train_samples
         self.val_samples = val_samples
 
     def setup(self, stage: str | None = None) -> None:
         shape = (self.in_channels, self.image_size, self.image_size)
-        self.train_set = SeededDataset(
-            SyntheticImages(self.train_samples, shape, self.num_classes, self.seed)
-        )
-        # A different seed stream, so validation images are not the training images.
-        self.val_set = SeededDataset(
-            SyntheticImages(self.val_samples, shape, self.num_classes, self.seed + 1)
+        # Images in [0, 1], as a view transform expects; a different seed stream for validation.
+        self._build(
+            SyntheticImages(self.train_samples, shape, self.num_classes, self.seed),
+            SyntheticImages(self.val_samples, shape, self.num_classes, self.seed + 1),
+            [],
+            [],
+            v2.Normalize([0.5] * self.in_channels, [1 / 12**0.5] * self.in_channels),
         )

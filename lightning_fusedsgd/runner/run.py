@@ -62,6 +62,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         warnings.filterwarnings(
             "ignore", message="You're resuming from a checkpoint that ended before the epoch"
         )
+        # lightly's view transforms (the SimCLR recipe) call torchvision's deprecated to_tensor per image.
+        warnings.filterwarnings("ignore", message=r"The function `to_tensor\(\.\.\.\)` is deprecated")
         trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
     return next((cb.summary for cb in callbacks if isinstance(cb, RunSummary)), {})
 

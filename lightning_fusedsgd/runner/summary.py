@@ -14,6 +14,9 @@ from lightning.pytorch.utilities import rank_zero_only
 
 __all__ = ["RunSummary"]
 
+# Shown after val_acc where logged; acc_random_init is the SimCLR kNN baseline of a random backbone.
+_MORE_FIELDS = ("val/acc_random_init", "val/acc5", "val/loss")
+
 
 class RunSummary(pl.Callback):
     """Records lr, training loss and validation accuracy per step; writes the run's results at the end.
@@ -118,17 +121,14 @@ class RunSummary(pl.Callback):
 
     def summary_line(self) -> str:
         """``summary: name=quickstart val_acc=0.9833 ...`` from the last recorded run; ``validation=none``
-        where
-        the run ended before its first validation (``trainer.max_steps`` short of an epoch, say)."""
+        where the run ended before its first validation (``trainer.max_steps`` short of an epoch, say)."""
         metrics = self.summary["metrics"]
         if self.val_acc:
             fields = {
                 "val_acc": self.summary[self.monitor],
                 "best_val_acc": self.summary[f"best_{self.monitor}"],
             }
-            fields.update(
-                {key.replace("/", "_"): metrics[key] for key in ("val/acc5", "val/loss") if key in metrics}
-            )
+            fields.update({key.replace("/", "_"): metrics[key] for key in _MORE_FIELDS if key in metrics})
             parts = [f"{key}={value:.4f}" for key, value in fields.items()]
         else:
             parts = ["validation=none"]
