@@ -1,7 +1,9 @@
 """Step time of FusedSGD against torch.optim.SGD (foreach, fused) and the data-movement floor.
 
 Case (e) clips by global norm: FusedSGD(max_grad_norm=...) against its own plain step and against
-``torch.nn.utils.clip_grad_norm_(foreach=True)`` followed by torch's fused SGD.
+``torch.nn.utils.clip_grad_norm_(foreach=True)`` followed by torch's fused SGD. Case (f) steps bf16 params
+without master weights: rounded to nearest or stochastically (``update_rounding``), against our step with
+master weights and torch's fused bf16 step, with each one's optimizer state per parameter.
 
 Usage: ``python bench/step.py [--repeats N] [--quick]``. Prints a markdown table and writes
 ``bench/results/step.json``. The floor is a kernel in our extension with the same reads and writes as
@@ -49,6 +51,37 @@ def contenders(params: list[torch.Tensor], master_weights: bool) -> dict[str, ob
     }
 
 
+def state_bytes_per_param(optimizer: torch.optim.Optimizer) -> float:
+    """Optimizer state (momentum buffers, masters) in bytes per parameter element, measured."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state = [t for p in params for t in optimizer.state[p].values() if isinstance(t, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in state) / sum(p.numel() for p in params)
+
+
+def rounding_contenders(params: list[torch.Tensor]) -> tuple[dict[str, object], dict[str, float]]:
+    """(f): bf16 params without master weights, rounded to nearest or stochastically, against our step with
+    master weights, torch's steps (which round to nearest) and the floor of a pure bf16 step (10 bytes per
+    parameter); and each one's optimizer state per parameter."""
+    steps = contenders(params, master_weights=False)
+    stochastic = FusedSGD(clone_params(params), backend="compiled", update_rounding="stochastic", **HPARAMS)
+    masters = FusedSGD(clone_params(params), backend="compiled", master_weights=True, **HPARAMS)
+    fused_torch = torch.optim.SGD(clone_params(params), fused=True, **HPARAMS)
+    for optimizer in (stochastic, masters, fused_torch):
+        optimizer.step()  # state created outside the timed steps
+    state = {
+        "FusedSGD stochastic": state_bytes_per_param(stochastic),
+        "FusedSGD + masters": state_bytes_per_param(masters),
+        "torch fused": state_bytes_per_param(fused_torch),
+    }
+    return {
+        "FusedSGD stochastic": stochastic.step,
+        "FusedSGD": steps["FusedSGD"],
+        "FusedSGD + masters": masters.step,
+        "torch fused": fused_torch.step,
+        "floor": steps["floor"],
+    }, state
+
+
 MAX_GRAD_NORM = 1.0
 
 
@@ -85,11 +118,18 @@ def main() -> None:
         ("(c) 2,000 tensors x 4,096, fp32", [torch.Size([4096])] * 2000, torch.float32, False),
         ("(d) ResNet-50, bf16 + fp32 master weights", rn50, torch.bfloat16, True),
         (f"(e) ResNet-50, fp32, max_grad_norm={MAX_GRAD_NORM:g}", rn50, torch.float32, False),
+        ("(f) ResNet-50, bf16, no master weights", rn50, torch.bfloat16, False),
     ]
     rows = []
+    state_bytes = {}
     for name, shapes, dtype, master in cases:
         params = make_params(shapes, dtype)
-        steps = clipping_contenders(params) if name.startswith("(e)") else contenders(params, master)
+        if name.startswith("(e)"):
+            steps = clipping_contenders(params)
+        elif name.startswith("(f)"):
+            steps, state_bytes = rounding_contenders(params)
+        else:
+            steps = contenders(params, master)
         if master:  # (d) is compared with (a)'s fp32 step in the same interleaved loop: the machine drifts
             fp32 = FusedSGD(make_params(shapes, torch.float32), backend="compiled", **HPARAMS)
             steps["FusedSGD fp32 (a)"] = fp32.step
@@ -102,10 +142,18 @@ def main() -> None:
     title = (
         f"Step time, median of {repeats} (momentum 0.9, Nesterov, wd 1e-4; {torch.get_num_threads()} threads)"
     )
-    print_table(title, rows[:-1], "floor")
-    print_table(f"Norm clipping: {title}", rows[-1:], "floor")
+    print_table(title, rows[:4], "floor")
+    print_table(f"Norm clipping: {title}", rows[4:5], "floor")
+    print_table(f"bf16 without master weights: {title}", rows[5:], "floor")
     print(f"\n(d) bf16 + master weights / fp32 FusedSGD step on (a)'s shapes: {bf16_over_fp32:.2f}")
-    clip = rows[-1][1]
+    bf16 = rows[5][1]
+    print(
+        f"(f) stochastic / nearest: {bf16['FusedSGD stochastic'] / bf16['FusedSGD']:.2f}; "
+        f"with master weights / stochastic: {bf16['FusedSGD + masters'] / bf16['FusedSGD stochastic']:.2f}; "
+        "optimizer state, bytes per parameter: "
+        + ", ".join(f"{name} {size:g}" for name, size in state_bytes.items())
+    )
+    clip = rows[4][1]
     ours = clip["FusedSGD clipped"]
     print(
         f"(e) clipped / plain FusedSGD: {ours / clip['FusedSGD']:.2f}; "
@@ -119,6 +167,7 @@ def main() -> None:
             "cases": {n: t for n, t in rows},
             "bf16_master_over_fp32": bf16_over_fp32,
             "max_grad_norm": MAX_GRAD_NORM,
+            "state_bytes_per_param": state_bytes,
         },
     )
     print(f"wrote {path}")

@@ -68,9 +68,8 @@ def _bars(path: Path, title: str, labels: list[str], series: dict[str, list[floa
 
 def step_section(result: dict[str, Any]) -> str:
     cases = result["cases"]
-    plain = {
-        case: times for case, times in cases.items() if "floor" in times and "FusedSGD clipped" not in times
-    }
+    special = ("FusedSGD clipped", "FusedSGD stochastic")  # (e) and (f), shown after the table
+    plain = {case: t for case, t in cases.items() if "floor" in t and not any(name in t for name in special)}
     rows = [
         [
             case,
@@ -98,12 +97,9 @@ def step_section(result: dict[str, Any]) -> str:
         "## The optimizer step on the CPU",
         "",
         "`bench/step.py`: momentum 0.9, Nesterov, weight decay 1e-4, the median of interleaved steps of "
-        "every "
-        "contender. The **floor** is a kernel built beside ours with the same reads and writes as a "
-        "momentum step "
-        "and no arithmetic, over the same tensors and work list: 20 bytes per fp32 parameter. Times vary "
-        "between "
-        "runs on a shared machine; the ratios within one run are what carries over.",
+        "every contender. The **floor** is a kernel built beside ours with the same reads and writes as a "
+        "momentum step and no arithmetic, over the same tensors and work list: 20 bytes per fp32 parameter. "
+        "Times vary between runs on a shared machine; the ratios within one run are what carries over.",
         "",
         _table(
             [
@@ -125,8 +121,7 @@ def step_section(result: dict[str, Any]) -> str:
     if clipped is not None:
         text += [
             f"Norm clipping on ResNet-50 (`max_grad_norm={result.get('max_grad_norm', 1.0)}`): the clipped "
-            "step "
-            f"takes {_ms(clipped['FusedSGD clipped'])}, "
+            f"step takes {_ms(clipped['FusedSGD clipped'])}, "
             f"{clipped['FusedSGD clipped'] / clipped['FusedSGD']:.2f}x the plain one (one more read of the "
             f"gradients); `clip_grad_norm_(foreach=True)` and torch's fused step take "
             f"{_ms(clipped['torch clip_grad_norm_ + fused'])}, "
@@ -137,8 +132,42 @@ def step_section(result: dict[str, Any]) -> str:
         text += [
             "bf16 params with fp32 master weights: "
             f"{result['bf16_master_over_fp32']:.2f}x the fp32 step (22 bytes moved per parameter against "
-            "20). "
-            "torch's fused bf16 step keeps bf16 momentum and no fp32 copy: it moves 10.",
+            "20). torch's fused bf16 step keeps bf16 momentum and no fp32 copy: it moves 10.",
+            "",
+        ]
+    rounding = next((t for t in cases.values() if "FusedSGD stochastic" in t), None)
+    if rounding is not None:
+        state = result.get("state_bytes_per_param", {})
+        names = ("FusedSGD stochastic", "FusedSGD", "FusedSGD + masters", "torch fused")
+        labels = {
+            "FusedSGD stochastic": 'FusedSGD, `update_rounding="stochastic"`',
+            "FusedSGD": "FusedSGD, rounded to nearest",
+            "FusedSGD + masters": "FusedSGD, `master_weights=True`",
+            "torch fused": "torch fused (rounded to nearest)",
+        }
+        state["FusedSGD"] = state.get("torch fused")  # the same bf16 buffer
+        text += [
+            "### bf16 without master weights",
+            "",
+            "ResNet-50's shapes in bf16; the floor of a pure bf16 momentum step moves 10 bytes per "
+            "parameter.",
+            "",
+            _table(
+                ["step", "time", "/ floor", "optimizer state, bytes per parameter"],
+                [
+                    [
+                        labels[name],
+                        _ms(rounding[name]),
+                        f"{rounding[name] / rounding['floor']:.2f}",
+                        f"{state[name]:g}" if state.get(name) is not None else "",
+                    ]
+                    for name in names
+                ],
+            ),
+            "",
+            f"Stochastic rounding costs {rounding['FusedSGD stochastic'] / rounding['FusedSGD']:.2f}x the "
+            f"step rounded to nearest; the step with master weights takes "
+            f"{rounding['FusedSGD + masters'] / rounding['FusedSGD stochastic']:.2f}x the stochastic one.",
             "",
         ]
     return "\n".join([*text, _provenance("step", result), ""])

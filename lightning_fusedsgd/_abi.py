@@ -29,6 +29,7 @@ __all__ = [
     "LARS_SUMS",
     "LARS_ZERO_NORMS",
     "SCHEDULE_HEADER",
+    "UPDATE_ROUNDINGS",
     "Column",
     "encode_groups",
 ]
@@ -61,6 +62,15 @@ LARS_DENOMINATORS = ("grad_plus_decay", "decayed_grad")
 
 LARS_ZERO_NORMS = ("unit_ratio", "plain_grad")
 """What LARS does where a norm is 0: a ratio of 1 with the decay applied, or the plain gradient."""
+
+
+UPDATE_ROUNDINGS = ("nearest", "stochastic")
+"""How a bf16 param without master weights takes its update: rounded to nearest, or stochastically."""
+
+
+def _seed(value: Any) -> str | None:
+    ok = isinstance(value, numbers.Integral) and not isinstance(value, bool) and 0 <= value < 2**53
+    return None if ok else "It must be an int in [0, 2**53)."
 
 
 def _one_of(choices: tuple[str, ...]) -> Callable[[Any], str | None]:
@@ -109,6 +119,14 @@ HPARAMS: tuple[Column, ...] = (
     Column(
         "lars_zero_plain_grad", "lars_zero_norm", lambda v: _flag(v == "plain_grad"), _one_of(LARS_ZERO_NORMS)
     ),
+    Column(
+        "stochastic_rounding",
+        "update_rounding",
+        lambda v: _flag(v == "stochastic"),
+        _one_of(UPDATE_ROUNDINGS),
+    ),
+    Column("rounding_seed", "rounding_seed", check=_seed),
+    Column("rounding_step", "rounding_step", check=_seed),  # the group's steps so far: part of the key
 )
 """The table's columns, in the kernel's order."""
 

@@ -153,11 +153,11 @@ def _with_grad(optimizer: FusedSGD, *params: torch.Tensor) -> FusedSGD:
     return optimizer
 
 
-def _sparse(**hparams: Any) -> Callable[[], Scenario]:
+def _sparse(dtype: torch.dtype = torch.float32, **hparams: Any) -> Callable[[], Scenario]:
     def scenario() -> Scenario:
-        model = nn.ModuleDict({"proj": nn.Linear(4, 4), "emb": nn.Embedding(10, 4, sparse=True)})
+        model = nn.ModuleDict({"proj": nn.Linear(4, 4), "emb": nn.Embedding(10, 4, sparse=True)}).to(dtype)
         optimizer = FusedSGD(model.named_parameters(), lr=0.1, momentum=0.9, **hparams)
-        model["proj"].weight.grad = torch.ones(4, 4)
+        model["proj"].weight.grad = torch.ones(4, 4, dtype=dtype)
         model["emb"](torch.tensor([1, 2])).sum().backward()
         return Scenario(optimizer, list(model.parameters()), optimizer.step)
 
@@ -215,6 +215,12 @@ def _norm_clip_per_group() -> Scenario:
     return Scenario(optimizer, params, optimizer.step)
 
 
+def _fp16_rounded_stochastically() -> Scenario:
+    params = make_params([(5,), (3,)], dtype=torch.float16)
+    optimizer = FusedSGD(params, lr=0.1, momentum=0.9, update_rounding="stochastic")
+    return Scenario(optimizer, params, _with_grad(optimizer, *params).step)
+
+
 def _set(key: str, value: Any) -> Callable[[FusedSGD], None]:
     return lambda optimizer: optimizer.param_groups[0].__setitem__(key, value)
 
@@ -224,6 +230,25 @@ def _set_state(index: int, value: Any) -> Callable[[dict], None]:
 
 
 REFUSALS = [
+    Refusal(
+        "fp16-without-masters-rounded-stochastically",
+        _fp16_rounded_stochastically,
+        ValueError,
+        r"update_rounding='stochastic' rounds updates to bfloat16, and .* is float16 without master weights: "
+        "set master_weights=True",
+    ),
+    Refusal(
+        "group-edited-to-kahan-rounding",
+        lambda: _step_refusal(make_params([(5,), (3,)]), _set("update_rounding", "kahan")),
+        ValueError,
+        r"param_groups\[0\]: Invalid update_rounding: 'kahan'. Choose one of \('nearest', 'stochastic'\)",
+    ),
+    Refusal(
+        "sparse-grad-of-bf16-rounded-stochastically",
+        _sparse(update_rounding="stochastic", dtype=torch.bfloat16),
+        RuntimeError,
+        "without update_rounding='stochastic'",
+    ),
     Refusal(
         "group-edited-to-an-unknown-denominator",
         lambda: _step_refusal(make_params([(5,), (3,)]), _set("lars_denominator", "decayed")),
@@ -331,5 +356,9 @@ CONSTRUCTION_REFUSALS = [
     (dict(max_grad_value="1"), "Invalid max_grad_value: '1'"),
     (dict(max_grad_norm=1.0, max_grad_value=0.1), "max_grad_norm and max_grad_value are alternatives"),
     (dict(backend="cuda_magic"), "Unknown backend"),
+    (dict(update_rounding="up"), r"Invalid update_rounding: 'up'. Choose one of"),
+    (dict(rounding_seed=-1), r"Invalid rounding_seed: -1. It must be an int in \[0, 2\*\*53\)"),
+    (dict(rounding_seed=0.5), "Invalid rounding_seed: 0.5"),
+    (dict(update_rounding="stochastic", capturable=True), "use capturable=False"),
 ]
 """FusedSGD's arguments it refuses at construction: (kwargs, what the message says)."""

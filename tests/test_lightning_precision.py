@@ -54,6 +54,27 @@ def test_bf16_true_uses_fp32_master_weights():
         assert torch.equal(param, state["master_param"].to(torch.bfloat16))
 
 
+def test_bf16_true_with_stochastic_rounding_keeps_no_masters():
+    """optim.update_rounding=stochastic under bf16-true: the factory leaves master weights off (they would
+    make the option a no-op), the buffers stay bf16, and the run matches FusedSGD's reference backend stepping
+    the same batches, bit for bit."""
+    runs = []
+    for backend in ("compiled", "torch"):
+        torch.manual_seed(0)
+        module = TinyClassifier(schedule=CONSTANT, lr=1.0, update_rounding="stochastic", backend=backend)
+        trainer = cpu_trainer(max_steps=3, precision="bf16-true")
+        trainer.fit(module)
+        optimizer = trainer.optimizers[0]
+        assert not any(group["master_weights"] for group in optimizer.param_groups)
+        assert all(group["update_rounding"] == "stochastic" for group in optimizer.param_groups)
+        assert all(group["rounding_step"] == 3 for group in optimizer.param_groups)
+        for param in module.parameters():
+            assert param.dtype == torch.bfloat16 and set(optimizer.state[param]) == {"momentum_buffer"}
+            assert optimizer.state[param]["momentum_buffer"].dtype == torch.bfloat16
+        runs.append([p.detach().clone() for p in module.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+
+
 def _fp16_trainer(**kwargs):
     # Trainer(precision="16-mixed") on CPU is switched to bf16-mixed by Lightning; the plugin keeps
     # float16 autocast and its GradScaler, so FusedSGD's in-kernel unscaling is exercised.

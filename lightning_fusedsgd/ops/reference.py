@@ -1,7 +1,8 @@
 """The ops in plain PyTorch: the oracle in tests and the fallback where nothing compiles.
 
 ``clip_coef``, ``make_coeffs``, ``clipped_grad``, ``sgd_element``, ``lars_norm_term``, ``trust_ratio``,
-``lars_adapts``, ``lars_trust``, ``apply_lars``, ``clipped_term_sq_sum`` and ``synced_master`` mirror
+``lars_adapts``, ``lars_trust``, ``apply_lars``, ``clipped_term_sq_sum``, ``synced_master``, ``mix32``,
+``rounding_key``, ``element_random_bits`` and ``stochastic_bf16`` mirror
 ``csrc/sgd_math.h`` function for function, with ATen's ops where the kernel rounds as they do (``x.add(y,
 alpha=a)`` is the kernel's ``mul_add``); ``sgd_step``, ``grad_sq_sum``, ``lars_sq_sums`` and ``schedule_lrs``
 implement the contract documented with the ops' schemas in ``ops/__init__.py``, so either implementation can
@@ -219,9 +220,60 @@ def sgd_step(
         w_new, b_new = sgd_element(w, g, None if b is None or coeffs.first else b.to(opmath), coeffs)
         if master is not None:
             master.copy_(w_new)
+        if h["stochastic_rounding"] and param.dtype == torch.bfloat16 and master is None:
+            w_new = stochastic_bf16(w_new, element_random_bits(rounding_key(h, i, _WEIGHT_STREAM), param))
+            if b is not None:
+                b_new = stochastic_bf16(b_new, element_random_bits(rounding_key(h, i, _BUFFER_STREAM), b))
         param.copy_(w_new)
         if b is not None:
             b.copy_(b_new)
+
+
+_MASK32 = 0xFFFFFFFF
+_WEIGHT_STREAM, _BUFFER_STREAM = 0, 1  # kWeightStream, kBufferStream in sgd_math.h
+
+
+def _mul32(x: Tensor | int, constant: int) -> Tensor | int:
+    """``x * constant`` modulo 2^32 (uint32 arithmetic) for an int, or for an int64 tensor of uint32 values
+    without overflowing int64."""
+    if isinstance(x, int):
+        return (x * constant) & _MASK32
+    return (x * (constant & 0xFFFF) + ((x * (constant >> 16)) & 0xFFFF) * 65536) & _MASK32
+
+
+def mix32(x: Tensor | int) -> Tensor | int:
+    """murmur3's 32-bit finalizer (``mix32`` in sgd_math.h)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = _mul32(x, 0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def rounding_key(h: dict[str, float], tensor: int, stream: int) -> int:
+    """The key of one tensor's random stream at this step (``rounding_key`` in sgd_math.h)."""
+    seed, step = int(h["rounding_seed"]), int(h["rounding_step"])
+    key = mix32((seed & _MASK32) ^ 0x9E3779B9)
+    for word in (seed >> 32, step & _MASK32, step >> 32, tensor & _MASK32, stream):
+        key = mix32(key ^ word)
+    return key
+
+
+def element_random_bits(key: int, param: Tensor) -> Tensor:
+    """32 random bits per element of a dense ``param``, element i of its memory order taking index i
+    (``element_random_bits`` in sgd_math.h); shaped and strided as ``param``, int64."""
+    index = torch.arange(param.numel(), dtype=torch.int64, device=param.device)
+    bits = mix32((mix32((index & _MASK32) ^ key) + (index >> 32)) & _MASK32)
+    return bits.as_strided(param.shape, param.stride())
+
+
+def stochastic_bf16(value: Tensor, random: Tensor) -> Tensor:
+    """fp32 ``value`` rounded to bf16 with 32 random bits per element (``stochastic_bf16_bits`` in
+    sgd_math.h): rounded up with probability (dropped bits) / 2^16, so unbiased."""
+    bits = value.view(torch.int32).to(torch.int64) & _MASK32
+    nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    rounded = torch.where(nan, 0x7FC0, (bits + (random >> 16)) >> 16)
+    return (rounded - (rounded >= 0x8000).long() * 0x10000).to(torch.int16).view(torch.bfloat16)
 
 
 def grad_sq_sum(grads: list[Tensor]) -> Tensor:

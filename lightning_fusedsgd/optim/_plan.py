@@ -144,7 +144,15 @@ def _check_steppable(param: Tensor, place: _Place) -> None:
             "(float32, float64, bfloat16, float16) or complex64/complex128; convert it, or leave it out of "
             "the optimizer."
         )
-    if param.is_complex() and place[0]["max_grad_value"] is not None:
+    group = place[0]
+    if group["update_rounding"] != "nearest" and param.dtype == torch.float16 and not group["master_weights"]:
+        label = param_label(*place, param)
+        raise ValueError(
+            f"update_rounding={group['update_rounding']!r} rounds updates to bfloat16, and {label} is "
+            "float16 without master weights: set master_weights=True for it, make it bfloat16, or put it in "
+            "a group with update_rounding='nearest'."
+        )
+    if param.is_complex() and group["max_grad_value"] is not None:
         label = param_label(*place, param)
         raise ValueError(
             f"max_grad_value clips each gradient element, and {label} is complex ({param.dtype}), which "
@@ -177,6 +185,8 @@ def _check_sparse_steppable(param: Tensor, place: _Place) -> None:
     options = [name for name in _FUSED_ONLY if group[name] not in (None, False)]
     if group["master_weights"] and param.dtype in LOW_PRECISION:
         options.append("master_weights")
+    if group["update_rounding"] != "nearest" and param.dtype == torch.bfloat16:
+        options.append(f"update_rounding={group['update_rounding']!r}")
     if group["weight_decay"] != 0:
         label = param_label(*place, param)
         raise RuntimeError(

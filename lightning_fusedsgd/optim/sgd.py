@@ -54,7 +54,8 @@ class FusedSGD(Optimizer):
             (``load_state_dict``, ``p.data.copy_``, EMA swaps) no longer holds its copy's rounding: the
             kernel then takes the param's value as the copy, element by element.
         set_grad_none: Default of ``zero_grad(set_to_none=...)``.
-        backend: ``"auto"``, ``"compiled"``, ``"torch"`` or ``"torch_fused"`` (see ``kernels``).
+        backend: ``"auto"`` (the compiled kernel, or the reference where it cannot be built), ``"compiled"``
+            or ``"torch"`` (the reference implementation in plain PyTorch).
         lars: Apply the LARS trust ratio (a per-group key too: ``param_groups`` sets ``lars=False`` on the
             groups it excludes, and this argument decides for the others).
         trust_coefficient: LARS eta.
@@ -74,6 +75,16 @@ class FusedSGD(Optimizer):
             The same for every group.
         max_grad_value: Clip each unscaled gradient element to ``[-max_grad_value, max_grad_value]``, as
             ``torch.nn.utils.clip_grad_value_`` does (per group; an alternative to ``max_grad_norm``).
+        update_rounding: How bf16 params without master weights take their update (computed in fp32):
+            ``"nearest"`` rounds it to nearest, as torch does, and an update below half a bf16 ulp of the
+            weight is lost; ``"stochastic"`` rounds up with probability (the dropped bits) / 2^16, so the
+            weight moves by the update on average (Zamirai et al. 2020, arXiv:2010.06192), and rounds the
+            bf16 momentum buffer the same way. The random bits are a pure function of ``rounding_seed``, the
+            group's step count, the tensor's position in the step and the element's index: the same on any
+            thread count, on CPU and CUDA, and after a resume. Other params of the group are unaffected;
+            fp16 params need master weights. Not capturable, and not under ``torch.compile``.
+        rounding_seed: The seed of stochastic rounding (an int in [0, 2**53)). Each group counts its steps
+            in ``group["rounding_step"]``, which the state dict saves.
         capturable: Keep every per-step value on the params' device, so that a step can be captured in a CUDA
             graph (``torch.cuda.graph``, ``torch.compile(mode="reduce-overhead")``) and replayed. Each group's
             lr becomes a 0-d float64 tensor on that device, a view of one ``[groups]`` tensor
@@ -115,6 +126,8 @@ class FusedSGD(Optimizer):
         lars_zero_norm: str = "unit_ratio",
         max_grad_norm: float | None = None,
         max_grad_value: float | None = None,
+        update_rounding: str = "nearest",
+        rounding_seed: int = 0,
         capturable: bool = False,
     ) -> None:
         if backend not in _backends.BACKENDS:
@@ -143,6 +156,9 @@ class FusedSGD(Optimizer):
             lars_zero_norm=lars_zero_norm,
             max_grad_norm=max_grad_norm,
             max_grad_value=max_grad_value,
+            update_rounding=update_rounding,
+            rounding_seed=rounding_seed,
+            rounding_step=0,
         )
         _hparams.check_group(defaults)
         self.set_grad_none = set_grad_none
@@ -160,6 +176,7 @@ class FusedSGD(Optimizer):
         self._lrs: Tensor | None = None
         self._lr_views: list[Tensor] = []
         super().__init__(params, defaults)
+        self._check_rounding()
         if capturable:
             self._bind_lrs()
 
@@ -249,7 +266,25 @@ class FusedSGD(Optimizer):
         values = [tuple(map(group.get, self.defaults)) for group in self.param_groups]
         if values != self._checked_hparams:
             _hparams.check_groups(self.param_groups)
+            self._check_rounding()
             self._checked_hparams = values
+
+    def _check_rounding(self) -> None:
+        """Stochastic rounding keys each step's bits by the group's step count, a host value that a captured
+        graph or a traced step would freeze."""
+        if not any(group["update_rounding"] == "stochastic" for group in self.param_groups):
+            return
+        if self.capturable:
+            raise ValueError(
+                "update_rounding='stochastic' draws new random bits each step from a count kept on the host, "
+                "which a captured CUDA graph would replay unchanged: use capturable=False, or "
+                "update_rounding='nearest' (or master_weights=True) for capturable steps."
+            )
+        if torch.compiler.is_compiling():
+            raise ValueError(
+                "update_rounding='stochastic' is not supported under torch.compile (its step count would be "
+                "traced as a constant): step the optimizer outside the compiled region."
+            )
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
         """Clears gradients; ``set_to_none`` defaults to the constructor's ``set_grad_none``."""
@@ -303,6 +338,9 @@ class FusedSGD(Optimizer):
             clip_norm=self.param_groups[0]["max_grad_norm"] is not None,
         )
         _step.run(buckets, scalars, sharded, [bool(group["lars"]) for group in self.param_groups])
+        for group in self.param_groups:
+            if group["update_rounding"] == "stochastic":
+                group["rounding_step"] += 1  # the next step draws new random bits
         # Updated in place: dynamo replays in-place dict updates of a traced step, not attribute stores.
         self.last_backends.clear()
         self.last_backends.update(names)

@@ -46,6 +46,12 @@ inline uint16_t param_bits(const P* p, int64_t i) {
   return reinterpret_cast<const uint16_t*>(p)[i];
 }
 
+inline uint32_t float_bits(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  return bits;
+}
+
 inline void store(float* p, int64_t i, float v) { p[i] = v; }
 inline void store(double* p, int64_t i, double v) { p[i] = v; }
 inline void store(c10::Half* p, int64_t i, float v) { p[i] = c10::Half(v); }
@@ -252,14 +258,26 @@ class BucketStep {
   // One chunk's elements. The switches of the momentum step (a buffer at all, the first step) become constants
   // of the loop, so the compiler sees a loop without branches and vectorizes it. `c` by value: the loop's stores
   // could alias a referenced Coeffs, which stops vectorization too.
+  // Rounding the update stochastically is a switch of bf16 buckets without masters only (the others round in
+  // fp32 or fp64, or to fp16, which the plan refuses).
+  static constexpr bool kMayRoundStochastically = std::is_same_v<P, c10::BFloat16> && !kMaster;
+
   template <bool kClipValue>
   void update_elements(const Chunk& chunk, int32_t t, const Coeffs<O> c) const {
-    if (!c.has_momentum) return update_loop<kClipValue, false, false>(chunk, t, c);
-    return c.first ? update_loop<kClipValue, true, true>(chunk, t, c)
-                   : update_loop<kClipValue, true, false>(chunk, t, c);
+    if constexpr (kMayRoundStochastically) {
+      if (groups_[tensor_group_[t]].stochastic_rounding) return update_cases<kClipValue, true>(chunk, t, c);
+    }
+    return update_cases<kClipValue, false>(chunk, t, c);
   }
 
-  template <bool kClipValue, bool kMomentum, bool kFirst>
+  template <bool kClipValue, bool kStochastic>
+  void update_cases(const Chunk& chunk, int32_t t, const Coeffs<O> c) const {
+    if (!c.has_momentum) return update_loop<kClipValue, false, false, kStochastic>(chunk, t, c);
+    return c.first ? update_loop<kClipValue, true, true, kStochastic>(chunk, t, c)
+                   : update_loop<kClipValue, true, false, kStochastic>(chunk, t, c);
+  }
+
+  template <bool kClipValue, bool kMomentum, bool kFirst, bool kStochastic>
   void update_loop(const Chunk& chunk, int32_t t, Coeffs<O> c) const {
     c.has_momentum = kMomentum;
     c.first = kFirst;
@@ -267,14 +285,24 @@ class BucketStep {
     const P* gr = g_ptr_[t];
     B* b = b_ptr_[t];
     float* m = m_ptr_[t];
+    const GroupHParams& h = groups_[tensor_group_[t]];
+    const uint32_t weight_key = kStochastic ? rounding_key(h, t, kWeightStream) : 0;
+    const uint32_t buffer_key = kStochastic ? rounding_key(h, t, kBufferStream) : 0;
 #pragma omp simd
     for (int64_t i = chunk.begin; i < chunk.end; ++i) {
       O wi = load_weight<kMaster>(w, m, i);
       O bi = kMomentum && !kFirst ? static_cast<O>(load(b, i)) : O(0);
       sgd_element<kClipValue>(wi, static_cast<O>(load(gr, i)), bi, c);
       if (kMaster) m[i] = static_cast<float>(wi);
-      store(w, i, wi);
-      if (kMomentum) store(b, i, bi);
+      if constexpr (kStochastic) {
+        reinterpret_cast<uint16_t*>(w)[i] = stochastic_bf16_bits(float_bits(wi), element_random_bits(weight_key, i));
+        if (kMomentum) {
+          reinterpret_cast<uint16_t*>(b)[i] = stochastic_bf16_bits(float_bits(bi), element_random_bits(buffer_key, i));
+        }
+      } else {
+        store(w, i, wi);
+        if (kMomentum) store(b, i, bi);
+      }
     }
   }
 

@@ -17,6 +17,7 @@
 #include <cstring>
 #include <initializer_list>
 #include <optional>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -178,6 +179,11 @@ __global__ void __launch_bounds__(kThreads)
   P* w = static_cast<P*>(t.param);
   const P* g = static_cast<const P*>(t.grad);
   B* b = static_cast<B*>(t.buffer);
+  // Stochastic rounding of the update: bf16 params without masters only (sgd_math.h).
+  constexpr bool kMayRoundStochastically = std::is_same_v<P, c10::BFloat16> && !kMaster;
+  const bool stochastic = kMayRoundStochastically && h.stochastic_rounding;
+  const uint32_t weight_key = stochastic ? rounding_key(h, chunk.tensor, kWeightStream) : 0;
+  const uint32_t buffer_key = stochastic ? rounding_key(h, chunk.tensor, kBufferStream) : 0;
   for (int64_t base = chunk.begin + threadIdx.x; base < chunk.end; base += kThreads * kUnroll) {
     O wi[kUnroll], gi[kUnroll], bi[kUnroll];
 #pragma unroll
@@ -195,8 +201,17 @@ __global__ void __launch_bounds__(kThreads)
       if (i < chunk.end) {
         sgd_element(wi[u], gi[u], bi[u], c);
         if (kMaster) t.master[i] = static_cast<float>(wi[u]);
-        w[i] = static_cast<P>(wi[u]);
-        if (has_momentum) b[i] = static_cast<B>(bi[u]);
+        if (kMayRoundStochastically && stochastic) {
+          reinterpret_cast<uint16_t*>(w)[i] =
+              stochastic_bf16_bits(__float_as_uint(wi[u]), element_random_bits(weight_key, i));
+          if (has_momentum) {
+            reinterpret_cast<uint16_t*>(b)[i] =
+                stochastic_bf16_bits(__float_as_uint(bi[u]), element_random_bits(buffer_key, i));
+          }
+        } else {
+          w[i] = static_cast<P>(wi[u]);
+          if (has_momentum) b[i] = static_cast<B>(bi[u]);
+        }
       }
     }
   }
