@@ -3,7 +3,7 @@
 PYTHON ?= python3
 PIP = $(PYTHON) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: install install-dev train test test-fast docs bench
+.PHONY: install install-dev train test test-all test-fast docs bench
 
 install:  # the library, the recipe runner, and the kernel built for this machine
 	$(PIP) -e ".[recipes,jit]"
@@ -16,7 +16,10 @@ install-dev:  # and what the tests and the docs need
 train: install
 	$(PYTHON) train.py
 
-test: install-dev  # everything, the docs build included (at most 10 minutes on 2 cores)
+test: install-dev  # what CI runs: everything but the heavy tests, the docs build included (under 10 minutes on 2 cores)
+	$(PYTHON) -m pytest -q -m "not heavy"
+
+test-all: install-dev  # and the heavy tests: the wheel build, kill-and-resume runs, bf16 on the CPU (5 minutes more)
 	$(PYTHON) -m pytest -q
 
 test-fast: install-dev  # the inner loop: everything but whole runs, subprocesses and builds (under 2 minutes)

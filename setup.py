@@ -2,11 +2,9 @@
 
 ``pip wheel --no-build-isolation .`` compiles, against the torch installed here:
 - the CPU kernel once per instruction set of ``_build.CPU_CAPABILITIES`` (x86-64; baseline only elsewhere),
-each
-  a whole library, ``lightning_fusedsgd/ops/_lib/cpu_<capability>``;
+  each a whole library, ``lightning_fusedsgd/ops/_lib/cpu_<capability>``;
 - the CUDA kernel, ``ops/_lib/cuda``, where torch has CUDA and a CUDA toolkit is found (the one the nvcc on
-PATH
-  belongs to, also behind a wrapper script, or ``CUDA_HOME``), for ``TORCH_CUDA_ARCH_LIST`` (default
+  PATH belongs to, also behind a wrapper script, or ``CUDA_HOME``), for ``TORCH_CUDA_ARCH_LIST`` (default
   ``_build.DEFAULT_CUDA_ARCH_LIST``); where none is found, the wheel has the CPU kernels and one line says
   why. ``LIGHTNING_FUSEDSGD_BUILD_CUDA=0`` leaves CUDA out, ``=1`` makes a missing toolkit an error;
 and records in ``ops/_lib/build.json`` the torch version and each library's path, size and SHA-256, which the
@@ -107,8 +105,7 @@ def extensions() -> list[Extension]:
 
 class BuildKernels(cpp_extension.BuildExtension if torch is not None else build_ext):
     """Compiles the wheel's kernels, the extensions in parallel, and writes ops/_lib/build.json; builds
-    nothing
-    for editable and in-place builds."""
+    nothing for editable and in-place builds."""
 
     def run(self) -> None:
         if self.editable_mode or self.inplace:

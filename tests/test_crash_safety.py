@@ -31,7 +31,8 @@ from lightning_helpers import (
 from lightning_fusedsgd.checkpoint import read_checkpoint_file
 
 pytestmark = [
-    pytest.mark.slow,  # several processes: make test runs them, make test-fast not
+    pytest.mark.slow,
+    pytest.mark.heavy,  # four train.py processes, over a minute: make test-all runs it
     pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the harness reads /proc/self/fd"),
 ]
 

@@ -9,6 +9,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning_helpers import TinyClassifier, cpu_trainer
+from lightning_utilities.core import rank_zero as lightning_utilities_rank_zero
 
 from lightning_fusedsgd.lightning import ConfigError, Schedule, configure_fused_sgd, factory
 from lightning_fusedsgd.optim import FusedSGD
@@ -27,11 +28,13 @@ class LrRecorder(pl.Callback):
 
 @pytest.fixture
 def factory_log():
-    """The factory's log line (Lightning's rank-zero logger may not propagate to the root logger)."""
+    """The factory's log line (Lightning's rank-zero logger may not propagate to the root logger). The logger
+    is whichever lightning_utilities' rank_zero_info writes to: importing the standalone pytorch_lightning
+    package (lightly does) switches it from lightning.pytorch's to its own."""
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = records.append
-    logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    logger = lightning_utilities_rank_zero.log
     logger.addHandler(handler)
     yield records
     logger.removeHandler(handler)

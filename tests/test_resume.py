@@ -44,6 +44,7 @@ VARIANTS = {
     "lars": (["optim=fused_lars"], STEPS_PER_EPOCH),
     "bf16_true": (["trainer.precision=bf16-true", "data.image_size=8", "trainer.limit_train_batches=1"], 1),
 }
+HEAVY = {"bf16_true"}  # a minute of bf16 convolutions on a CPU without native bf16: make test-all
 
 
 def run(run_dir: Path, *overrides: str) -> dict[str, Any]:
@@ -65,7 +66,9 @@ def straight(tmp_path_factory: pytest.TempPathFactory):
     return get
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize(
+    "variant", [pytest.param(v, marks=[pytest.mark.heavy] if v in HEAVY else []) for v in VARIANTS]
+)
 def test_two_then_four_epochs_equals_four_epochs(variant: str, straight, tmp_path: Path) -> None:
     overrides, steps_per_epoch = VARIANTS[variant]
     expected = straight(variant)

@@ -19,7 +19,8 @@ import torch
 from lightning_fusedsgd import ops
 from lightning_fusedsgd.ops import _build
 
-pytestmark = pytest.mark.slow  # builds a wheel: make test runs it, make test-fast not
+# Builds a wheel (two minutes on 2 cores): make test-all runs it, make test and make test-fast not.
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOLS = ("gcc", "g++", "cc", "c++", "clang", "clang++", "nvcc", "ninja")

@@ -57,12 +57,11 @@ Arguments:
         are unscaled in the kernel, and a step with found_inf != 0 changes nothing.
     grad_sq_sum: one-element float64 on the params' device, the sum of squares of every gradient the optimizer
         steps (``grad_sq_sum`` over all its buckets); needed where a group has ``max_grad_norm``.
-    lars_sq_sums: float64 [n, LARS_SUMS] on the params' device (``lars_sq_sums``, all-reduced over the shards
-    of
-        sharded params), or None: the trust ratios are taken from it instead of the kernel's own norm pass.
+    lars_sq_sums: float64 [n, LARS_SUMS] on the params' device (``lars_sq_sums``, all-reduced over the
+        shards of sharded params), or None: the trust ratios are taken from it instead of the kernel's own
+        norm pass.
     lrs: float64 [groups] on the params' device, or None: each group's lr, read there instead of the table's
-    lr
-        column (NaN then): capturable steps, and tensor lrs under torch.compile.
+        lr column (NaN then): capturable steps, and tensor lrs under torch.compile.
 """
 
 _LIBRARY.define("grad_sq_sum(Tensor[] grads) -> Tensor")

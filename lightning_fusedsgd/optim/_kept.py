@@ -7,11 +7,10 @@ clipping), the same state mapping (keys and per-param dicts by identity, in orde
 (by identity); then, per kind of plan, that grads and params are laid out as recorded:
 
 * :class:`KeptSteps`: the bucket arguments held in C++ (``torch.classes.lightning_fusedsgd.CachedStep``),
-whose
-  ``gather()`` checks layouts and collects this step's grads, so a step converts no tensor lists from Python;
+  whose ``gather()`` checks layouts and collects this step's grads, so a step converts no tensor lists from
+  Python;
 * :class:`KeptShardedPlan`: a plan of DTensor params (whose local shards the C++ class cannot take), checked
-in
-  Python, with this step's local gradient shards put into its buckets.
+  in Python, with this step's local gradient shards put into its buckets.
 
 Either gives the buckets that the one step path (``_step.run``) runs, or None where the plan no longer holds,
 in which case nothing changed and the step plans anew."""
@@ -173,8 +172,7 @@ def _same_layout(tensor: Tensor, recorded: Tensor) -> bool:
 @dataclass
 class KeptShardedPlan:
     """A plan of DTensor params, kept in Python: whether each param had a grad, the stepped params' local
-    shards
-    as recorded, and each bucket's tensors as positions among the stepped params."""
+    shards as recorded, and each bucket's tensors as positions among the stepped params."""
 
     record: _Record
     plan: Plan

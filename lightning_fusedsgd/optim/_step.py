@@ -88,8 +88,7 @@ class PlannedBucket:
 @dataclass
 class Scalars:
     """A step's inputs besides the buckets: the hyperparameter table, GradScaler's two tensors, the lrs read
-    on
-    the device (or None), and whether a group clips by global norm."""
+    on the device (or None), and whether a group clips by global norm."""
 
     table: Tensor
     grad_scale: Tensor | None
@@ -138,8 +137,7 @@ def _global_norm_sums(
     buckets: Sequence[PlannedBucket], scalars: Scalars, lars_groups: Sequence[bool]
 ) -> tuple[dict[BucketKey, Tensor], Tensor | None]:
     """The sums of squares a sharded step needs, made global: each bucket's ``lars_sq_sums`` (where it has
-    LARS
-    tensors) and, under norm clipping, the sum of squares of every stepped gradient.
+    LARS tensors) and, under norm clipping, the sum of squares of every stepped gradient.
 
     One kernel call per bucket produces the local partial sums; the rows and gradient sums of the tensors
     split over one process group travel in one vector and one ``all_reduce`` (SUM), so a step costs one

@@ -373,8 +373,7 @@ class FusedSGD(Optimizer):
 
     def _finish(self, plan: Plan, grad_scale: Tensor | None, tracing: bool, compiled: bool) -> None:
         """What a new plan does after its buckets ran: sparse gradients, params updated through a copy, the
-        new
-        state; and the plan kept for the next steps where it can be."""
+        new state; and the plan kept for the next steps where it can be."""
         if plan.sparse:
             self._step_sparse(plan.sparse, grad_scale)
         for param, dense in plan.staged:
@@ -427,9 +426,8 @@ class FusedSGD(Optimizer):
 
     def schedule_lrs(self, position: Tensor, schedule: Tensor, peaks: Tensor, advance: bool) -> None:
         """Runs the ``schedule_lrs`` op on this capturable optimizer's lrs (``WarmupLR``'s device schedule):
-        after
-        an applied step (``last_step_applied``, read on the device) the position advances and every lr becomes
-        f(position) of its group's peak."""
+        after an applied step (``last_step_applied``, read on the device) the position advances and every lr
+        becomes f(position) of its group's peak."""
         lrs = self.lr_tensor()
         ops = _backends.implementation(self.backend, lrs.device)[1]
         applied = self.last_step_applied
