@@ -34,12 +34,14 @@ inline float load(const c10::BFloat16* p, int64_t i) {
   return value;
 }
 
-// The bits of v rounded to bf16, and the bits a 16-bit param element holds.
+// The bits of v rounded to bf16, and the bits a 16-bit param element holds. Integer operations only (the NaN
+// test too): a float comparison in the loop keeps the compiler from vectorizing the bf16 loops.
 inline uint16_t rounded_bits(float v) {
   uint32_t bits;
   std::memcpy(&bits, &v, sizeof(bits));
   const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-  return static_cast<uint16_t>(v != v ? 0x7FC0u : rounded);
+  const bool nan = (bits & 0x7FFFFFFFu) > 0x7F800000u;
+  return static_cast<uint16_t>(nan ? 0x7FC0u : rounded);
 }
 template <typename P>
 inline uint16_t param_bits(const P* p, int64_t i) {
@@ -270,17 +272,24 @@ class BucketStep {
     return update_cases<kClipValue, false>(chunk, t, c);
   }
 
+  // Nesterov is a constant of the loop too: GCC does not vectorize a select on a bool loaded from memory in the
+  // bf16 loops.
   template <bool kClipValue, bool kStochastic>
   void update_cases(const Chunk& chunk, int32_t t, const Coeffs<O> c) const {
-    if (!c.has_momentum) return update_loop<kClipValue, false, false, kStochastic>(chunk, t, c);
-    return c.first ? update_loop<kClipValue, true, true, kStochastic>(chunk, t, c)
-                   : update_loop<kClipValue, true, false, kStochastic>(chunk, t, c);
+    if (!c.has_momentum) return update_loop<kClipValue, false, false, false, kStochastic>(chunk, t, c);
+    if (c.nesterov) {
+      return c.first ? update_loop<kClipValue, true, true, true, kStochastic>(chunk, t, c)
+                     : update_loop<kClipValue, true, false, true, kStochastic>(chunk, t, c);
+    }
+    return c.first ? update_loop<kClipValue, true, true, false, kStochastic>(chunk, t, c)
+                   : update_loop<kClipValue, true, false, false, kStochastic>(chunk, t, c);
   }
 
-  template <bool kClipValue, bool kMomentum, bool kFirst, bool kStochastic>
+  template <bool kClipValue, bool kMomentum, bool kFirst, bool kNesterov, bool kStochastic>
   void update_loop(const Chunk& chunk, int32_t t, Coeffs<O> c) const {
     c.has_momentum = kMomentum;
     c.first = kFirst;
+    c.nesterov = kNesterov;
     P* w = w_ptr_[t];
     const P* gr = g_ptr_[t];
     B* b = b_ptr_[t];
