@@ -221,16 +221,16 @@ def sgd_step(
         if master is not None:
             master.copy_(w_new)
         if h["stochastic_rounding"] and param.dtype == torch.bfloat16 and master is None:
-            w_new = stochastic_bf16(w_new, element_random_bits(rounding_key(h, i, _WEIGHT_STREAM), param))
+            random = element_random_bits(rounding_key(h, i), param)
+            w_new = stochastic_bf16(w_new, random >> 16)
             if b is not None:
-                b_new = stochastic_bf16(b_new, element_random_bits(rounding_key(h, i, _BUFFER_STREAM), b))
+                b_new = stochastic_bf16(b_new, random & 0xFFFF)  # the buffer has the param's layout
         param.copy_(w_new)
         if b is not None:
             b.copy_(b_new)
 
 
 _MASK32 = 0xFFFFFFFF
-_WEIGHT_STREAM, _BUFFER_STREAM = 0, 1  # kWeightStream, kBufferStream in sgd_math.h
 
 
 def _mul32(x: Tensor | int, constant: int) -> Tensor | int:
@@ -250,11 +250,11 @@ def mix32(x: Tensor | int) -> Tensor | int:
     return x ^ (x >> 16)
 
 
-def rounding_key(h: dict[str, float], tensor: int, stream: int) -> int:
-    """The key of one tensor's random stream at this step (``rounding_key`` in sgd_math.h)."""
+def rounding_key(h: dict[str, float], tensor: int) -> int:
+    """The key of one tensor's draws at this step (``rounding_key`` in sgd_math.h)."""
     seed, step = int(h["rounding_seed"]), int(h["rounding_step"])
     key = mix32((seed & _MASK32) ^ 0x9E3779B9)
-    for word in (seed >> 32, step & _MASK32, step >> 32, tensor & _MASK32, stream):
+    for word in (seed >> 32, step & _MASK32, step >> 32, tensor & _MASK32):
         key = mix32(key ^ word)
     return key
 
@@ -263,16 +263,16 @@ def element_random_bits(key: int, param: Tensor) -> Tensor:
     """32 random bits per element of a dense ``param``, element i of its memory order taking index i
     (``element_random_bits`` in sgd_math.h); shaped and strided as ``param``, int64."""
     index = torch.arange(param.numel(), dtype=torch.int64, device=param.device)
-    bits = mix32((mix32((index & _MASK32) ^ key) + (index >> 32)) & _MASK32)
+    bits = mix32((key + _mul32(index & _MASK32, 0x9E3779B9) + (index >> 32)) & _MASK32)
     return bits.as_strided(param.shape, param.stride())
 
 
-def stochastic_bf16(value: Tensor, random: Tensor) -> Tensor:
-    """fp32 ``value`` rounded to bf16 with 32 random bits per element (``stochastic_bf16_bits`` in
+def stochastic_bf16(value: Tensor, random16: Tensor) -> Tensor:
+    """fp32 ``value`` rounded to bf16 with 16 random bits per element (``stochastic_bf16_bits`` in
     sgd_math.h): rounded up with probability (dropped bits) / 2^16, so unbiased."""
     bits = value.view(torch.int32).to(torch.int64) & _MASK32
     nan = (bits & 0x7FFFFFFF) > 0x7F800000
-    rounded = torch.where(nan, 0x7FC0, (bits + (random >> 16)) >> 16)
+    rounded = torch.where(nan, 0x7FC0, (bits + random16) >> 16)
     return (rounded - (rounded >= 0x8000).long() * 0x10000).to(torch.int16).view(torch.bfloat16)
 
 

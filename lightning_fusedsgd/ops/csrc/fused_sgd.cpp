@@ -295,8 +295,7 @@ class BucketStep {
     B* b = b_ptr_[t];
     float* m = m_ptr_[t];
     const GroupHParams& h = groups_[tensor_group_[t]];
-    const uint32_t weight_key = kStochastic ? rounding_key(h, t, kWeightStream) : 0;
-    const uint32_t buffer_key = kStochastic ? rounding_key(h, t, kBufferStream) : 0;
+    const uint32_t key = kStochastic ? rounding_key(h, t) : 0;
 #pragma omp simd
     for (int64_t i = chunk.begin; i < chunk.end; ++i) {
       O wi = load_weight<kMaster>(w, m, i);
@@ -304,10 +303,9 @@ class BucketStep {
       sgd_element<kClipValue>(wi, static_cast<O>(load(gr, i)), bi, c);
       if (kMaster) m[i] = static_cast<float>(wi);
       if constexpr (kStochastic) {
-        reinterpret_cast<uint16_t*>(w)[i] = stochastic_bf16_bits(float_bits(wi), element_random_bits(weight_key, i));
-        if (kMomentum) {
-          reinterpret_cast<uint16_t*>(b)[i] = stochastic_bf16_bits(float_bits(bi), element_random_bits(buffer_key, i));
-        }
+        const uint32_t random = element_random_bits(key, i);
+        reinterpret_cast<uint16_t*>(w)[i] = stochastic_bf16_bits(float_bits(wi), random >> 16);
+        if (kMomentum) reinterpret_cast<uint16_t*>(b)[i] = stochastic_bf16_bits(float_bits(bi), random & 0xFFFFu);
       } else {
         store(w, i, wi);
         if (kMomentum) store(b, i, bi);

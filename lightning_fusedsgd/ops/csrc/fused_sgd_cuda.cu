@@ -182,8 +182,7 @@ __global__ void __launch_bounds__(kThreads)
   // Stochastic rounding of the update: bf16 params without masters only (sgd_math.h).
   constexpr bool kMayRoundStochastically = std::is_same_v<P, c10::BFloat16> && !kMaster;
   const bool stochastic = kMayRoundStochastically && h.stochastic_rounding;
-  const uint32_t weight_key = stochastic ? rounding_key(h, chunk.tensor, kWeightStream) : 0;
-  const uint32_t buffer_key = stochastic ? rounding_key(h, chunk.tensor, kBufferStream) : 0;
+  const uint32_t key = stochastic ? rounding_key(h, chunk.tensor) : 0;
   for (int64_t base = chunk.begin + threadIdx.x; base < chunk.end; base += kThreads * kUnroll) {
     O wi[kUnroll], gi[kUnroll], bi[kUnroll];
 #pragma unroll
@@ -202,11 +201,10 @@ __global__ void __launch_bounds__(kThreads)
         sgd_element(wi[u], gi[u], bi[u], c);
         if (kMaster) t.master[i] = static_cast<float>(wi[u]);
         if (kMayRoundStochastically && stochastic) {
-          reinterpret_cast<uint16_t*>(w)[i] =
-              stochastic_bf16_bits(__float_as_uint(wi[u]), element_random_bits(weight_key, i));
+          const uint32_t random = element_random_bits(key, i);
+          reinterpret_cast<uint16_t*>(w)[i] = stochastic_bf16_bits(__float_as_uint(wi[u]), random >> 16);
           if (has_momentum) {
-            reinterpret_cast<uint16_t*>(b)[i] =
-                stochastic_bf16_bits(__float_as_uint(bi[u]), element_random_bits(buffer_key, i));
+            reinterpret_cast<uint16_t*>(b)[i] = stochastic_bf16_bits(__float_as_uint(bi[u]), random & 0xFFFFu);
           }
         } else {
           w[i] = static_cast<P>(wi[u]);

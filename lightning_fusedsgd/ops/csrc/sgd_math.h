@@ -238,9 +238,10 @@ LFSGD_HOST_DEVICE inline void apply_lars(Coeffs<T>& c, double sum_w, double sum_
 
 // Stochastic rounding of the update to bf16 (update_rounding="stochastic", bf16 params without masters): the
 // fp32 result rounds up with probability (the dropped 16 bits) / 2^16, so E[rounded] is the fp32 value and small
-// updates are not lost. The random bits are a pure function of (seed, step, tensor, stream, element index):
-// murmur3's 32-bit finalizer, applied to a per-tensor key and then to the element's index, the same on any
-// thread count and device.
+// updates are not lost. Each element draws 32 random bits, a pure function of (seed, step, tensor, element index),
+// the same on any thread count and device: the high 16 round the weight, the low 16 the momentum buffer. The
+// draw is murmur3's 32-bit finalizer over a per-tensor key plus the index times the golden ratio (one finalizer
+// an element: three integer multiplies, which keeps the step near the memory floor).
 LFSGD_ELEMENT uint32_t mix32(uint32_t x) {
   x ^= x >> 16;
   x *= 0x85EBCA6Bu;
@@ -250,32 +251,28 @@ LFSGD_ELEMENT uint32_t mix32(uint32_t x) {
   return x;
 }
 
-constexpr uint32_t kWeightStream = 0;  // the random bits rounding the weight
-constexpr uint32_t kBufferStream = 1;  // and those rounding the momentum buffer
-
-// The key of one tensor's stream at this step: tensor is its index in the bucket.
-LFSGD_HOST_DEVICE inline uint32_t rounding_key(const GroupHParams& h, int64_t tensor, uint32_t stream) {
+// The key of one tensor's draws at this step: tensor is its index in the bucket.
+LFSGD_HOST_DEVICE inline uint32_t rounding_key(const GroupHParams& h, int64_t tensor) {
   const uint64_t seed = static_cast<uint64_t>(h.rounding_seed);
   const uint64_t step = static_cast<uint64_t>(h.rounding_step);
   uint32_t key = mix32(static_cast<uint32_t>(seed) ^ 0x9E3779B9u);
   key = mix32(key ^ static_cast<uint32_t>(seed >> 32));
   key = mix32(key ^ static_cast<uint32_t>(step));
   key = mix32(key ^ static_cast<uint32_t>(step >> 32));
-  key = mix32(key ^ static_cast<uint32_t>(tensor));
-  return mix32(key ^ stream);
+  return mix32(key ^ static_cast<uint32_t>(tensor));
 }
 
-// 32 random bits for element i of the stream with this key.
+// The 32 random bits of element i of the tensor with this key.
 LFSGD_ELEMENT uint32_t element_random_bits(uint32_t key, int64_t i) {
   const uint64_t index = static_cast<uint64_t>(i);
-  return mix32(mix32(key ^ static_cast<uint32_t>(index)) + static_cast<uint32_t>(index >> 32));
+  return mix32(key + static_cast<uint32_t>(index) * 0x9E3779B9u + static_cast<uint32_t>(index >> 32));
 }
 
-// The bf16 bits of the fp32 value with these bits, rounded stochastically with 32 random bits (their high 16
-// are added below the kept bits, then the sum is truncated); NaN stays a quiet NaN, +-inf stays +-inf.
-LFSGD_ELEMENT uint16_t stochastic_bf16_bits(uint32_t bits, uint32_t random) {
+// The bf16 bits of the fp32 value with these bits, rounded stochastically with 16 random bits (added below the
+// kept bits, then the sum is truncated); NaN stays a quiet NaN, +-inf stays +-inf.
+LFSGD_ELEMENT uint16_t stochastic_bf16_bits(uint32_t bits, uint32_t random16) {
   const bool nan = (bits & 0x7FFFFFFFu) > 0x7F800000u;
-  return static_cast<uint16_t>(nan ? 0x7FC0u : (bits + (random >> 16)) >> 16);
+  return static_cast<uint16_t>(nan ? 0x7FC0u : (bits + random16) >> 16);
 }
 
 }  // namespace lfsgd
