@@ -24,34 +24,37 @@ namespace {
 
 // Loads and stores convert to and from opmath. The bf16 versions are bit operations the compiler vectorizes
 // (round to nearest even, NaN kept quiet), identical to c10::BFloat16's conversions.
-inline float load(const float* p, int64_t i) { return p[i]; }
-inline double load(const double* p, int64_t i) { return p[i]; }
-inline float load(const c10::Half* p, int64_t i) { return static_cast<float>(p[i]); }
-inline float load(const c10::BFloat16* p, int64_t i) {
-  const uint32_t bits = uint32_t{reinterpret_cast<const uint16_t*>(p)[i]} << 16;
+// A float's bits and back (memcpy: the defined way, compiled to nothing).
+inline uint32_t float_bits(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  return bits;
+}
+inline float bits_float(uint32_t bits) {
   float value;
   std::memcpy(&value, &bits, sizeof(value));
   return value;
 }
 
+inline float load(const float* p, int64_t i) { return p[i]; }
+inline double load(const double* p, int64_t i) { return p[i]; }
+inline float load(const c10::Half* p, int64_t i) { return static_cast<float>(p[i]); }
+inline float load(const c10::BFloat16* p, int64_t i) {
+  return bits_float(uint32_t{reinterpret_cast<const uint16_t*>(p)[i]} << 16);
+}
+
+// The high half of fp32 bits rounded to nearest even, NaN not treated apart (the callers decide).
+inline uint32_t nearest_even_high_bits(uint32_t bits) { return (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16; }
+
 // The bits of v rounded to bf16, and the bits a 16-bit param element holds. Integer operations only (the NaN
 // test too): a float comparison in the loop keeps the compiler from vectorizing the bf16 loops.
 inline uint16_t rounded_bits(float v) {
-  uint32_t bits;
-  std::memcpy(&bits, &v, sizeof(bits));
-  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-  const bool nan = (bits & 0x7FFFFFFFu) > 0x7F800000u;
-  return static_cast<uint16_t>(nan ? 0x7FC0u : rounded);
+  const uint32_t bits = float_bits(v);
+  return static_cast<uint16_t>(nan_bits(bits) ? 0x7FC0u : nearest_even_high_bits(bits));
 }
 template <typename P>
 inline uint16_t param_bits(const P* p, int64_t i) {
   return reinterpret_cast<const uint16_t*>(p)[i];
-}
-
-inline uint32_t float_bits(float v) {
-  uint32_t bits;
-  std::memcpy(&bits, &v, sizeof(bits));
-  return bits;
 }
 
 inline void store(float* p, int64_t i, float v) { p[i] = v; }
@@ -69,14 +72,10 @@ inline typename OpMath<P>::type load_weight(const P* w, const float* m, int64_t 
   if constexpr (!kMaster) {
     return load(w, i);
   } else if constexpr (std::is_same_v<P, c10::BFloat16>) {
-    uint32_t master;
-    std::memcpy(&master, &m[i], sizeof(master));
-    const uint32_t rounded = ((master + 0x7FFFu + ((master >> 16) & 1u)) >> 16) & 0xFFFFu;
+    const uint32_t master = float_bits(m[i]);
+    const uint32_t rounded = nearest_even_high_bits(master) & 0xFFFFu;
     const uint32_t param = param_bits(w, i);
-    const uint32_t bits = synced_master(master, rounded, param, param << 16);
-    float value;
-    std::memcpy(&value, &bits, sizeof(value));
-    return value;
+    return bits_float(synced_master(master, rounded, param, param << 16));
   } else {
     return synced_master(m[i], c10::Half(m[i]).x, param_bits(w, i), load(w, i));
   }

@@ -268,11 +268,13 @@ LFSGD_ELEMENT uint32_t element_random_bits(uint32_t key, int64_t i) {
   return mix32(key + static_cast<uint32_t>(index) * 0x9E3779B9u + static_cast<uint32_t>(index >> 32));
 }
 
+// Whether fp32 bits are a NaN, in integer operations (which vectorize where a float comparison may not).
+LFSGD_ELEMENT bool nan_bits(uint32_t bits) { return (bits & 0x7FFFFFFFu) > 0x7F800000u; }
+
 // The bf16 bits of the fp32 value with these bits, rounded stochastically with 16 random bits (added below the
 // kept bits, then the sum is truncated); NaN stays a quiet NaN, +-inf stays +-inf.
 LFSGD_ELEMENT uint16_t stochastic_bf16_bits(uint32_t bits, uint32_t random16) {
-  const bool nan = (bits & 0x7FFFFFFFu) > 0x7F800000u;
-  return static_cast<uint16_t>(nan ? 0x7FC0u : (bits + random16) >> 16);
+  return static_cast<uint16_t>(nan_bits(bits) ? 0x7FC0u : (bits + random16) >> 16);
 }
 
 }  // namespace lfsgd
