@@ -70,6 +70,7 @@ def rounding_contenders(params: list[torch.Tensor]) -> tuple[dict[str, object], 
         optimizer.step()  # state created outside the timed steps
     state = {
         "FusedSGD stochastic": state_bytes_per_param(stochastic),
+        "FusedSGD": state_bytes_per_param(steps["FusedSGD"].__self__),  # the bound step's optimizer
         "FusedSGD + masters": state_bytes_per_param(masters),
         "torch fused": state_bytes_per_param(fused_torch),
     }

@@ -145,7 +145,6 @@ def step_section(result: dict[str, Any]) -> str:
             "FusedSGD + masters": "FusedSGD, `master_weights=True`",
             "torch fused": "torch fused (rounded to nearest)",
         }
-        state["FusedSGD"] = state.get("torch fused")  # the same bf16 buffer
         text += [
             "### bf16 without master weights",
             "",
