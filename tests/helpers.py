@@ -10,6 +10,20 @@ from typing import Any
 import torch
 from torch import nn
 
+# A script for a fresh Python: two steps that must fall back to the reference (the kernel refused to load) and
+# still reach the hand-computed result, 1 - 2 x 0.5 x 1 = 0.
+STEP_TWICE_ON_THE_REFERENCE = """
+import torch
+from lightning_fusedsgd import FusedSGD
+p = torch.nn.Parameter(torch.ones(4))
+optimizer = FusedSGD([p], lr=0.5)
+for _ in range(2):
+    p.grad = torch.ones(4)
+    optimizer.step()
+assert optimizer.last_backends == {"cpu/float32": "torch"}, optimizer.last_backends
+assert torch.equal(p.detach(), torch.zeros(4))
+"""
+
 # Shapes a step meets in vision models: a conv weight (channels_last), a bias, an odd-sized matrix, a tensor
 # spanning several kernel chunks and past the single-thread threshold, and a small conv weight.
 SHAPES = [(8, 3, 3, 3), (8,), (33, 17), (70_000,), (3, 5, 4, 4)]

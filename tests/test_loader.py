@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import STEP_TWICE_ON_THE_REFERENCE
 from torch import nn
 
 from lightning_fusedsgd import FusedSGD, ops
@@ -96,25 +97,12 @@ def _run(script: str, env: dict[str, str], cwd: Path) -> subprocess.CompletedPro
     )
 
 
-STEP_TWICE = """
-import torch
-from lightning_fusedsgd import FusedSGD
-p = torch.nn.Parameter(torch.ones(4))
-optimizer = FusedSGD([p], lr=0.5)
-for _ in range(2):
-    p.grad = torch.ones(4)
-    optimizer.step()
-assert optimizer.last_backends == {"cpu/float32": "torch"}, optimizer.last_backends
-assert torch.equal(p.detach(), torch.zeros(4))
-"""
-
-
 @pytest.mark.slow
 def test_an_unusable_cache_warns_and_falls_back_as_promised(tmp_path):
     (tmp_path / "file").write_text("")
     cache = tmp_path / "file" / "cache"  # a cache under a file
     env = {_build.CACHE_ENV: str(cache)}
-    result = _run(STEP_TWICE, env, tmp_path)
+    result = _run(STEP_TWICE_ON_THE_REFERENCE, env, tmp_path)
     assert result.returncode == 0, result.stderr
     assert result.stderr.count("RuntimeWarning: lightning_fusedsgd: the compiled kernel is unavailable") == 1
     assert _build.CACHE_ENV in result.stderr and "Traceback" not in result.stderr
@@ -154,7 +142,7 @@ def test_a_truncated_cached_library_is_never_mapped(tmp_path):
     (copied / library.name).write_bytes(data[: len(data) // 3])
     empty = tmp_path / "bin"
     empty.mkdir()
-    result = _run(STEP_TWICE, {_build.CACHE_ENV: str(cache), "PATH": str(empty)}, tmp_path)
+    result = _run(STEP_TWICE_ON_THE_REFERENCE, {_build.CACHE_ENV: str(cache), "PATH": str(empty)}, tmp_path)
     assert result.returncode == 0, result.stderr
     assert (
         f"the cached library is damaged ({copied / library.name} has {len(data) // 3} bytes" in result.stderr

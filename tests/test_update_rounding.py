@@ -14,18 +14,17 @@ from lightning_fusedsgd import FusedSGD
 BACKENDS = ["compiled", "torch"]
 
 
-def _run(params, steps, seed=0, backend="compiled", optimizer=None, **hparams):
-    """Steps ``params`` with fixed pseudo-random gradients; returns the optimizer."""
+def _optimizer(params, backend="compiled", **hparams):
+    defaults = {"lr": 0.05, "momentum": 0.9, "weight_decay": 1e-2, "update_rounding": "stochastic"}
+    return FusedSGD(params, backend=backend, **{**defaults, **hparams})
+
+
+def _run(params, steps, seed=0, backend="compiled", optimizer=None, generator=None, **hparams):
+    """Steps ``params`` with pseudo-random gradients from ``generator`` (default: seeded with ``seed``);
+    returns the optimizer (``_optimizer``'s unless one is given)."""
     if optimizer is None:
-        hparams = {
-            "lr": 0.05,
-            "momentum": 0.9,
-            "weight_decay": 1e-2,
-            "update_rounding": "stochastic",
-            **hparams,
-        }
-        optimizer = FusedSGD(params, backend=backend, **hparams)
-    generator = torch.Generator().manual_seed(seed)
+        optimizer = _optimizer(params, backend, **hparams)
+    generator = torch.Generator().manual_seed(seed) if generator is None else generator
     for _ in range(steps):
         for p in params:
             p.grad = torch.randn(p.shape, generator=generator).to(p.dtype)
@@ -85,8 +84,8 @@ def test_small_updates_are_not_lost(backend):
 
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
 def test_compiled_and_reference_give_the_same_bits(momentum):
-    """Several tensors (a channels_last one), two groups with their own seeds, momentum buffers rounded too,
-    and an fp32 param whose update is unaffected."""
+    """Several tensors (a channels_last one), two groups with their own seeds (one above 2^32), and the
+    momentum buffers rounded too."""
     results = []
     for backend in BACKENDS:
         params = make_params([(4, 3, 5, 5), (300,), (7, 11)], dtype=torch.bfloat16, seed=1)
@@ -94,14 +93,7 @@ def test_compiled_and_reference_give_the_same_bits(momentum):
             {"params": params[:2], "rounding_seed": 5},
             {"params": params[2:], "rounding_seed": 2**40 + 3},
         ]
-        optimizer = FusedSGD(
-            groups,
-            lr=0.05,
-            momentum=momentum,
-            weight_decay=1e-2,
-            update_rounding="stochastic",
-            backend=backend,
-        )
+        optimizer = _optimizer(groups, backend, momentum=momentum)
         _run(params, steps=4, optimizer=optimizer)
         assert set(optimizer.last_backends.values()) <= {backend, "compiled (kept plan)"}
         results.append(_bits(params, optimizer))
@@ -160,21 +152,10 @@ def test_a_resumed_run_draws_the_same_bits(backend):
     assert optimizer.param_groups[0]["rounding_step"] == 4
 
     resumed = make_params([(40, 9), (9,)], dtype=torch.bfloat16)
-    generator_state = torch.Generator().manual_seed(0)
-    first = FusedSGD(
-        resumed, lr=0.05, momentum=0.9, weight_decay=1e-2, update_rounding="stochastic", backend=backend
-    )
-    for _ in range(2):
-        for p in resumed:
-            p.grad = torch.randn(p.shape, generator=generator_state).to(p.dtype)
-        first.step()
+    generator = torch.Generator().manual_seed(0)  # the same gradients, across the two halves
+    first = _run(resumed, steps=2, backend=backend, generator=generator)
     saved = copy.deepcopy(first.state_dict())
-    second = FusedSGD(
-        resumed, lr=0.05, momentum=0.9, weight_decay=1e-2, update_rounding="stochastic", backend=backend
-    )
+    second = _optimizer(resumed, backend)
     second.load_state_dict(saved)
-    for _ in range(2):
-        for p in resumed:
-            p.grad = torch.randn(p.shape, generator=generator_state).to(p.dtype)
-        second.step()
+    _run(resumed, steps=2, optimizer=second, generator=generator)
     _assert_same_bits(_bits(straight, optimizer), _bits(resumed, second))

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import STEP_TWICE_ON_THE_REFERENCE
 
 from lightning_fusedsgd import ops
 from lightning_fusedsgd.ops import _build
@@ -147,18 +148,7 @@ def test_a_wheel_for_another_torch_falls_back_with_one_message(site, tmp_path):
     info = json.loads(info_path.read_text())
     info["torch"] = "0.0.0"
     info_path.write_text(json.dumps(info))
-    script = """
-import torch
-from lightning_fusedsgd import FusedSGD
-p = torch.nn.Parameter(torch.ones(4))
-optimizer = FusedSGD([p], lr=0.5)
-for _ in range(2):
-    p.grad = torch.ones(4)
-    optimizer.step()
-assert optimizer.last_backends == {"cpu/float32": "torch"}, optimizer.last_backends
-assert torch.equal(p.detach(), torch.zeros(4))
-"""
-    result = run_isolated(other, tmp_path, script)
+    result = run_isolated(other, tmp_path, STEP_TWICE_ON_THE_REFERENCE)
     assert result.returncode == 0, result.stdout + result.stderr
     why = f"built for torch 0.0.0, this is torch {torch.__version__}"
     notices = [line for line in result.stderr.splitlines() if line.startswith("lightning_fusedsgd:")]
