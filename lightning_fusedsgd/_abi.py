@@ -64,8 +64,9 @@ LARS_ZERO_NORMS = ("unit_ratio", "plain_grad")
 """What LARS does where a norm is 0: a ratio of 1 with the decay applied, or the plain gradient."""
 
 
-UPDATE_ROUNDINGS = ("nearest", "stochastic")
-"""How a bf16 param without master weights takes its update: rounded to nearest, or stochastically."""
+UPDATE_ROUNDINGS = ("nearest", "stochastic", "kahan")
+"""How a bf16 param without master weights takes its update: rounded to nearest, stochastically, or to nearest
+with a Kahan compensation (which the op receives as the bucket's ``master_params``, not as a column)."""
 
 
 def _seed(value: Any) -> str | None:

@@ -215,10 +215,13 @@ def _norm_clip_per_group() -> Scenario:
     return Scenario(optimizer, params, optimizer.step)
 
 
-def _fp16_rounded_stochastically() -> Scenario:
-    params = make_params([(5,), (3,)], dtype=torch.float16)
-    optimizer = FusedSGD(params, lr=0.1, momentum=0.9, update_rounding="stochastic")
-    return Scenario(optimizer, params, _with_grad(optimizer, *params).step)
+def _fp16_rounded(rounding: str) -> Callable[[], Scenario]:
+    def scenario() -> Scenario:
+        params = make_params([(5,), (3,)], dtype=torch.float16)
+        optimizer = FusedSGD(params, lr=0.1, momentum=0.9, update_rounding=rounding)
+        return Scenario(optimizer, params, _with_grad(optimizer, *params).step)
+
+    return scenario
 
 
 def _set(key: str, value: Any) -> Callable[[FusedSGD], None]:
@@ -230,24 +233,31 @@ def _set_state(index: int, value: Any) -> Callable[[dict], None]:
 
 
 REFUSALS = [
-    Refusal(
-        "fp16-without-masters-rounded-stochastically",
-        _fp16_rounded_stochastically,
-        ValueError,
-        r"update_rounding='stochastic' rounds updates to bfloat16, and .* is float16 without master weights: "
-        "set master_weights=True",
+    *(
+        Refusal(
+            f"fp16-without-masters-rounded-{rounding}",
+            _fp16_rounded(rounding),
+            ValueError,
+            rf"update_rounding='{rounding}' rounds updates to bfloat16, and .* is float16 without master "
+            "weights: set master_weights=True",
+        )
+        for rounding in ("stochastic", "kahan")
     ),
     Refusal(
-        "group-edited-to-kahan-rounding",
-        lambda: _step_refusal(make_params([(5,), (3,)]), _set("update_rounding", "kahan")),
+        "group-edited-to-an-unknown-rounding",
+        lambda: _step_refusal(make_params([(5,), (3,)]), _set("update_rounding", "round_up")),
         ValueError,
-        r"param_groups\[0\]: Invalid update_rounding: 'kahan'. Choose one of \('nearest', 'stochastic'\)",
+        r"param_groups\[0\]: Invalid update_rounding: 'round_up'. "
+        r"Choose one of \('nearest', 'stochastic', 'kahan'\)",
     ),
-    Refusal(
-        "sparse-grad-of-bf16-rounded-stochastically",
-        _sparse(update_rounding="stochastic", dtype=torch.bfloat16),
-        RuntimeError,
-        "without update_rounding='stochastic'",
+    *(
+        Refusal(
+            f"sparse-grad-of-bf16-rounded-{rounding}",
+            _sparse(update_rounding=rounding, dtype=torch.bfloat16),
+            RuntimeError,
+            f"without update_rounding='{rounding}'",
+        )
+        for rounding in ("stochastic", "kahan")
     ),
     Refusal(
         "group-edited-to-an-unknown-denominator",

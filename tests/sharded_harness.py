@@ -37,6 +37,8 @@ SCENARIOS: dict[str, tuple[torch.dtype, dict[str, Any]]] = {
         {**_LARS, "lars_denominator": "decayed_grad", "max_grad_norm": 0.05},
     ),
     "bf16_master_lars": (torch.bfloat16, {**_LARS, "master_weights": True}),
+    # bf16 weights without masters: Kahan compensations are DTensors too, and the norms read param + them.
+    "bf16_kahan_lars": (torch.bfloat16, {**_LARS, "update_rounding": "kahan"}),
     # The reference backend's lars_sq_sums and given-sums sgd_step, under the same all-reduce.
     "reference_backend_lars_decayed_grad_max_grad_norm": (
         torch.float32,
@@ -127,11 +129,15 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def snapshot(model: nn.Module, optimizer: Any) -> dict[str, dict[str, torch.Tensor]]:
-    """Params, momentum buffers and masters by parameter name, as full tensors."""
+    """Weights (params, plus their Kahan compensations where kept), momentum buffers and masters by parameter
+    name, as full tensors."""
     out: dict[str, dict[str, torch.Tensor]] = {"param": {}, "momentum_buffer": {}, "master_param": {}}
     for name, param in model.named_parameters():
         name = name.removeprefix("module.")
-        out["param"][name] = _full(param)
+        compensation = optimizer.state.get(param, {}).get("kahan_compensation")
+        out["param"][name] = (
+            _full(param) if compensation is None else _full(param) + _full(compensation).float()
+        )
         for key in ("momentum_buffer", "master_param"):
             if key in optimizer.state.get(param, {}):
                 out[key][name] = _full(optimizer.state[param][key])

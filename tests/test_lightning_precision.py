@@ -54,23 +54,28 @@ def test_bf16_true_uses_fp32_master_weights():
         assert torch.equal(param, state["master_param"].to(torch.bfloat16))
 
 
-def test_bf16_true_with_stochastic_rounding_keeps_no_masters():
-    """optim.update_rounding=stochastic under bf16-true: the factory leaves master weights off (they would
-    make the option a no-op), the buffers stay bf16, and the run matches FusedSGD's reference backend stepping
-    the same batches, bit for bit."""
+@pytest.mark.parametrize("rounding", ["stochastic", "kahan"])
+def test_bf16_true_with_update_rounding_keeps_no_masters(rounding):
+    """optim.update_rounding=stochastic or kahan under bf16-true: the factory leaves master weights off (they
+    would make the option a no-op), the buffers (and compensations) stay bf16, and the run matches FusedSGD's
+    reference backend stepping the same batches, bit for bit."""
     runs = []
     for backend in ("compiled", "torch"):
         torch.manual_seed(0)
-        module = TinyClassifier(schedule=CONSTANT, lr=1.0, update_rounding="stochastic", backend=backend)
+        module = TinyClassifier(schedule=CONSTANT, lr=1.0, update_rounding=rounding, backend=backend)
         trainer = cpu_trainer(max_steps=3, precision="bf16-true")
         trainer.fit(module)
         optimizer = trainer.optimizers[0]
         assert not any(group["master_weights"] for group in optimizer.param_groups)
-        assert all(group["update_rounding"] == "stochastic" for group in optimizer.param_groups)
-        assert all(group["rounding_step"] == 3 for group in optimizer.param_groups)
+        assert all(group["update_rounding"] == rounding for group in optimizer.param_groups)
+        assert all(
+            group["rounding_step"] == (3 if rounding == "stochastic" else 0)
+            for group in optimizer.param_groups
+        )
+        state_keys = {"momentum_buffer"} | ({"kahan_compensation"} if rounding == "kahan" else set())
         for param in module.parameters():
-            assert param.dtype == torch.bfloat16 and set(optimizer.state[param]) == {"momentum_buffer"}
-            assert optimizer.state[param]["momentum_buffer"].dtype == torch.bfloat16
+            assert param.dtype == torch.bfloat16 and set(optimizer.state[param]) == state_keys
+            assert all(value.dtype == torch.bfloat16 for value in optimizer.state[param].values())
         runs.append([p.detach().clone() for p in module.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
 

@@ -28,13 +28,17 @@ def table(**hparams):
 
 
 def bucket(dtype=torch.float32, master=False, momentum=True):
+    """A bucket's tensors; ``master``: True for fp32 masters, "kahan" for bf16 compensations."""
     generator = torch.Generator().manual_seed(0)
     shapes = [(33, 17), (70_000,), (5,)]
     params = [torch.randn(s, generator=generator).to(dtype) for s in shapes]
     grads = [torch.randn(s, generator=generator).to(dtype) for s in shapes]
-    buffer_dtype = torch.float32 if master else dtype
+    buffer_dtype = torch.float32 if master is True else dtype
     buffers = [torch.randn(s, generator=generator).to(buffer_dtype) for s in shapes] if momentum else []
-    masters = [p.float() for p in params] if master else []
+    masters = {
+        True: [p.float() for p in params],
+        "kahan": [(1e-3 * torch.randn(s, generator=generator)).to(dtype) for s in shapes],
+    }.get(master, [])
     return params, grads, buffers, masters
 
 
@@ -45,11 +49,21 @@ def bucket(dtype=torch.float32, master=False, momentum=True):
         dict(hparams=dict(), momentum=False),
         dict(hparams=dict(momentum=0.9, lars=1.0, weight_decay=1e-4)),
         dict(hparams=dict(momentum=0.9), dtype=torch.bfloat16, master=True),
+        dict(hparams=dict(momentum=0.9, lars=1.0), dtype=torch.bfloat16, master="kahan"),
         dict(hparams=dict(momentum=0.9), scaler=True),
         dict(hparams=dict(momentum=0.9, lars=1.0, max_grad_norm=0.5), scaler=True, clip=True),
         dict(hparams=dict(momentum=0.9, max_grad_value=0.1)),
     ],
-    ids=["nesterov", "no-momentum", "lars", "bf16-master", "grad-scaler", "clip-norm", "clip-value"],
+    ids=[
+        "nesterov",
+        "no-momentum",
+        "lars",
+        "bf16-master",
+        "bf16-kahan-lars",
+        "grad-scaler",
+        "clip-norm",
+        "clip-value",
+    ],
 )
 def test_sgd_step_passes_opcheck(case):
     params, grads, buffers, masters = bucket(
@@ -71,6 +85,35 @@ def test_sgd_step_passes_opcheck(case):
     torch.library.opcheck(OPS.sgd_step.default, args)
 
 
+@pytest.mark.parametrize(
+    "dtype, masters",
+    [
+        (torch.float32, lambda p: p.clone()),  # fp32 masters of fp32 params
+        (torch.float16, lambda p: p.to(torch.bfloat16)),  # compensations of fp16 params
+        (torch.bfloat16, lambda p: p.to(torch.float16)),  # fp16 "masters"
+    ],
+    ids=["fp32-masters-of-fp32", "bf16-compensations-of-fp16", "fp16-masters"],
+)
+def test_sgd_step_refuses_masters_it_cannot_use(dtype, masters):
+    """The op checks what master_params hold before writing anything."""
+    params, grads, buffers, _ = bucket(dtype)
+    before = [p.clone() for p in params]
+    with pytest.raises(RuntimeError, match="master_params are fp32 masters of bf16/fp16 params or bf16"):
+        OPS.sgd_step(
+            params,
+            grads,
+            buffers,
+            [masters(p) for p in params],
+            table(momentum=0.9),
+            [0, 0, 0],
+            [False] * 3,
+            None,
+            None,
+            None,
+        )
+    assert all(torch.equal(p, q) for p, q in zip(params, before))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_grad_sq_sum_passes_opcheck_and_sums_squares(dtype):
     grads = bucket(dtype)[1]
@@ -83,7 +126,9 @@ def test_grad_sq_sum_passes_opcheck_and_sums_squares(dtype):
     )
 
 
-@pytest.mark.parametrize("dtype, master", [(torch.float32, False), (torch.bfloat16, True)])
+@pytest.mark.parametrize(
+    "dtype, master", [(torch.float32, False), (torch.bfloat16, True), (torch.bfloat16, "kahan")]
+)
 def test_lars_sq_sums_passes_opcheck(dtype, master, device):
     load_ops(device.type)
     params, grads, _, masters = ([t.to(device) for t in tensors] for tensors in bucket(dtype, master))
@@ -249,6 +294,11 @@ def compiled_and_eager_runs(make_optimizer, dtype=torch.float32, scaler=False, s
             False,
         ),
         (lambda p: FusedSGD(p, lr=0.1, momentum=0.9, master_weights=True), torch.bfloat16, False),
+        (
+            lambda p: FusedSGD(p, lr=0.1, momentum=0.9, update_rounding="kahan", capturable=True),
+            torch.bfloat16,
+            False,
+        ),
         (lambda p: FusedSGD(p, lr=0.1, momentum=0.9), torch.float32, True),
         (lambda p: FusedLARS(p, lr=0.1, momentum=0.9, max_grad_norm=1.0), torch.float32, True),
         (lambda p: FusedSGD(p, lr=torch.tensor(0.1), momentum=0.9), torch.float32, False),
@@ -260,6 +310,7 @@ def compiled_and_eager_runs(make_optimizer, dtype=torch.float32, scaler=False, s
         "nesterov",
         "lars",
         "bf16-master",
+        "bf16-kahan-capturable",
         "grad-scaler",
         "clip-norm-lars-grad-scaler",
         "tensor-lr",

@@ -166,16 +166,23 @@ def test_clipping_follows_torchs_clip_then_sgd(case, groups, backend, device):
 
 
 @pytest.mark.parametrize(
-    "dtype, master",
-    [(torch.bfloat16, False), (torch.float16, False), (torch.bfloat16, True), (torch.float16, True)],
-    ids=["bf16", "fp16", "bf16-master", "fp16-master"],
+    "dtype, options",
+    [
+        (torch.bfloat16, {}),
+        (torch.float16, {}),
+        (torch.bfloat16, dict(master_weights=True)),
+        (torch.float16, dict(master_weights=True)),
+        (torch.bfloat16, dict(update_rounding="kahan", lars=True)),
+    ],
+    ids=["bf16", "fp16", "bf16-master", "fp16-master", "bf16-kahan-lars"],
 )
-def test_backends_agree_in_low_precision(dtype, master):
+def test_backends_agree_in_low_precision(dtype, options):
     """The compiled kernel against the reference where torch has no counterpart: one fp32 rounding chain, one
-    rounding to the param's dtype (a 1-ulp difference in an intermediate may flip it)."""
+    rounding to the param's dtype (a 1-ulp difference in an intermediate, such as LARS's fp32 norm sums, may
+    flip it)."""
     a = make_params(dtype=dtype)
     b = clone_params(a)
-    hparams = dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-2, master_weights=master)
+    hparams = dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-2, **options)
     compiled, reference = FusedSGD(a, backend="compiled", **hparams), FusedSGD(b, backend="torch", **hparams)
     generator = torch.Generator().manual_seed(2)
     for step in range(20):

@@ -157,8 +157,8 @@ def configure_fused_sgd(
         weight_decay: L2 weight decay of the decayed group.
         lars: LARS trust ratio on the weights (not on biases/norm parameters, per the ``no_lars_*`` flags).
         master_weights: fp32 master weights; ``None`` turns them on when the module's parameters are
-            bf16/fp16 (``precision="bf16-true"``), unless ``update_rounding="stochastic"`` is passed (bf16
-            without masters, see :class:`FusedSGD`).
+            bf16/fp16 (``precision="bf16-true"``), unless ``update_rounding`` is passed as ``"stochastic"``
+            or ``"kahan"`` (bf16 without masters, see :class:`FusedSGD`).
         no_decay_bias: No weight decay on biases.
         no_decay_norm: No weight decay on normalization and other 1-d parameters.
         no_lars_bias: No LARS on biases.
@@ -215,7 +215,7 @@ def configure_fused_sgd(
     if not lars:
         for group in groups:
             group["name"] = "decay" if group["weight_decay"] else "no_decay"
-    if master_weights is None:  # stochastic rounding is the alternative to masters: it needs them off
+    if master_weights is None:  # stochastic or Kahan rounding replaces masters: it needs them off
         master_weights = optimizer_kwargs.get("update_rounding", "nearest") == "nearest" and any(
             p.dtype in (torch.float16, torch.bfloat16) for p in module.parameters()
         )

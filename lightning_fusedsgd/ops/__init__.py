@@ -49,7 +49,10 @@ Arguments:
     grads: [n] laid out as their params, of their dtype.
     momentum_buffers: one per param whose group has momentum != 0, in param order; the params' dtype, fp32
         with master weights; updated (seeded with the gradient where ``first_step``).
-    master_params: [n] fp32 masters of bf16/fp16 params, or []; updated.
+    master_params: [n] or []; updated. fp32 masters of bf16/fp16 params, each param holding its master's
+        rounding; or bf16 Kahan compensations of bf16 params (``update_rounding="kahan"``), the weight being
+        param + compensation in fp32, the param taking the update rounded to nearest and the compensation what
+        that rounding dropped.
     group_hparams: the hyperparameter table (module docstring).
     tensor_group: [n] each param's row of the table.
     first_step: [n] whether a param's buffer is seeded this step.

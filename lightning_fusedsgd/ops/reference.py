@@ -1,8 +1,8 @@
 """The ops in plain PyTorch: the oracle in tests and the fallback where nothing compiles.
 
 ``clip_coef``, ``make_coeffs``, ``clipped_grad``, ``sgd_element``, ``lars_norm_term``, ``trust_ratio``,
-``lars_adapts``, ``lars_trust``, ``apply_lars``, ``clipped_term_sq_sum``, ``synced_master``, ``mix32``,
-``rounding_key``, ``element_random_bits`` and ``stochastic_bf16`` mirror
+``lars_adapts``, ``lars_trust``, ``apply_lars``, ``clipped_term_sq_sum``, ``synced_master``,
+``kahan_compensation``, ``mix32``, ``rounding_key``, ``element_random_bits`` and ``stochastic_bf16`` mirror
 ``csrc/sgd_math.h`` function for function, with ATen's ops where the kernel rounds as they do (``x.add(y,
 alpha=a)`` is the kernel's ``mul_add``); ``sgd_step``, ``grad_sq_sum``, ``lars_sq_sums`` and ``schedule_lrs``
 implement the contract documented with the ops' schemas in ``ops/__init__.py``, so either implementation can
@@ -87,6 +87,23 @@ def synced_master(master: Tensor, param: Tensor) -> Tensor:
 
 def _opmath(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def load_weight(param: Tensor, master: Tensor | None) -> Tensor:
+    """The weight in opmath (``load_weight`` in the kernels): the param, its fp32 master re-synced with it,
+    or the param plus its bf16 Kahan compensation."""
+    if master is None:
+        return param.to(_opmath(param.dtype))
+    if master.dtype == torch.bfloat16:
+        return param.float() + master.float()
+    return synced_master(master, param)
+
+
+def kahan_compensation(weight: Tensor, rounded: Tensor) -> Tensor:
+    """What rounding the fp32 ``weight`` to the bf16 ``rounded`` dropped, 0 where that is not finite (where
+    ``rounded`` is inf or NaN) (``kahan_compensation`` in sgd_math.h); rounded to bf16 by the caller."""
+    dropped = weight - rounded.float()
+    return torch.where(dropped.isfinite(), dropped, 0.0)
 
 
 def inverse_scale(grad_scale: Tensor | None) -> float | Tensor:
@@ -191,7 +208,7 @@ def sgd_step(
     lrs: Tensor | None = None,
 ) -> None:
     """``torch.ops.lightning_fusedsgd.sgd_step`` (arguments documented with its schema): updates params,
-    momentum buffers (one per param whose group has momentum) and masters in place."""
+    momentum buffers (one per param whose group has momentum) and masters or compensations in place."""
     if not params or (found_inf is not None and bool(found_inf.item())):
         return
     hparams = group_hparams.tolist()
@@ -204,7 +221,7 @@ def sgd_step(
         h = dict(zip(HPARAM_NAMES, hparams[tensor_group[i]]))
         opmath = _opmath(param.dtype)
         master = master_params[i] if master_params else None
-        w = synced_master(master, param) if master is not None else param.to(opmath)
+        w = load_weight(param, master)
         g = grads[i].to(opmath)
         b = next(buffers) if h["momentum"] != 0 else None
         coeffs = make_coeffs(h, inv_scale, grad_sq_sum, first_step[i])
@@ -218,9 +235,13 @@ def sgd_step(
                 sum_w, sum_g = lars_norm_sums(w, g, h, coeffs)
             apply_lars(coeffs, sum_w, sum_g, h, opmath)
         w_new, b_new = sgd_element(w, g, None if b is None or coeffs.first else b.to(opmath), coeffs)
-        if master is not None:
+        if master is not None and master.dtype == torch.bfloat16:
+            rounded = w_new.to(torch.bfloat16)
+            master.copy_(kahan_compensation(w_new, rounded))
+            w_new = rounded
+        elif master is not None:
             master.copy_(w_new)
-        if h["stochastic_rounding"] and param.dtype == torch.bfloat16 and master is None:
+        elif h["stochastic_rounding"] and param.dtype == torch.bfloat16 and master is None:
             random = element_random_bits(rounding_key(h, i), param)
             w_new = stochastic_bf16(w_new, random >> 16)
             if b is not None:
@@ -300,8 +321,7 @@ def lars_sq_sums(
         if not lars_adapts(h):
             rows.append(torch.zeros(3, dtype=torch.float64, device=param.device))
             continue
-        master = master_params[i] if master_params else None
-        w = synced_master(master, param) if master is not None else param.to(_opmath(param.dtype))
+        w = load_weight(param, master_params[i] if master_params else None)
         coeffs = make_coeffs({**h, "max_grad_norm": 0.0}, inv_scale, None, False)
         decayed = bool(h["lars_decayed_grad"])
         term = lars_norm_term(w, grads[i].to(w.dtype), coeffs, h["weight_decay"], decayed)

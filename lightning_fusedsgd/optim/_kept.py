@@ -2,9 +2,9 @@
 
 Planning costs a few microseconds of Python per parameter, which on models with thousands of small tensors is
 as much as the update itself. A kept plan is checked in bulk instead: here, with C-level ``map`` only, the
-same params (by identity) and the switches that decide what the plan checks (momentum, master weights, LARS,
-clipping), the same state mapping (keys and per-param dicts by identity, in order) and the same state tensors
-(by identity); then, per kind of plan, that grads and params are laid out as recorded:
+same params (by identity) and the switches that decide what the plan checks (momentum, master weights, Kahan
+compensations, LARS, clipping), the same state mapping (keys and per-param dicts by identity, in order) and
+the same state tensors (by identity); then, per kind of plan, that grads and params are laid out as recorded:
 
 * :class:`KeptSteps`: the bucket arguments held in C++ (``torch.classes.lightning_fusedsgd.CachedStep``),
   whose ``gather()`` checks layouts and collects this step's grads, so a step converts no tensor lists from
@@ -28,10 +28,9 @@ from torch import Tensor
 
 from lightning_fusedsgd import ops
 from lightning_fusedsgd.optim import _dtensor
-from lightning_fusedsgd.optim._plan import BucketKey, Plan, real_view
+from lightning_fusedsgd.optim._plan import MASTER_STATE, NO_MASTERS, BucketKey, Plan, real_view
 
 _get_buffer = operator.methodcaller("get", "momentum_buffer")
-_get_master = operator.methodcaller("get", "master_param")
 _NO_STATE: dict[str, Any] = {}
 
 
@@ -42,6 +41,7 @@ def _group_key(groups: Sequence[dict[str, Any]]) -> list[tuple[Any, ...]]:
             len(g["params"]),
             g["momentum"] != 0,
             bool(g["master_weights"]),
+            g["update_rounding"] == "kahan",
             bool(g["lars"]),
             g["max_grad_norm"] is not None,
             g["max_grad_value"] is not None,
@@ -60,13 +60,15 @@ class _Record:
     state_dicts: list[dict[str, Any]]
     stepped_dicts: list[dict[str, Any]]
     buffers: list[Tensor | None]
-    masters: list[Tensor | None]  # empty when no bucket keeps master weights
+    # By state key: the masters or compensations, for the kinds some bucket keeps.
+    masters: dict[str, list[Tensor | None]]
 
     @classmethod
     def of(
-        cls, groups: Sequence[dict[str, Any]], state: Mapping[Tensor, dict[str, Any]], masters: bool
+        cls, groups: Sequence[dict[str, Any]], state: Mapping[Tensor, dict[str, Any]], plan: Plan
     ) -> _Record:
         params = [p for g in groups for p in g["params"]]
+        master_keys = {MASTER_STATE[masters][0] for *_, masters in plan.buckets if masters != NO_MASTERS}
         stepped_dicts = [state.get(p, _NO_STATE) for p in params if p.grad is not None]
         return cls(
             group_key=_group_key(groups),
@@ -75,7 +77,7 @@ class _Record:
             state_dicts=list(state.values()),
             stepped_dicts=stepped_dicts,
             buffers=list(map(_get_buffer, stepped_dicts)),
-            masters=list(map(_get_master, stepped_dicts)) if masters else [],
+            masters={key: list(map(operator.methodcaller("get", key), stepped_dicts)) for key in master_keys},
         )
 
     def matches(self, groups: Sequence[dict[str, Any]], state: Mapping[Tensor, dict[str, Any]]) -> bool:
@@ -88,7 +90,10 @@ class _Record:
             and all(map(operator.is_, state, self.state_keys))
             and all(map(operator.is_, state.values(), self.state_dicts))
             and all(map(operator.is_, map(_get_buffer, self.stepped_dicts), self.buffers))
-            and all(map(operator.is_, map(_get_master, self.stepped_dicts), self.masters))
+            and all(
+                all(map(operator.is_, map(operator.methodcaller("get", key), self.stepped_dicts), stored))
+                for key, stored in self.masters.items()
+            )
         )
 
 
@@ -134,7 +139,7 @@ class KeptSteps:
     def of(
         cls, groups: Sequence[dict[str, Any]], state: Mapping[Tensor, dict[str, Any]], plan: Plan
     ) -> KeptSteps:
-        record = _Record.of(groups, state, masters=any(key[2] for key in plan.buckets))
+        record = _Record.of(groups, state, plan)
         stepped, position = _stepped_positions(record.params)
         ops.load(next(iter(plan.buckets))[0].type)  # the class is in the library
         step = torch.classes.lightning_fusedsgd.CachedStep(
@@ -184,7 +189,7 @@ class KeptShardedPlan:
     def of(
         cls, groups: Sequence[dict[str, Any]], state: Mapping[Tensor, dict[str, Any]], plan: Plan
     ) -> KeptShardedPlan:
-        record = _Record.of(groups, state, masters=any(key[2] for key in plan.buckets))
+        record = _Record.of(groups, state, plan)
         stepped, position = _stepped_positions(record.params)
         return cls(
             record,

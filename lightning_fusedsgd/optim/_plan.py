@@ -1,6 +1,6 @@
 """The step plan: every param with a grad checked and gathered into buckets, before anything is written.
 
-A bucket is one (device, dtype, master weights) set of tensors in the ops' argument order; the plan also lists
+A bucket is one (device, dtype, masters) set of tensors in the ops' argument order; the plan also lists
 the state to store once the kernels ran and the params updated through a copy. Nothing here knows the
 optimizer: ``plan_step`` reads its groups and state."""
 
@@ -19,18 +19,26 @@ LOW_PRECISION = (torch.bfloat16, torch.float16)
 # Complex params are stepped as their real views, as torch.optim.SGD does.
 _SUPPORTED_DTYPES = (torch.float32, torch.float64, *LOW_PRECISION, torch.complex64, torch.complex128)
 _NO_STATE: dict[str, Any] = {}
-BucketKey = tuple[torch.device, torch.dtype, bool]  # (device, param dtype, master weights)
+
+# What a bucket's master_params hold (the ops' contract): nothing, fp32 master weights, or bf16 Kahan
+# compensations (update_rounding="kahan"); each kind with the state key that stores it and its dtype.
+NO_MASTERS, FP32_MASTERS, KAHAN_COMPENSATIONS = "", "fp32 master", "kahan compensation"
+MASTER_STATE = {
+    FP32_MASTERS: ("master_param", torch.float32),
+    KAHAN_COMPENSATIONS: ("kahan_compensation", torch.bfloat16),
+}
+BucketKey = tuple[torch.device, torch.dtype, str]  # (device, param dtype, what master_params hold)
 
 
 @dataclass
 class Bucket:
-    """The tensors of one (device, dtype, master weights) bucket, in the kernel's argument order."""
+    """The tensors of one (device, dtype, masters) bucket, in the kernel's argument order."""
 
     params: list[Tensor] = field(default_factory=list)  # dense views: real views of complex params
     sources: list[Tensor] = field(default_factory=list)  # the optimizer's params behind them
     grads: list[Tensor] = field(default_factory=list)
     momentum_buffers: list[Tensor] = field(default_factory=list)  # of the params with momentum, in order
-    master_params: list[Tensor] = field(default_factory=list)
+    master_params: list[Tensor] = field(default_factory=list)  # fp32 masters or Kahan compensations, or none
     tensor_group: list[int] = field(default_factory=list)
     first_step: list[bool] = field(default_factory=list)
     # Per tensor: where its partial norms are all-reduced (_dtensor.reduce_key), None when not sharded.
@@ -39,12 +47,12 @@ class Bucket:
 
 @dataclass
 class Plan:
-    """A step's buckets by (device, dtype, master weights); the state entries to store once the kernels ran
-    (new buffers and masters, buffers converted to the param's layout or to fp32, and ``None`` for a master
-    to drop because its group turned master weights off); and the (param, dense copy) pairs of params that
-    are not dense and are updated through a copy. For DTensor params the buckets hold local shards, the new
-    state is DTensors placed like the params, and ``sharded`` says whether any tensor's norms need an
-    all-reduce."""
+    """A step's buckets by (device, dtype, masters); the state entries to store once the kernels ran
+    (new buffers, masters and compensations, buffers converted to the param's layout or to fp32, and ``None``
+    for a master or compensation to drop because its group turned it off); and the (param, dense copy) pairs
+    of params that are not dense and are updated through a copy. For DTensor params the buckets hold local
+    shards, the new state is DTensors placed like the params, and ``sharded`` says whether any tensor's norms
+    need an all-reduce."""
 
     buckets: dict[BucketKey, Bucket] = field(default_factory=dict)
     new_state: list[tuple[Tensor, str, Tensor | None]] = field(default_factory=list)
@@ -121,8 +129,8 @@ def _check_no_overlap(stepped: list[tuple[Tensor, _Place]]) -> None:
 
 
 def bucket_name(key: BucketKey) -> str:
-    device, dtype, master = key
-    return f"{device}/{str(dtype).removeprefix('torch.')}{' + fp32 master' if master else ''}"
+    device, dtype, masters = key
+    return f"{device}/{str(dtype).removeprefix('torch.')}{' + ' + masters if masters else ''}"
 
 
 def real_view(tensor: Tensor) -> Tensor:
@@ -245,9 +253,9 @@ def _plan_param(
     tracing: bool,
 ) -> None:
     """Adds one param to its bucket: dense views of param and grad (real views of complex ones), and
-    its momentum buffer and master, converted to the param's layout where needed."""
+    its momentum buffer and master or compensation, converted to the param's layout where needed."""
     has_momentum = group["momentum"] != 0
-    use_master = bool(group["master_weights"]) and param.dtype in LOW_PRECISION
+    masters = _masters_of(group, param.dtype)
     # A DTensor param is stepped as its local shard; its state is stored as DTensors placed like it.
     shard = _dtensor.local(param)
     dense = shard if _is_dense(shard) else shard.contiguous()
@@ -258,7 +266,7 @@ def _plan_param(
     if grad.dtype != param.dtype or grad.stride() != stride:
         grad = torch.empty_like(dense).copy_(grad)
 
-    bucket = plan.buckets.setdefault((dense.device, param.dtype, use_master), Bucket())
+    bucket = plan.buckets.setdefault((dense.device, param.dtype, masters), Bucket())
     bucket.params.append(real_view(dense))
     bucket.sources.append(param)
     bucket.grads.append(real_view(grad))
@@ -269,7 +277,7 @@ def _plan_param(
     buffer = state.get("momentum_buffer") if has_momentum else None
     bucket.first_step.append(has_momentum and buffer is None)
     if has_momentum:
-        buffer_dtype = torch.float32 if use_master else param.dtype
+        buffer_dtype = torch.float32 if masters == FP32_MASTERS else param.dtype
         if buffer is None:
             new_buffer = torch.zeros_like if tracing else torch.empty_like
             buffer = new_buffer(dense, dtype=buffer_dtype)
@@ -290,30 +298,42 @@ def _plan_param(
                 plan.new_state.append((param, "momentum_buffer", _dtensor.like_param(local_buffer, param)))
             buffer = local_buffer
         bucket.momentum_buffers.append(real_view(buffer))
-    master = state.get("master_param")
-    if not use_master:
-        if master is not None:  # stale once the param steps without it: seeded anew if turned back on
-            plan.new_state.append((param, "master_param", None))
-        return
-    local_master = None if master is None else _dtensor.local(master)
-    if (
-        master is None
-        or master.shape != param.shape
-        or _dtensor.is_sharded(master) != _dtensor.is_sharded(param)
-        or local_master.dtype != torch.float32
-        or local_master.stride() != stride
-    ):
-        check_state_shapes(state, group, group_index, param_index, param)
-        source = dense if local_master is None else local_master
-        local_master = torch.empty_like(dense, dtype=torch.float32).copy_(source)
-        plan.new_state.append((param, "master_param", _dtensor.like_param(local_master, param)))
-    bucket.master_params.append(local_master)
+    for kind, (key, dtype) in MASTER_STATE.items():
+        stored = state.get(key)
+        if kind != masters:
+            if stored is not None:  # stale once the param steps without it: seeded anew if turned back on
+                plan.new_state.append((param, key, None))
+            continue
+        local = None if stored is None else _dtensor.local(stored)
+        if (
+            stored is None
+            or stored.shape != param.shape
+            or _dtensor.is_sharded(stored) != _dtensor.is_sharded(param)
+            or local.dtype != dtype
+            or local.stride() != stride
+        ):
+            check_state_shapes(state, group, group_index, param_index, param)
+            if local is None:  # a new master is the param; a new compensation is 0 (the weight is the param)
+                local = dense if kind == FP32_MASTERS else torch.zeros_like(dense)
+            local = torch.empty_like(dense, dtype=dtype).copy_(local)
+            plan.new_state.append((param, key, _dtensor.like_param(local, param)))
+        bucket.master_params.append(local)
+
+
+def _masters_of(group: dict[str, Any], dtype: torch.dtype) -> str:
+    """What the kernel keeps beside a param of this dtype in this group: fp32 masters (bf16/fp16 params with
+    master_weights), a Kahan compensation (bf16 params without them, update_rounding="kahan"), or nothing."""
+    if group["master_weights"] and dtype in LOW_PRECISION:
+        return FP32_MASTERS
+    if group["update_rounding"] == "kahan" and dtype == torch.bfloat16:
+        return KAHAN_COMPENSATIONS
+    return NO_MASTERS
 
 
 def check_state_shapes(
     state: dict[str, Any], group: dict[str, Any], group_index: int, param_index: int, param: Tensor
 ) -> None:
-    for key in ("momentum_buffer", "master_param"):
+    for key in ("momentum_buffer", *(key for key, _ in MASTER_STATE.values())):
         value = state.get(key)
         if isinstance(value, Tensor) and _dtensor.is_sharded(value) != _dtensor.is_sharded(param):
             kinds = ["a DTensor", "a plain tensor"]

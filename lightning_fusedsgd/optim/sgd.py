@@ -81,8 +81,12 @@ class FusedSGD(Optimizer):
             weight moves by the update on average (Zamirai et al. 2020, arXiv:2010.06192), and rounds the
             bf16 momentum buffer the same way. The random bits are a pure function of ``rounding_seed``, the
             group's step count, the tensor's position in the step and the element's index: the same on any
-            thread count, on CPU and CUDA, and after a resume. Other params of the group are unaffected;
-            fp16 params need master weights. Not capturable, and not under ``torch.compile``.
+            thread count, on CPU and CUDA, and after a resume (not capturable, and not under
+            ``torch.compile``). ``"kahan"`` keeps a bf16 compensation per param
+            (``state[p]["kahan_compensation"]``, 2 bytes per element): the weight is param + compensation,
+            the param takes the update rounded to nearest and the compensation what that rounding dropped, so
+            small updates accumulate until they move the param (deterministic; the buffer is rounded to
+            nearest). Other params of the group are unaffected; fp16 params need master weights.
         rounding_seed: The seed of stochastic rounding (an int in [0, 2**53)). Each group counts its steps
             in ``group["rounding_step"]``, which the state dict saves.
         capturable: Keep every per-step value on the params' device, so that a step can be captured in a CUDA

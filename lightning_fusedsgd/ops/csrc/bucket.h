@@ -14,11 +14,19 @@
 
 namespace lfsgd {
 
+// What a bucket's master_params hold: nothing; fp32 master weights of bf16/fp16 params, which hold their
+// rounding; or bf16 Kahan compensations of bf16 params, the weight being param + compensation (sgd_math.h).
+enum class Masters { kNone, kFp32, kCompensation };
+
+// The element type of a bucket's master_params.
+template <Masters kMasters>
+using MasterType = std::conditional_t<kMasters == Masters::kCompensation, c10::BFloat16, float>;
+
 // A validated bucket: each group's hyperparameters and each tensor's slot in momentum_buffers (-1: none).
 struct BucketArgs {
   std::vector<GroupHParams> groups;
   std::vector<int64_t> buffer_slot;
-  bool master = false;
+  Masters masters = Masters::kNone;
   bool any_lars = false;
 };
 
@@ -60,6 +68,24 @@ inline void check_grads(at::TensorList grads) {
   }
 }
 
+// What master_params hold, checked against the params: all fp32 masters of bf16/fp16 params, or all bf16
+// compensations of bf16 params, laid out as their params.
+inline Masters check_masters(at::TensorList params, at::TensorList master_params, const char* op) {
+  if (master_params.empty()) return Masters::kNone;
+  const auto dtype = params[0].scalar_type();
+  const auto kind = master_params[0].scalar_type();
+  TORCH_CHECK(kind == at::kBFloat16 ? dtype == at::kBFloat16 : (kind == at::kFloat && (dtype == at::kBFloat16 ||
+                                                                                       dtype == at::kHalf)),
+              "lightning_fusedsgd::", op, ": master_params are fp32 masters of bf16/fp16 params or bf16 "
+              "compensations of bf16 params, got ", kind, " for ", dtype, " params");
+  for (size_t t = 0; t < params.size(); ++t) {
+    check_same_layout(params[t], master_params[t], "master param");
+    TORCH_CHECK(master_params[t].scalar_type() == kind, "lightning_fusedsgd::", op,
+                ": master_params must have one dtype");
+  }
+  return kind == at::kBFloat16 ? Masters::kCompensation : Masters::kFp32;
+}
+
 // sgd_step's arguments, as the op receives them (documented with its schema, lightning_fusedsgd/ops/__init__.py).
 struct StepArgs {
   at::TensorList params;
@@ -85,13 +111,11 @@ inline BucketArgs check_bucket(const StepArgs& a) {
               "lightning_fusedsgd::sgd_step: master_params must be empty or one per param");
   BucketArgs args;
   args.groups = decode_table(a.group_hparams, "sgd_step");
-  args.master = !a.master_params.empty();
   if (n == 0) return args;
   const at::Tensor& first = a.params[0];
   const auto dtype = first.scalar_type();
   TORCH_CHECK(supported_dtype(dtype), "lightning_fusedsgd::sgd_step: unsupported param dtype ", dtype);
-  TORCH_CHECK(!args.master || dtype == at::kBFloat16 || dtype == at::kHalf,
-              "lightning_fusedsgd::sgd_step: master weights are for bf16/fp16 params");
+  args.masters = check_masters(a.params, a.master_params, "sgd_step");
   check_scalar(a.grad_scale, first.device(), "grad_scale");
   check_scalar(a.found_inf, first.device(), "found_inf");
   check_scalar(a.grad_sq_sum, first.device(), "grad_sq_sum", at::kDouble);
@@ -106,7 +130,7 @@ inline BucketArgs check_bucket(const StepArgs& a) {
                   (lrs->device() == first.device() && lrs->scalar_type() == at::kDouble && lrs->dim() == 1 &&
                    lrs->size(0) == static_cast<int64_t>(args.groups.size()) && lrs->is_contiguous()),
               "lightning_fusedsgd::sgd_step: lrs must be a contiguous float64 [groups] tensor on ", first.device());
-  const auto buffer_dtype = args.master ? at::kFloat : dtype;
+  const auto buffer_dtype = args.masters == Masters::kFp32 ? at::kFloat : dtype;
   size_t slot = 0;
   for (size_t t = 0; t < n; ++t) {
     const at::Tensor& p = a.params[t];
@@ -129,10 +153,6 @@ inline BucketArgs check_bucket(const StepArgs& a) {
       check_same_layout(p, buffer, "momentum buffer");
       TORCH_CHECK(buffer.scalar_type() == buffer_dtype, "lightning_fusedsgd::sgd_step: momentum buffers must be ",
                   buffer_dtype);
-    }
-    if (args.master) {
-      check_same_layout(p, a.master_params[t], "master param");
-      TORCH_CHECK(a.master_params[t].scalar_type() == at::kFloat, "lightning_fusedsgd::sgd_step: masters are fp32");
     }
   }
   TORCH_CHECK(slot == a.momentum_buffers.size(),
@@ -157,16 +177,17 @@ void sgd_step_op(at::TensorList params, at::TensorList grads, at::TensorList mom
 using SgdStepFunction = decltype(sgd_step_op<nullptr>);
 
 // lars_sq_sums's arguments: params, grads and masters as sgd_step takes them, and each param's group row.
-// Returns the groups' hyperparameters.
-inline std::vector<GroupHParams> check_norm_inputs(at::TensorList params, at::TensorList grads,
-                                                   at::TensorList master_params, const at::Tensor& group_hparams,
-                                                   at::IntArrayRef tensor_group,
-                                                   const std::optional<at::Tensor>& grad_scale) {
+// Returns the groups' hyperparameters and what the masters hold.
+inline BucketArgs check_norm_inputs(at::TensorList params, at::TensorList grads, at::TensorList master_params,
+                                    const at::Tensor& group_hparams, at::IntArrayRef tensor_group,
+                                    const std::optional<at::Tensor>& grad_scale) {
   const size_t n = params.size();
   TORCH_CHECK(grads.size() == n && tensor_group.size() == n && (master_params.empty() || master_params.size() == n),
               "lightning_fusedsgd::lars_sq_sums: one grad and group entry (and master, or none) per param");
-  const std::vector<GroupHParams> groups = decode_table(group_hparams, "lars_sq_sums");
-  if (n == 0) return groups;
+  BucketArgs args;
+  args.groups = decode_table(group_hparams, "lars_sq_sums");
+  const std::vector<GroupHParams>& groups = args.groups;
+  if (n == 0) return args;
   const at::Tensor& first = params[0];
   TORCH_CHECK(supported_dtype(first.scalar_type()), "lightning_fusedsgd::lars_sq_sums: unsupported param dtype ",
               first.scalar_type());
@@ -179,12 +200,9 @@ inline std::vector<GroupHParams> check_norm_inputs(at::TensorList params, at::Te
                     p.is_non_overlapping_and_dense() && grads[t].scalar_type() == p.scalar_type(),
                 "lightning_fusedsgd::lars_sq_sums: dense params of one device and dtype, grads of their dtype");
     check_same_layout(p, grads[t], "grad");
-    if (!master_params.empty()) {
-      check_same_layout(p, master_params[t], "master param");
-      TORCH_CHECK(master_params[t].scalar_type() == at::kFloat, "lightning_fusedsgd::lars_sq_sums: masters are fp32");
-    }
   }
-  return groups;
+  args.masters = check_masters(params, master_params, "lars_sq_sums");
+  return args;
 }
 
 // schedule_lrs's arguments (documented with its schema in ops/__init__.py), all on one device.
@@ -207,20 +225,28 @@ inline void check_schedule_inputs(const at::Tensor& lrs, const at::Tensor& posit
               "lightning_fusedsgd::schedule_lrs: applied must be a one-element bool tensor on the lrs' device");
 }
 
-// Calls run(param, buffer, master) with value tags of the bucket's types: the param type P, the momentum buffer
-// type B (fp32 with masters) and std::bool_constant<master>.
+template <Masters kMasters>
+using MastersTag = std::integral_constant<Masters, kMasters>;
+
+// Calls run(param, buffer, masters) with value tags of the bucket's types: the param type P, the momentum buffer
+// type B (fp32 with fp32 masters) and MastersTag<masters> (check_masters allows the combinations below).
 template <typename Run>
-void dispatch_bucket_types(at::ScalarType dtype, bool master, Run&& run) {
+void dispatch_bucket_types(at::ScalarType dtype, Masters masters, Run&& run) {
+  using None = MastersTag<Masters::kNone>;
+  using Fp32 = MastersTag<Masters::kFp32>;
   switch (dtype) {
     case at::kFloat:
-      return run(float{}, float{}, std::false_type{});
+      return run(float{}, float{}, None{});
     case at::kDouble:
-      return run(double{}, double{}, std::false_type{});
+      return run(double{}, double{}, None{});
     case at::kBFloat16:
-      return master ? run(c10::BFloat16{}, float{}, std::true_type{})
-                    : run(c10::BFloat16{}, c10::BFloat16{}, std::false_type{});
+      if (masters == Masters::kFp32) return run(c10::BFloat16{}, float{}, Fp32{});
+      if (masters == Masters::kCompensation) {
+        return run(c10::BFloat16{}, c10::BFloat16{}, MastersTag<Masters::kCompensation>{});
+      }
+      return run(c10::BFloat16{}, c10::BFloat16{}, None{});
     case at::kHalf:
-      return master ? run(c10::Half{}, float{}, std::true_type{}) : run(c10::Half{}, c10::Half{}, std::false_type{});
+      return masters == Masters::kFp32 ? run(c10::Half{}, float{}, Fp32{}) : run(c10::Half{}, c10::Half{}, None{});
     default:
       TORCH_CHECK(false, "lightning_fusedsgd::sgd_step: unsupported dtype ", dtype);
   }

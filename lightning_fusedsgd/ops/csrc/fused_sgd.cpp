@@ -64,13 +64,15 @@ inline void store(c10::BFloat16* p, int64_t i, float v) {
   reinterpret_cast<uint16_t*>(p)[i] = rounded_bits(v);
 }
 
-// The weight of element i in opmath: the param, or its master re-synced with the param (synced_master in
-// sgd_math.h). The bf16 comparison is integer work the compiler vectorizes (a NaN master may compare unequal
-// and take the param's NaN: NaN either way).
-template <bool kMaster, typename P>
-inline typename OpMath<P>::type load_weight(const P* w, const float* m, int64_t i) {
-  if constexpr (!kMaster) {
+// The weight of element i in opmath: the param, its fp32 master re-synced with the param (synced_master in
+// sgd_math.h), or the param plus its Kahan compensation. The bf16 comparison is integer work the compiler
+// vectorizes (a NaN master may compare unequal and take the param's NaN: NaN either way).
+template <Masters kMasters, typename P, typename M>
+inline typename OpMath<P>::type load_weight(const P* w, const M* m, int64_t i) {
+  if constexpr (kMasters == Masters::kNone) {
     return load(w, i);
+  } else if constexpr (kMasters == Masters::kCompensation) {
+    return load(w, i) + load(m, i);
   } else if constexpr (std::is_same_v<P, c10::BFloat16>) {
     const uint32_t master = float_bits(m[i]);
     const uint32_t rounded = nearest_even_high_bits(master) & 0xFFFFu;
@@ -83,13 +85,13 @@ inline typename OpMath<P>::type load_weight(const P* w, const float* m, int64_t 
 
 // A chunk's sums of squares of w and of the LARS gradient term (lars_norm_term), accumulated in S: the
 // opmath type, or double.
-template <typename S, bool kDecayed, bool kClipValue, bool kMaster, typename P, typename O>
-void sum_squares(const P* w, const float* m, const P* gr, const Chunk& chunk, const Coeffs<O>& c, O weight_decay,
+template <typename S, bool kDecayed, bool kClipValue, Masters kMasters, typename P, typename M, typename O>
+void sum_squares(const P* w, const M* m, const P* gr, const Chunk& chunk, const Coeffs<O>& c, O weight_decay,
                  double& sum_w, double& sum_g) {
   S sw = 0, sg = 0;
 #pragma omp simd reduction(+ : sw, sg)
   for (int64_t i = chunk.begin; i < chunk.end; ++i) {
-    const O wi = load_weight<kMaster>(w, m, i);
+    const O wi = load_weight<kMasters>(w, m, i);
     const S gi = lars_norm_term<kClipValue, O>(wi, load(gr, i), c, weight_decay, kDecayed);
     sw += static_cast<S>(wi) * wi;
     sg += gi * gi;
@@ -109,13 +111,13 @@ inline bool exact_in_opmath(double sum) {
 
 // A chunk's sums for lars_sq_sums: of w^2, of the LARS term (lars_norm_term) squared and of w times it,
 // accumulated in S (the opmath type, or double where the sums leave exact_in_opmath's range, as the norm pass).
-template <typename S, bool kDecayed, bool kClipValue, bool kMaster, typename P, typename O>
-void lars_partial_sums(const P* w, const float* m, const P* gr, const Chunk& chunk, const Coeffs<O>& c,
+template <typename S, bool kDecayed, bool kClipValue, Masters kMasters, typename P, typename M, typename O>
+void lars_partial_sums(const P* w, const M* m, const P* gr, const Chunk& chunk, const Coeffs<O>& c,
                        O weight_decay, double* sums) {
   S sw = 0, st = 0, swt = 0;
 #pragma omp simd reduction(+ : sw, st, swt)
   for (int64_t i = chunk.begin; i < chunk.end; ++i) {
-    const O wi = load_weight<kMaster>(w, m, i);
+    const O wi = load_weight<kMasters>(w, m, i);
     const S ti = lars_norm_term<kClipValue, O>(wi, load(gr, i), c, weight_decay, kDecayed);
     sw += static_cast<S>(wi) * wi;
     st += ti * ti;
@@ -152,10 +154,11 @@ double grad_sum_squares(const P* gr, const Chunk& chunk) {
 
 // One bucket's step on the CPU: each tensor's pointers and coefficients, the work list, and the LARS partial
 // sums that the norm pass writes and the update reads.
-template <typename P, typename B, bool kMaster>
+template <typename P, typename B, Masters kMasters>
 class BucketStep {
  public:
   using O = typename OpMath<P>::type;
+  using M = MasterType<kMasters>;
 
   BucketStep(const StepArgs& a, const BucketArgs& args, double inv_scale, double grad_sq_sum,
              const double* lars_sums)
@@ -173,7 +176,7 @@ class BucketStep {
       w_ptr_[t] = params[t].data_ptr<P>();
       g_ptr_[t] = a.grads[t].data_ptr<P>();
       if (args.buffer_slot[t] >= 0) b_ptr_[t] = a.momentum_buffers[args.buffer_slot[t]].data_ptr<B>();
-      if (kMaster) m_ptr_[t] = a.master_params[t].data_ptr<float>();
+      if (kMasters != Masters::kNone) m_ptr_[t] = a.master_params[t].data_ptr<M>();
       coeffs_[t] = make_coeffs<O>(h, inv_scale, grad_sq_sum, a.first_step[t]);
       // Given sums (sharded params, reduced across shards) replace the norm pass: the ratio is set here.
       lars_[t] = lars_adapts(h) && lars_sums == nullptr;
@@ -216,10 +219,10 @@ class BucketStep {
     const auto sum = [&](auto accumulator) {
       using S = decltype(accumulator);
       const O weight_decay = static_cast<O>(groups_[tensor_group_[t]].weight_decay);
-      const auto run = decayed ? (clip_value ? sum_squares<S, true, true, kMaster, P, O>
-                                             : sum_squares<S, true, false, kMaster, P, O>)
-                               : (clip_value ? sum_squares<S, false, true, kMaster, P, O>
-                                             : sum_squares<S, false, false, kMaster, P, O>);
+      const auto run = decayed ? (clip_value ? sum_squares<S, true, true, kMasters, P, M, O>
+                                             : sum_squares<S, true, false, kMasters, P, M, O>)
+                               : (clip_value ? sum_squares<S, false, true, kMasters, P, M, O>
+                                             : sum_squares<S, false, false, kMasters, P, M, O>);
       run(w_ptr_[t], m_ptr_[t], g_ptr_[t], chunk, coeffs_[t], weight_decay, w_sq_[c], g_sq_[c]);
     };
     sum(O{});
@@ -261,7 +264,7 @@ class BucketStep {
   // could alias a referenced Coeffs, which stops vectorization too.
   // Rounding the update stochastically is a switch of bf16 buckets without masters only (the others round in
   // fp32 or fp64, or to fp16, which the plan refuses).
-  static constexpr bool kMayRoundStochastically = std::is_same_v<P, c10::BFloat16> && !kMaster;
+  static constexpr bool kMayRoundStochastically = std::is_same_v<P, c10::BFloat16> && kMasters == Masters::kNone;
 
   template <bool kClipValue>
   void update_elements(const Chunk& chunk, int32_t t, const Coeffs<O> c) const {
@@ -292,19 +295,24 @@ class BucketStep {
     P* w = w_ptr_[t];
     const P* gr = g_ptr_[t];
     B* b = b_ptr_[t];
-    float* m = m_ptr_[t];
+    M* m = m_ptr_[t];
     const GroupHParams& h = groups_[tensor_group_[t]];
     const uint32_t key = kStochastic ? rounding_key(h, t) : 0;
 #pragma omp simd
     for (int64_t i = chunk.begin; i < chunk.end; ++i) {
-      O wi = load_weight<kMaster>(w, m, i);
+      O wi = load_weight<kMasters>(w, m, i);
       O bi = kMomentum && !kFirst ? static_cast<O>(load(b, i)) : O(0);
       sgd_element<kClipValue>(wi, static_cast<O>(load(gr, i)), bi, c);
-      if (kMaster) m[i] = static_cast<float>(wi);
+      if constexpr (kMasters == Masters::kFp32) m[i] = static_cast<float>(wi);
       if constexpr (kStochastic) {
         const uint32_t random = element_random_bits(key, i);
         reinterpret_cast<uint16_t*>(w)[i] = stochastic_bf16_bits(float_bits(wi), random >> 16);
         if (kMomentum) reinterpret_cast<uint16_t*>(b)[i] = stochastic_bf16_bits(float_bits(bi), random & 0xFFFFu);
+      } else if constexpr (kMasters == Masters::kCompensation) {
+        const uint16_t rounded = rounded_bits(wi);
+        reinterpret_cast<uint16_t*>(w)[i] = rounded;
+        store(m, i, kahan_compensation(wi, bits_float(uint32_t{rounded} << 16)));
+        if (kMomentum) store(b, i, bi);
       } else {
         store(w, i, wi);
         if (kMomentum) store(b, i, bi);
@@ -317,7 +325,7 @@ class BucketStep {
   std::vector<P*> w_ptr_;
   std::vector<const P*> g_ptr_;
   std::vector<B*> b_ptr_;
-  std::vector<float*> m_ptr_;
+  std::vector<M*> m_ptr_;
   std::vector<Coeffs<O>> coeffs_;
   std::vector<bool> lars_;
   WorkList work_;
@@ -335,8 +343,8 @@ void run_cpu(const StepArgs& a, const BucketArgs& checked) {
   const double inv_scale = a.grad_scale.has_value() ? inverse_scale(a.grad_scale->item<float>()) : 1.0;
   const double sq_sum = a.grad_sq_sum.has_value() ? a.grad_sq_sum->item<double>() : 0.0;
   const double* lars_sums = a.lars_sq_sums.has_value() ? a.lars_sq_sums->data_ptr<double>() : nullptr;
-  dispatch_bucket_types(a.params[0].scalar_type(), args.master, [&](auto param, auto buffer, auto master) {
-    BucketStep<decltype(param), decltype(buffer), decltype(master)::value>(a, args, inv_scale, sq_sum, lars_sums)
+  dispatch_bucket_types(a.params[0].scalar_type(), args.masters, [&](auto param, auto buffer, auto masters) {
+    BucketStep<decltype(param), decltype(buffer), decltype(masters)::value>(a, args, inv_scale, sq_sum, lars_sums)
         .run();
   });
 }
@@ -346,18 +354,19 @@ void run_cpu(const StepArgs& a, const BucketArgs& checked) {
 at::Tensor lars_sq_sums_cpu(at::TensorList params, at::TensorList grads, at::TensorList master_params,
                             const at::Tensor& group_hparams, at::IntArrayRef tensor_group,
                             const std::optional<at::Tensor>& grad_scale) {
-  const std::vector<GroupHParams> groups =
-      check_norm_inputs(params, grads, master_params, group_hparams, tensor_group, grad_scale);
+  const BucketArgs checked = check_norm_inputs(params, grads, master_params, group_hparams, tensor_group, grad_scale);
+  const std::vector<GroupHParams>& groups = checked.groups;
   const int64_t n = static_cast<int64_t>(params.size());
   at::Tensor out = at::zeros({n, kNumLarsSums}, at::TensorOptions().dtype(at::kDouble));
   if (n == 0) return out;
   const WorkList work = make_work_list(params, std::vector<bool>(n, false));
   std::vector<double> partials(kNumLarsSums * work.chunks.size(), 0.0);
   const double inv_scale = grad_scale.has_value() ? inverse_scale(grad_scale->item<float>()) : 1.0;
-  dispatch_bucket_types(params[0].scalar_type(), !master_params.empty(), [&](auto param, auto, auto master) {
+  dispatch_bucket_types(params[0].scalar_type(), checked.masters, [&](auto param, auto, auto masters_tag) {
     using P = decltype(param);
     using O = typename OpMath<P>::type;
-    constexpr bool kMaster = decltype(master)::value;
+    constexpr Masters kMasters = decltype(masters_tag)::value;
+    using M = MasterType<kMasters>;
 #pragma omp parallel for schedule(static) num_threads(num_threads_for(work))
     for (int64_t c = 0; c < static_cast<int64_t>(work.chunks.size()); ++c) {
       const Chunk& chunk = work.chunks[c];
@@ -370,11 +379,12 @@ at::Tensor lars_sq_sums_cpu(at::TensorList params, at::TensorList grads, at::Ten
       double* sums = &partials[kNumLarsSums * c];
       const auto sum = [&](auto accumulator) {
         using S = decltype(accumulator);
-        const auto run = h.lars_decayed_grad ? (clip_value ? lars_partial_sums<S, true, true, kMaster, P, O>
-                                                           : lars_partial_sums<S, true, false, kMaster, P, O>)
-                                             : (clip_value ? lars_partial_sums<S, false, true, kMaster, P, O>
-                                                           : lars_partial_sums<S, false, false, kMaster, P, O>);
-        run(params[t].data_ptr<P>(), kMaster ? master_params[t].data_ptr<float>() : nullptr,
+        const auto run =
+            h.lars_decayed_grad ? (clip_value ? lars_partial_sums<S, true, true, kMasters, P, M, O>
+                                              : lars_partial_sums<S, true, false, kMasters, P, M, O>)
+                                : (clip_value ? lars_partial_sums<S, false, true, kMasters, P, M, O>
+                                              : lars_partial_sums<S, false, false, kMasters, P, M, O>);
+        run(params[t].data_ptr<P>(), kMasters != Masters::kNone ? master_params[t].data_ptr<M>() : nullptr,
             grads[t].data_ptr<P>(), chunk, coeffs, static_cast<O>(h.weight_decay), sums);
       };
       sum(O{});
@@ -397,7 +407,7 @@ at::Tensor grad_sq_sum_cpu(at::TensorList grads) {
   const WorkList work = make_work_list(grads, std::vector<bool>(grads.size(), false));
   std::vector<double> partials(work.chunks.size());
   if (!grads.empty()) {
-    dispatch_bucket_types(grads[0].scalar_type(), false, [&](auto grad, auto, auto) {
+    dispatch_bucket_types(grads[0].scalar_type(), Masters::kNone, [&](auto grad, auto, auto) {
       using P = decltype(grad);
       using O = typename OpMath<P>::type;
 #pragma omp parallel for schedule(static) num_threads(num_threads_for(work))

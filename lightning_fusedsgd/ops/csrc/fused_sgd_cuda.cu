@@ -39,7 +39,7 @@ struct TensorArgs {
   void* param;
   const void* grad;
   void* buffer;  // momentum buffer, or null without momentum
-  float* master;  // fp32 master weights, or null
+  void* master;  // fp32 master weights or bf16 Kahan compensations (MasterType), or null
   int64_t group;
   int32_t first;  // first step: the buffer is seeded with the gradient
   int32_t lars;
@@ -82,12 +82,16 @@ __device__ inline Coeffs<O> coeffs_of(const GroupHParams& h, const TensorArgs& t
                         t.first != 0);
 }
 
-// The weight of element i in opmath: the param, or its master re-synced with the param (sgd_math.h).
-template <bool kMaster, typename P>
-__device__ inline typename OpMath<P>::type load_weight(const P* w, const float* m, int64_t i) {
-  if constexpr (kMaster) {
+// The weight of element i in opmath: the param, its fp32 master re-synced with the param, or the param plus its
+// Kahan compensation (sgd_math.h).
+template <Masters kMasters, typename P>
+__device__ inline typename OpMath<P>::type load_weight(const P* w, const void* masters, int64_t i) {
+  const MasterType<kMasters>* m = static_cast<const MasterType<kMasters>*>(masters);
+  if constexpr (kMasters == Masters::kFp32) {
     const P param = w[i];
     return synced_master(m[i], static_cast<P>(m[i]).x, param.x, static_cast<float>(param));
+  } else if constexpr (kMasters == Masters::kCompensation) {
+    return static_cast<float>(w[i]) + static_cast<float>(m[i]);
   } else {
     return static_cast<typename OpMath<P>::type>(w[i]);
   }
@@ -110,7 +114,7 @@ __device__ inline double block_sum(double value, double* scratch) {
 }
 
 // LARS pass 1: each chunk of a LARS tensor writes its partial sums of w^2 and g^2.
-template <typename P, bool kMaster>
+template <typename P, Masters kMasters>
 __global__ void __launch_bounds__(kThreads)
     norm_kernel(const TensorArgs* tensors, const ChunkArgs* chunks, const GroupHParams* groups, double* partials,
                 StepScalars scalars) {
@@ -127,7 +131,7 @@ __global__ void __launch_bounds__(kThreads)
   // Squares are summed in double (fp32 squares underflow below about 1e-23 and overflow above 1e19).
   double sum_w = 0, sum_g = 0;
   for (int64_t i = chunk.begin + threadIdx.x; i < chunk.end; i += kThreads) {
-    const O wi = load_weight<kMaster>(w, t.master, i);
+    const O wi = load_weight<kMasters>(w, t.master, i);
     const O gi = lars_norm_term<true, O>(wi, static_cast<O>(g[i]), c, weight_decay, h.lars_decayed_grad);
     sum_w += static_cast<double>(wi) * wi;
     sum_g += static_cast<double>(gi) * gi;
@@ -143,7 +147,7 @@ __global__ void __launch_bounds__(kThreads)
 
 // The update: each block steps one chunk. LARS tensors first reduce their chunks' partial sums in a fixed
 // order (so every chunk of a tensor gets the same trust ratio) and apply trust_ratio.
-template <typename P, typename B, bool kMaster>
+template <typename P, typename B, Masters kMasters>
 __global__ void __launch_bounds__(kThreads)
     update_kernel(const TensorArgs* tensors, const ChunkArgs* chunks, const GroupHParams* groups,
                   const double* partials, StepScalars scalars) {
@@ -180,7 +184,7 @@ __global__ void __launch_bounds__(kThreads)
   const P* g = static_cast<const P*>(t.grad);
   B* b = static_cast<B*>(t.buffer);
   // Stochastic rounding of the update: bf16 params without masters only (sgd_math.h).
-  constexpr bool kMayRoundStochastically = std::is_same_v<P, c10::BFloat16> && !kMaster;
+  constexpr bool kMayRoundStochastically = std::is_same_v<P, c10::BFloat16> && kMasters == Masters::kNone;
   const bool stochastic = kMayRoundStochastically && h.stochastic_rounding;
   const uint32_t key = stochastic ? rounding_key(h, chunk.tensor) : 0;
   for (int64_t base = chunk.begin + threadIdx.x; base < chunk.end; base += kThreads * kUnroll) {
@@ -189,7 +193,7 @@ __global__ void __launch_bounds__(kThreads)
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t i = base + u * kThreads;
       if (i < chunk.end) {
-        wi[u] = load_weight<kMaster>(w, t.master, i);
+        wi[u] = load_weight<kMasters>(w, t.master, i);
         gi[u] = static_cast<O>(g[i]);
         bi[u] = has_momentum && !c.first ? static_cast<O>(b[i]) : O(0);
       }
@@ -199,8 +203,14 @@ __global__ void __launch_bounds__(kThreads)
       const int64_t i = base + u * kThreads;
       if (i < chunk.end) {
         sgd_element(wi[u], gi[u], bi[u], c);
-        if (kMaster) t.master[i] = static_cast<float>(wi[u]);
-        if (kMayRoundStochastically && stochastic) {
+        if constexpr (kMasters == Masters::kFp32) static_cast<float*>(t.master)[i] = wi[u];
+        if constexpr (kMasters == Masters::kCompensation) {
+          const P rounded = static_cast<P>(wi[u]);
+          w[i] = rounded;
+          static_cast<P*>(t.master)[i] =
+              static_cast<P>(kahan_compensation(wi[u], static_cast<float>(rounded)));
+          if (has_momentum) b[i] = static_cast<B>(bi[u]);
+        } else if (kMayRoundStochastically && stochastic) {
           const uint32_t random = element_random_bits(key, i);
           reinterpret_cast<uint16_t*>(w)[i] = stochastic_bf16_bits(__float_as_uint(wi[u]), random >> 16);
           if (has_momentum) {
@@ -278,14 +288,14 @@ inline DeviceTables upload(const at::Device& device, std::initializer_list<std::
   return tables;
 }
 
-template <typename P, typename B, bool kMaster>
+template <typename P, typename B, Masters kMasters>
 void launch(const TensorArgs* tensors, const ChunkArgs* chunks, const GroupHParams* groups, double* partials,
             int64_t num_chunks, bool any_lars, StepScalars scalars, cudaStream_t stream) {
   if (any_lars && scalars.lars_sums == nullptr) {
-    norm_kernel<P, kMaster><<<num_chunks, kThreads, 0, stream>>>(tensors, chunks, groups, partials, scalars);
+    norm_kernel<P, kMasters><<<num_chunks, kThreads, 0, stream>>>(tensors, chunks, groups, partials, scalars);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
-  update_kernel<P, B, kMaster><<<num_chunks, kThreads, 0, stream>>>(tensors, chunks, groups, partials, scalars);
+  update_kernel<P, B, kMasters><<<num_chunks, kThreads, 0, stream>>>(tensors, chunks, groups, partials, scalars);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -305,7 +315,7 @@ void run_cuda(const StepArgs& a, const BucketArgs& bucket) {
     args.param = p.data_ptr();
     args.grad = a.grads[t].data_ptr();
     args.buffer = bucket.buffer_slot[t] >= 0 ? a.momentum_buffers[bucket.buffer_slot[t]].data_ptr() : nullptr;
-    args.master = bucket.master ? a.master_params[t].data_ptr<float>() : nullptr;
+    args.master = bucket.masters != Masters::kNone ? a.master_params[t].data_ptr() : nullptr;
     args.group = a.tensor_group[t];
     args.first = a.first_step[t] ? 1 : 0;
     args.lars = lars_adapts(bucket.groups[a.tensor_group[t]]) ? 1 : 0;
@@ -334,8 +344,8 @@ void run_cuda(const StepArgs& a, const BucketArgs& bucket) {
                             : at::Tensor();
   double* partial_ptr = bucket.any_lars ? partials.data_ptr<double>() : nullptr;
 
-  dispatch_bucket_types(params[0].scalar_type(), bucket.master, [&](auto param, auto buffer, auto master) {
-    launch<decltype(param), decltype(buffer), decltype(master)::value>(tensor_args, chunk_args, group_args,
+  dispatch_bucket_types(params[0].scalar_type(), bucket.masters, [&](auto param, auto buffer, auto masters) {
+    launch<decltype(param), decltype(buffer), decltype(masters)::value>(tensor_args, chunk_args, group_args,
                                                                         partial_ptr, num_chunks, bucket.any_lars,
                                                                         scalars, stream);
   });
@@ -343,7 +353,7 @@ void run_cuda(const StepArgs& a, const BucketArgs& bucket) {
 
 // lars_sq_sums, pass 1: each chunk of a LARS tensor writes its sums of w^2, t^2 and w t (lars_norm_term before
 // the norm clip, sgd_math.h), in double; other chunks leave their zeros.
-template <typename P, bool kMaster>
+template <typename P, Masters kMasters>
 __global__ void __launch_bounds__(kThreads)
     lars_sums_kernel(const TensorArgs* tensors, const ChunkArgs* chunks, const GroupHParams* groups,
                      double* partials, const float* grad_scale) {
@@ -359,7 +369,7 @@ __global__ void __launch_bounds__(kThreads)
   const P* g = static_cast<const P*>(t.grad);
   double sum[kNumLarsSums] = {0, 0, 0};
   for (int64_t i = chunk.begin + threadIdx.x; i < chunk.end; i += kThreads) {
-    const O wi = load_weight<kMaster>(w, t.master, i);
+    const O wi = load_weight<kMasters>(w, t.master, i);
     const O ti = lars_norm_term<true, O>(wi, static_cast<O>(g[i]), c, weight_decay, h.lars_decayed_grad);
     sum[0] += static_cast<double>(wi) * wi;
     sum[1] += static_cast<double>(ti) * ti;
@@ -392,13 +402,12 @@ __global__ void __launch_bounds__(kThreads)
 at::Tensor lars_sq_sums_cuda(at::TensorList params, at::TensorList grads, at::TensorList master_params,
                              const at::Tensor& group_hparams, at::IntArrayRef tensor_group,
                              const std::optional<at::Tensor>& grad_scale) {
-  const std::vector<GroupHParams> groups =
-      check_norm_inputs(params, grads, master_params, group_hparams, tensor_group, grad_scale);
+  const BucketArgs checked = check_norm_inputs(params, grads, master_params, group_hparams, tensor_group, grad_scale);
+  const std::vector<GroupHParams>& groups = checked.groups;
   TORCH_CHECK(!params.empty() && params[0].is_cuda(), "lightning_fusedsgd::lars_sq_sums (CUDA): CUDA tensors only");
   const int64_t n = static_cast<int64_t>(params.size());
   const at::Device device = params[0].device();
   const auto options = at::TensorOptions().dtype(at::kDouble).device(device);
-  const bool master = !master_params.empty();
   std::vector<TensorArgs> tensors(n);
   std::vector<ChunkArgs> chunks;
   for (int64_t t = 0; t < n; ++t) {
@@ -406,7 +415,7 @@ at::Tensor lars_sq_sums_cuda(at::TensorList params, at::TensorList grads, at::Te
     args.param = params[t].data_ptr();
     args.grad = grads[t].data_ptr();
     args.buffer = nullptr;
-    args.master = master ? master_params[t].data_ptr<float>() : nullptr;
+    args.master = checked.masters != Masters::kNone ? master_params[t].data_ptr() : nullptr;
     args.group = tensor_group[t];
     args.first = 0;
     args.lars = lars_adapts(groups[tensor_group[t]]) ? 1 : 0;
@@ -427,8 +436,8 @@ at::Tensor lars_sq_sums_cuda(at::TensorList params, at::TensorList grads, at::Te
   const int64_t num_chunks = static_cast<int64_t>(chunks.size());
   at::Tensor partials = at::zeros({num_chunks, kNumLarsSums}, options);
   const float* scale = grad_scale.has_value() ? grad_scale->data_ptr<float>() : nullptr;
-  dispatch_bucket_types(params[0].scalar_type(), master, [&](auto param, auto, auto has_master) {
-    lars_sums_kernel<decltype(param), decltype(has_master)::value><<<num_chunks, kThreads, 0, stream>>>(
+  dispatch_bucket_types(params[0].scalar_type(), checked.masters, [&](auto param, auto, auto masters) {
+    lars_sums_kernel<decltype(param), decltype(masters)::value><<<num_chunks, kThreads, 0, stream>>>(
         tensor_args, chunk_args, group_args, partials.data_ptr<double>(), scale);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
@@ -472,7 +481,7 @@ at::Tensor grad_sq_sum_cuda(at::TensorList grads) {
       device, {{pointers.data(), pointers.size() * sizeof(void*)}, {chunks.data(), chunks.size() * sizeof(ChunkArgs)}});
   const int64_t num_chunks = static_cast<int64_t>(chunks.size());
   at::Tensor partials = at::empty({num_chunks}, options);
-  dispatch_bucket_types(grads[0].scalar_type(), false, [&](auto grad, auto, auto) {
+  dispatch_bucket_types(grads[0].scalar_type(), Masters::kNone, [&](auto grad, auto, auto) {
     using P = decltype(grad);
     grad_sq_sum_kernel<P><<<num_chunks, kThreads, 0, stream>>>(tables.table<const P*>(0), tables.table<ChunkArgs>(1),
                                                                partials.data_ptr<double>());

@@ -236,6 +236,17 @@ LFSGD_HOST_DEVICE inline void apply_lars(Coeffs<T>& c, double sum_w, double sum_
   if (h.lars_zero_plain_grad && (sum_w == 0.0 || sum_g == 0.0)) c.wd_coupled = T(0);
 }
 
+// Kahan-compensated bf16 weights (update_rounding="kahan", bf16 params without masters): the weight is param +
+// compensation, added in fp32. After the update the param takes the fp32 result rounded to nearest, and the
+// compensation what that rounding dropped (the difference is exact in fp32), itself rounded to nearest bf16:
+// an update below half an ulp of the param accumulates there until it moves the param. The compensation of a
+// param rounded to inf or NaN is 0 (inf - inf would make the next weight NaN): the difference is then not
+// finite, which x - x == 0 tests (GCC vectorizes this float select in the bf16 loop, and no integer one).
+LFSGD_ELEMENT float kahan_compensation(float weight, float rounded) {
+  const float dropped = weight - rounded;
+  return dropped - dropped == 0.0f ? dropped : 0.0f;
+}
+
 // Stochastic rounding of the update to bf16 (update_rounding="stochastic", bf16 params without masters): the
 // fp32 result rounds up with probability (the dropped 16 bits) / 2^16, so E[rounded] is the fp32 value and small
 // updates are not lost. Each element draws 32 random bits, a pure function of (seed, step, tensor, element index),
