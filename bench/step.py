@@ -2,8 +2,9 @@
 
 Case (e) clips by global norm: FusedSGD(max_grad_norm=...) against its own plain step and against
 ``torch.nn.utils.clip_grad_norm_(foreach=True)`` followed by torch's fused SGD. Case (f) steps bf16 params
-without master weights: rounded to nearest or stochastically (``update_rounding``), against our step with
-master weights and torch's fused bf16 step, with each one's optimizer state per parameter.
+without master weights: rounded to nearest, stochastically or with Kahan compensation (``update_rounding``),
+against our step with master weights and torch's fused bf16 step, with each one's optimizer state per
+parameter.
 
 Usage: ``python bench/step.py [--repeats N] [--quick]``. Prints a markdown table and writes
 ``bench/results/step.json``. The floor is a kernel in our extension with the same reads and writes as
@@ -59,27 +60,41 @@ def state_bytes_per_param(optimizer: torch.optim.Optimizer) -> float:
 
 
 def rounding_contenders(params: list[torch.Tensor]) -> tuple[dict[str, object], dict[str, float]]:
-    """(f): bf16 params without master weights, rounded to nearest or stochastically, against our step with
-    master weights, torch's steps (which round to nearest) and the floor of a pure bf16 step (10 bytes per
-    parameter); and each one's optimizer state per parameter."""
+    """(f): bf16 params without master weights, rounded to nearest, stochastically or with Kahan
+    compensation, against our step with master weights, torch's steps (which round to nearest), the floor of a
+    pure bf16 step (10 bytes per parameter) and that of a step that also reads and writes a bf16 compensation
+    (14); and each one's optimizer state per parameter."""
     steps = contenders(params, master_weights=False)
     stochastic = FusedSGD(clone_params(params), backend="compiled", update_rounding="stochastic", **HPARAMS)
+    kahan = FusedSGD(clone_params(params), backend="compiled", update_rounding="kahan", **HPARAMS)
     masters = FusedSGD(clone_params(params), backend="compiled", master_weights=True, **HPARAMS)
     fused_torch = torch.optim.SGD(clone_params(params), fused=True, **HPARAMS)
-    for optimizer in (stochastic, masters, fused_torch):
+    for optimizer in (stochastic, kahan, masters, fused_torch):
         optimizer.step()  # state created outside the timed steps
+    floor_params = clone_params(params)
+    kahan_params = [p for g in kahan.param_groups for p in g["params"]]
+    floor_state = [
+        [kahan.state[p][key].clone() for p in kahan_params]
+        for key in ("momentum_buffer", "kahan_compensation")
+    ]
+    floor = floor_ops()
     state = {
         "FusedSGD stochastic": state_bytes_per_param(stochastic),
+        "FusedSGD kahan": state_bytes_per_param(kahan),
         "FusedSGD": state_bytes_per_param(steps["FusedSGD"].__self__),  # the bound step's optimizer
         "FusedSGD + masters": state_bytes_per_param(masters),
         "torch fused": state_bytes_per_param(fused_torch),
     }
     return {
         "FusedSGD stochastic": stochastic.step,
+        "FusedSGD kahan": kahan.step,
         "FusedSGD": steps["FusedSGD"],
         "FusedSGD + masters": masters.step,
         "torch fused": fused_torch.step,
         "floor": steps["floor"],
+        "floor kahan": lambda: floor.floor_step(
+            floor_params, [p.grad for p in floor_params], *floor_state, []
+        ),
     }, state
 
 
@@ -151,6 +166,8 @@ def main() -> None:
     print(
         f"(f) stochastic / nearest: {bf16['FusedSGD stochastic'] / bf16['FusedSGD']:.2f}; "
         f"with master weights / stochastic: {bf16['FusedSGD + masters'] / bf16['FusedSGD stochastic']:.2f}; "
+        f"kahan / its floor (14 B): {bf16['FusedSGD kahan'] / bf16['floor kahan']:.2f}; "
+        f"with master weights / kahan: {bf16['FusedSGD + masters'] / bf16['FusedSGD kahan']:.2f}; "
         "optimizer state, bytes per parameter: "
         + ", ".join(f"{name} {size:g}" for name, size in state_bytes.items())
     )

@@ -15,17 +15,19 @@ namespace {
 // with momentum, and no arithmetic (bit moves only). Benchmarks divide step time by this. With `lars`, each
 // wave that has LARS tensors first reads their w and g, as the norm pass does, XOR-reduced into per-chunk
 // partials so the reads are kept (their XOR is returned); the values left behind are the plain floor's.
-template <typename W, typename G, bool kMaster>
+// kCompensation: 16-bit params with Kahan compensations (master_params of their dtype), read and written too.
+template <typename W, typename G, bool kMaster, bool kCompensation = false>
 int64_t floor_bucket(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
                      at::TensorList master_params, const std::vector<bool>& lars) {
   const int32_t n = static_cast<int32_t>(params.size());
-  std::vector<W*> w_ptr(n), b_ptr(n);
+  std::vector<W*> w_ptr(n), b_ptr(n), c_ptr(n);
   std::vector<const G*> g_ptr(n);
   std::vector<G*> p_ptr(n);
   for (int32_t t = 0; t < n; ++t) {
     const at::Tensor& weights = kMaster ? master_params[t] : params[t];
     w_ptr[t] = static_cast<W*>(weights.data_ptr());
     b_ptr[t] = static_cast<W*>(momentum_buffers[t].data_ptr());
+    c_ptr[t] = kCompensation ? static_cast<W*>(master_params[t].data_ptr()) : nullptr;
     g_ptr[t] = static_cast<const G*>(grads[t].data_ptr());
     p_ptr[t] = static_cast<G*>(params[t].data_ptr());
   }
@@ -44,12 +46,14 @@ int64_t floor_bucket(at::TensorList params, at::TensorList grads, at::TensorList
   auto move_chunk = [&](const Chunk& chunk) {
     W* w = w_ptr[chunk.tensor];
     W* b = b_ptr[chunk.tensor];
+    W* c = c_ptr[chunk.tensor];
     const G* g = g_ptr[chunk.tensor];
     G* p = p_ptr[chunk.tensor];
 #pragma omp simd
     for (int64_t i = chunk.begin; i < chunk.end; ++i) {
       const W w_old = w[i];
       const G g_i = g[i];
+      if (kCompensation) c[i] = c[i] ^ static_cast<W>(g_i);
       if (kMaster) {
         w[i] = static_cast<W>(g_i) << 16;
         p[i] = g_i;
@@ -82,12 +86,15 @@ int64_t floor_bucket(at::TensorList params, at::TensorList grads, at::TensorList
 int64_t floor_step(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
                    at::TensorList master_params, const c10::List<bool>& lars) {
   if (params.empty()) return 0;
-  const bool master = !master_params.empty();
+  // master_params: fp32 masters, or Kahan compensations of the params' dtype.
+  const bool compensation = !master_params.empty() && master_params[0].scalar_type() == params[0].scalar_type();
+  const bool master = !master_params.empty() && !compensation;
   TORCH_CHECK(grads.size() == params.size() && momentum_buffers.size() == params.size() &&
-                  (!master || master_params.size() == params.size()),
-              "floor_step: one grad, momentum buffer (and master, with masters) per param");
+                  (master_params.empty() || master_params.size() == params.size()),
+              "floor_step: one grad, momentum buffer (and master or compensation, or none) per param");
   for (size_t t = 0; t < params.size(); ++t) {
     const at::Tensor& weights = master ? master_params[t] : params[t];
+    if (compensation) check_same_layout(params[t], master_params[t], "compensation");
     TORCH_CHECK(params[t].device().is_cpu() && params[t].scalar_type() == params[0].scalar_type() &&
                     params[t].is_non_overlapping_and_dense(),
                 "floor_step: dense CPU params of one dtype");
@@ -103,6 +110,9 @@ int64_t floor_step(at::TensorList params, at::TensorList grads, at::TensorList m
   const std::vector<bool> flags = lars.empty() ? std::vector<bool>(params.size(), false) : lars.vec();
   switch (at::elementSize(params[0].scalar_type())) {
     case 2:
+      if (compensation) {
+        return floor_bucket<uint16_t, uint16_t, false, true>(params, grads, momentum_buffers, master_params, flags);
+      }
       return master ? floor_bucket<uint32_t, uint16_t, true>(params, grads, momentum_buffers, master_params,
                                                              flags)
                     : floor_bucket<uint16_t, uint16_t, false>(params, grads, momentum_buffers, master_params,
