@@ -138,25 +138,45 @@ def step_section(result: dict[str, Any]) -> str:
     rounding = next((t for t in cases.values() if "FusedSGD stochastic" in t), None)
     if rounding is not None:
         state = result.get("state_bytes_per_param", {})
-        names = ("FusedSGD stochastic", "FusedSGD", "FusedSGD + masters", "torch fused")
+        names = [
+            n
+            for n in (
+                "FusedSGD stochastic",
+                "FusedSGD kahan",
+                "FusedSGD",
+                "FusedSGD + masters",
+                "torch fused",
+            )
+            if n in rounding
+        ]
         labels = {
             "FusedSGD stochastic": 'FusedSGD, `update_rounding="stochastic"`',
+            "FusedSGD kahan": 'FusedSGD, `update_rounding="kahan"`',
             "FusedSGD": "FusedSGD, rounded to nearest",
             "FusedSGD + masters": "FusedSGD, `master_weights=True`",
             "torch fused": "torch fused (rounded to nearest)",
         }
+        moved = {"FusedSGD kahan": 14, "FusedSGD + masters": 22}  # bytes per parameter; 10 for the others
         text += [
             "### bf16 without master weights",
             "",
-            "ResNet-50's shapes in bf16; the floor of a pure bf16 momentum step moves 10 bytes per "
-            "parameter.",
+            "ResNet-50's shapes in bf16, against the floor of a pure bf16 momentum step (10 bytes per "
+            "parameter). The Kahan step also reads and writes its 2-byte compensation, and the master-weight "
+            "step its fp32 master and buffer.",
             "",
             _table(
-                ["step", "time", "/ floor", "optimizer state, bytes per parameter"],
+                [
+                    "step",
+                    "time",
+                    "bytes moved per parameter",
+                    "/ floor",
+                    "optimizer state, bytes per parameter",
+                ],
                 [
                     [
                         labels[name],
                         _ms(rounding[name]),
+                        str(moved.get(name, 10)),
                         f"{rounding[name] / rounding['floor']:.2f}",
                         f"{state[name]:g}" if state.get(name) is not None else "",
                     ]
@@ -166,7 +186,14 @@ def step_section(result: dict[str, Any]) -> str:
             "",
             f"Stochastic rounding costs {rounding['FusedSGD stochastic'] / rounding['FusedSGD']:.2f}x the "
             f"step rounded to nearest; the step with master weights takes "
-            f"{rounding['FusedSGD + masters'] / rounding['FusedSGD stochastic']:.2f}x the stochastic one.",
+            f"{rounding['FusedSGD + masters'] / rounding['FusedSGD stochastic']:.2f}x the stochastic one"
+            + (
+                f" and {rounding['FusedSGD + masters'] / rounding['FusedSGD kahan']:.2f}x the Kahan one, "
+                f"which takes {rounding['FusedSGD kahan'] / rounding['floor kahan']:.2f}x the floor of its "
+                "own 14 bytes."
+                if "floor kahan" in rounding
+                else "."
+            ),
             "",
         ]
     return "\n".join([*text, _provenance("step", result), ""])
