@@ -182,3 +182,29 @@ def test_real_grad_scaler_under_autocast():
     for p, q in zip(models[0].parameters(), models[1].parameters()):
         assert_close_rel([p], [q], 1e-3)
     assert scalers[0].get_scale() == scalers[1].get_scale() < 65536.0
+
+
+@pytest.mark.parametrize("rounding", ["stochastic", "kahan"])
+def test_bf16_update_rounding_gives_the_cpu_kernels_bits(rounding, devices=("cpu", CUDA)):
+    """Stochastic rounding and Kahan compensation on CUDA (several chunks, channels_last) give the compiled
+    CPU kernel's bits: params, buffers and compensations, over a few steps."""
+    results = []
+    for device in devices:
+        generator = torch.Generator().manual_seed(3)
+        params = []
+        for shape in PLAIN_SHAPES:
+            p = torch.randn(shape, generator=generator).to(device=device, dtype=torch.bfloat16)
+            params.append(
+                nn.Parameter(p.contiguous(memory_format=torch.channels_last) if p.dim() == 4 else p)
+            )
+        optimizer = FusedSGD(
+            params, lr=0.05, momentum=0.9, weight_decay=1e-2, update_rounding=rounding, backend="compiled"
+        )
+        for _ in range(3):
+            for p in params:
+                p.grad = torch.empty_like(p).copy_(torch.randn(p.shape, generator=generator))
+            optimizer.step()
+        state = [value for p in params for _, value in sorted(optimizer.state[p].items())]
+        results.append([t.detach().cpu() for t in params + state])
+    for cpu, cuda in zip(*results, strict=True):
+        assert torch.equal(cpu.view(torch.int16), cuda.view(torch.int16))
