@@ -238,7 +238,8 @@ def sharded_section(result: dict[str, Any]) -> str:
     )
 
 
-def rounding_section(result: dict[str, Any]) -> str:
+def _accuracy_rows(result: dict[str, Any]) -> list[list[str]]:
+    """Per variant: mean validation accuracy, its range over seeds, mean final training loss."""
     rows = []
     for name, runs in result["runs"].items():
         accs = [run["val_acc"] for run in runs]
@@ -251,6 +252,13 @@ def rounding_section(result: dict[str, Any]) -> str:
                 f"{sum(losses) / len(losses):.4f}",
             ]
         )
+    return rows
+
+
+_ACCURACY_HEADER = ["params and update", "validation accuracy (mean)", "range over seeds", "final train loss"]
+
+
+def rounding_section(result: dict[str, Any]) -> str:
     return "\n".join(
         [
             "## bf16 training without master weights",
@@ -261,12 +269,25 @@ def rounding_section(result: dict[str, Any]) -> str:
             "model: bf16 matmuls are slow on CPUs without native bf16, so the quickstart's ResNet-18 is not "
             "trained in bf16 here.",
             "",
-            _table(
-                ["params and update", "validation accuracy (mean)", "range over seeds", "final train loss"],
-                rows,
-            ),
+            _table(_ACCURACY_HEADER, _accuracy_rows(result)),
             "",
             _provenance("bf16_rounding", result),
+            "",
+        ]
+    )
+
+
+def quickstart_section(result: dict[str, Any]) -> str:
+    return "\n".join(
+        [
+            "## The quickstart in bf16",
+            "",
+            f"`bench/bf16_quickstart.py`: {result['model']} under `precision=bf16-true`, {result['seeds']} "
+            f"seeds{', overrides ' + ' '.join(result['overrides']) if result['overrides'] else ''}.",
+            "",
+            _table(_ACCURACY_HEADER, _accuracy_rows(result)),
+            "",
+            _provenance("bf16_quickstart", result),
             "",
         ]
     )
@@ -306,7 +327,7 @@ def verified_section(results: dict[str, dict[str, Any]]) -> str:
 
 def main() -> None:
     IMAGES.mkdir(exist_ok=True)
-    names = ("step", "lars", "sharded", "bf16_rounding", "gpu")
+    names = ("step", "lars", "sharded", "bf16_rounding", "bf16_quickstart", "gpu")
     results = {name: result for name in names if (result := _load(name)) is not None}
     sections = [
         "# Benchmarks",
@@ -320,6 +341,7 @@ def main() -> None:
         "lars": lars_section,
         "sharded": sharded_section,
         "bf16_rounding": rounding_section,
+        "bf16_quickstart": quickstart_section,
     }
     sections += [builders[name](result) for name, result in results.items() if name in builders]
     sections.append(verified_section(results))
