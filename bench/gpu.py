@@ -6,6 +6,9 @@ back-to-back steps between two CUDA events (so host launch cost counts when it i
 the table gives the median per-step time over the repeats, interleaved round-robin. The floor is
 torch's copy kernel moving the bytes a momentum step moves (20 per fp32 parameter).
 
+bf16 params without master weights (``update_rounding`` nearest, stochastic, kahan) run beside torch's fused
+bf16 step and copy floors of their traffic: 10 bytes per parameter, 14 with a Kahan compensation.
+
 Then, for three models (ResNet-50's 161 tensors, a CIFAR ResNet-18's 62, and 2,000 tensors of 4,096
 elements), the step eager and captured in a CUDA graph (``FusedSGD(capturable=True)``, one step captured,
 replayed), against torch fused and foreach and the copy floor, with the host time a step costs (the Python
@@ -29,6 +32,8 @@ from common import print_table, write_json
 from lightning_fusedsgd import FusedSGD, param_groups
 
 HPARAMS = dict(lr=0.1, momentum=0.9, weight_decay=5e-5)
+# Copy floors, by name: the bytes per parameter each moves.
+FLOORS = {"floor (copy)": 20, "floor bf16 (copy, 10 B)": 10, "floor bf16 Kahan (copy, 14 B)": 14}
 
 
 def model_groups(dtype: torch.dtype, seed: int = 0) -> list[dict]:
@@ -167,8 +172,11 @@ def main() -> None:
     parser.add_argument("--train-steps", type=int, default=10, help="training steps per timed repeat")
     args = parser.parse_args()
     numel = sum(p.numel() for p in torchvision.models.resnet50(weights=None).parameters())
-    copy_src = torch.empty(numel * 5 // 2, device="cuda")  # a copy moves 8 bytes per element: 20 per param
-    copy_dst = torch.empty_like(copy_src)
+    # A copy of float32 elements moves 8 bytes per element: 20 bytes per param, 10 and 14 for bf16 steps.
+    copies = {
+        name: torch.empty(numel * bytes_moved // 8, device="cuda") for name, bytes_moved in FLOORS.items()
+    }
+    copy_dst = {name: torch.empty_like(src) for name, src in copies.items()}
     steps: dict[str, Callable[[], None]] = {
         "FusedSGD": FusedSGD(model_groups(torch.float32), backend="compiled", **HPARAMS).step,
         "torch fused": torch.optim.SGD(model_groups(torch.float32), fused=True, **HPARAMS).step,
@@ -180,7 +188,14 @@ def main() -> None:
         "FusedSGD bf16+master": FusedSGD(
             model_groups(torch.bfloat16), backend="compiled", master_weights=True, **HPARAMS
         ).step,
-        "floor (copy)": lambda: copy_dst.copy_(copy_src),
+        **{
+            f"FusedSGD bf16 {rounding}": FusedSGD(
+                model_groups(torch.bfloat16), backend="compiled", update_rounding=rounding, **HPARAMS
+            ).step
+            for rounding in ("nearest", "stochastic", "kahan")
+        },
+        "torch fused bf16": torch.optim.SGD(model_groups(torch.bfloat16), fused=True, **HPARAMS).step,
+        **{name: (lambda name=name: copy_dst[name].copy_(copies[name])) for name in FLOORS},
     }
     try:
         from timm.optim import Lars
@@ -197,6 +212,15 @@ def main() -> None:
     floor = times["floor (copy)"]
     print(f"\nFusedSGD / floor: {times['FusedSGD'] / floor:.2f}")
     print(f"FusedSGD+LARS / FusedSGD: {times['FusedSGD+LARS'] / times['FusedSGD']:.2f}")
+    bf16_floor, kahan_floor = times["floor bf16 (copy, 10 B)"], times["floor bf16 Kahan (copy, 14 B)"]
+    for rounding in ("nearest", "stochastic"):
+        print(
+            f"FusedSGD bf16 {rounding} / 10-byte floor: {times[f'FusedSGD bf16 {rounding}'] / bf16_floor:.2f}"
+        )
+    print(f"FusedSGD bf16 kahan / 14-byte floor: {times['FusedSGD bf16 kahan'] / kahan_floor:.2f}")
+    for rounding in ("stochastic", "kahan"):
+        ratio = times["FusedSGD bf16+master"] / times[f"FusedSGD bf16 {rounding}"]
+        print(f"FusedSGD bf16+master / {rounding}: {ratio:.2f}")
     if "timm Lars" in times:
         print(f"timm Lars / FusedSGD+LARS: {times['timm Lars'] / times['FusedSGD+LARS']:.1f}x")
     rows, hosts = [], {}
