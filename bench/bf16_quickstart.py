@@ -57,10 +57,11 @@ def main() -> None:
     for name in args.variants:
         runs[name] = [run([*VARIANTS[name], *args.overrides], seed) for seed in range(args.seeds)]
         accuracies = [r["val_acc"] for r in runs[name]]
-        loss = statistics.mean(r["train_loss"] for r in runs[name])
+        losses = [r["train_loss"] for r in runs[name] if r["train_loss"] is not None]
+        loss = f"{statistics.mean(losses):.4f}" if losses else "not logged"
         print(
             f"{name}: val acc {statistics.mean(accuracies):.4f} (min {min(accuracies):.4f}, max "
-            f"{max(accuracies):.4f}), final train loss {loss:.4f}",
+            f"{max(accuracies):.4f}), final train loss {loss}",
             flush=True,
         )
     path = write_json(

@@ -86,8 +86,9 @@ int64_t floor_bucket(at::TensorList params, at::TensorList grads, at::TensorList
 int64_t floor_step(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
                    at::TensorList master_params, const c10::List<bool>& lars) {
   if (params.empty()) return 0;
-  // master_params: fp32 masters, or Kahan compensations of the params' dtype.
-  const bool compensation = !master_params.empty() && master_params[0].scalar_type() == params[0].scalar_type();
+  // master_params: fp32 masters, or Kahan compensations of 16-bit params, of their dtype.
+  const bool compensation = !master_params.empty() && params[0].element_size() == 2 &&
+                            master_params[0].scalar_type() == params[0].scalar_type();
   const bool master = !master_params.empty() && !compensation;
   TORCH_CHECK(grads.size() == params.size() && momentum_buffers.size() == params.size() &&
                   (master_params.empty() || master_params.size() == params.size()),

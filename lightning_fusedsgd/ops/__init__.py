@@ -42,7 +42,8 @@ _LIBRARY.define(
     "Tensor? grad_scale, Tensor? found_inf, Tensor? grad_sq_sum, Tensor? lars_sq_sums=None, "
     "Tensor? lrs=None) -> ()"
 )
-"""One SGD/LARS step of one bucket (one device, one param dtype, master weights or not), in place.
+"""One SGD/LARS step of one bucket (one device, one param dtype; fp32 masters, Kahan compensations or
+neither), in place.
 
 Arguments:
     params: [n] dense tensors of one device and dtype (fp32, fp64, bf16, fp16); updated.

@@ -89,8 +89,8 @@ def is_loaded(device_type: str) -> bool:
 
 def cpu_capability() -> str:
     """The instruction set of the CPU library to load: torch's CPU capability (its own pick for ATen's
-    kernels;
-    ``ATEN_CPU_CAPABILITY`` lowers it), or a lower one named by ``LIGHTNING_FUSEDSGD_CPU_CAPABILITY``."""
+    kernels; ``ATEN_CPU_CAPABILITY`` lowers it), or a lower one named by
+    ``LIGHTNING_FUSEDSGD_CPU_CAPABILITY``."""
     names = list(_build.CPU_CAPABILITIES)
     supported = {"AVX512": "avx512", "AVX2": "avx2"}.get(torch.backends.cpu.get_cpu_capability(), "default")
     requested = os.environ.get(CPU_CAPABILITY_ENV, supported)

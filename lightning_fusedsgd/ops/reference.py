@@ -241,7 +241,7 @@ def sgd_step(
             w_new = rounded
         elif master is not None:
             master.copy_(w_new)
-        elif h["stochastic_rounding"] and param.dtype == torch.bfloat16 and master is None:
+        elif h["stochastic_rounding"] and param.dtype == torch.bfloat16:
             random = element_random_bits(rounding_key(h, i), param)
             w_new = stochastic_bf16(w_new, random >> 16)
             if b is not None:

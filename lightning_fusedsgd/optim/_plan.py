@@ -130,7 +130,8 @@ def _check_no_overlap(stepped: list[tuple[Tensor, _Place]]) -> None:
 
 def bucket_name(key: BucketKey) -> str:
     device, dtype, masters = key
-    return f"{device}/{str(dtype).removeprefix('torch.')}{' + ' + masters if masters else ''}"
+    suffix = "" if masters == NO_MASTERS else f" + {masters}"
+    return f"{device}/{str(dtype).removeprefix('torch.')}{suffix}"
 
 
 def real_view(tensor: Tensor) -> Tensor:
@@ -311,11 +312,13 @@ def _plan_param(
             or _dtensor.is_sharded(stored) != _dtensor.is_sharded(param)
             or local.dtype != dtype
             or local.stride() != stride
+            or local.device != dense.device
         ):
             check_state_shapes(state, group, group_index, param_index, param)
-            if local is None:  # a new master is the param; a new compensation is 0 (the weight is the param)
-                local = dense if kind == FP32_MASTERS else torch.zeros_like(dense)
-            local = torch.empty_like(dense, dtype=dtype).copy_(local)
+            if local is None and kind == KAHAN_COMPENSATIONS:  # 0: the weight is the param
+                local = torch.zeros_like(dense, dtype=dtype)
+            else:  # a new master is the param; a stored one is converted to the param's layout
+                local = torch.empty_like(dense, dtype=dtype).copy_(dense if local is None else local)
             plan.new_state.append((param, key, _dtensor.like_param(local, param)))
         bucket.master_params.append(local)
 

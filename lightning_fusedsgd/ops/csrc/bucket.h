@@ -30,10 +30,11 @@ struct BucketArgs {
   bool any_lars = false;
 };
 
-inline void check_same_layout(const at::Tensor& param, const at::Tensor& other, const char* what) {
+inline void check_same_layout(const at::Tensor& param, const at::Tensor& other, const char* what,
+                              const char* op = "sgd_step") {
   TORCH_CHECK(other.device() == param.device() && other.sizes() == param.sizes() &&
                   other.strides() == param.strides(),
-              "lightning_fusedsgd::sgd_step: each ", what, " must match its param's device, shape and strides");
+              "lightning_fusedsgd::", op, ": each ", what, " must match its param's device, shape and strides");
 }
 
 inline void check_scalar(const std::optional<at::Tensor>& value, const at::Device& device, const char* what,
@@ -79,7 +80,7 @@ inline Masters check_masters(at::TensorList params, at::TensorList master_params
               "lightning_fusedsgd::", op, ": master_params are fp32 masters of bf16/fp16 params or bf16 "
               "compensations of bf16 params, got ", kind, " for ", dtype, " params");
   for (size_t t = 0; t < params.size(); ++t) {
-    check_same_layout(params[t], master_params[t], "master param");
+    check_same_layout(params[t], master_params[t], "master param", op);
     TORCH_CHECK(master_params[t].scalar_type() == kind, "lightning_fusedsgd::", op,
                 ": master_params must have one dtype");
   }
@@ -176,15 +177,20 @@ void sgd_step_op(at::TensorList params, at::TensorList grads, at::TensorList mom
 // The op's function type, for typed calls through the dispatcher (CachedStep).
 using SgdStepFunction = decltype(sgd_step_op<nullptr>);
 
+// What check_norm_inputs returns: the groups' hyperparameters and what master_params hold.
+struct NormInputs {
+  std::vector<GroupHParams> groups;
+  Masters masters = Masters::kNone;
+};
+
 // lars_sq_sums's arguments: params, grads and masters as sgd_step takes them, and each param's group row.
-// Returns the groups' hyperparameters and what the masters hold.
-inline BucketArgs check_norm_inputs(at::TensorList params, at::TensorList grads, at::TensorList master_params,
+inline NormInputs check_norm_inputs(at::TensorList params, at::TensorList grads, at::TensorList master_params,
                                     const at::Tensor& group_hparams, at::IntArrayRef tensor_group,
                                     const std::optional<at::Tensor>& grad_scale) {
   const size_t n = params.size();
   TORCH_CHECK(grads.size() == n && tensor_group.size() == n && (master_params.empty() || master_params.size() == n),
               "lightning_fusedsgd::lars_sq_sums: one grad and group entry (and master, or none) per param");
-  BucketArgs args;
+  NormInputs args;
   args.groups = decode_table(group_hparams, "lars_sq_sums");
   const std::vector<GroupHParams>& groups = args.groups;
   if (n == 0) return args;
@@ -199,7 +205,7 @@ inline BucketArgs check_norm_inputs(at::TensorList params, at::TensorList grads,
     TORCH_CHECK(p.device() == first.device() && p.scalar_type() == first.scalar_type() &&
                     p.is_non_overlapping_and_dense() && grads[t].scalar_type() == p.scalar_type(),
                 "lightning_fusedsgd::lars_sq_sums: dense params of one device and dtype, grads of their dtype");
-    check_same_layout(p, grads[t], "grad");
+    check_same_layout(p, grads[t], "grad", "lars_sq_sums");
   }
   args.masters = check_masters(params, master_params, "lars_sq_sums");
   return args;
@@ -234,6 +240,7 @@ template <typename Run>
 void dispatch_bucket_types(at::ScalarType dtype, Masters masters, Run&& run) {
   using None = MastersTag<Masters::kNone>;
   using Fp32 = MastersTag<Masters::kFp32>;
+  using Compensation = MastersTag<Masters::kCompensation>;
   switch (dtype) {
     case at::kFloat:
       return run(float{}, float{}, None{});
@@ -241,9 +248,7 @@ void dispatch_bucket_types(at::ScalarType dtype, Masters masters, Run&& run) {
       return run(double{}, double{}, None{});
     case at::kBFloat16:
       if (masters == Masters::kFp32) return run(c10::BFloat16{}, float{}, Fp32{});
-      if (masters == Masters::kCompensation) {
-        return run(c10::BFloat16{}, c10::BFloat16{}, MastersTag<Masters::kCompensation>{});
-      }
+      if (masters == Masters::kCompensation) return run(c10::BFloat16{}, c10::BFloat16{}, Compensation{});
       return run(c10::BFloat16{}, c10::BFloat16{}, None{});
     case at::kHalf:
       return masters == Masters::kFp32 ? run(c10::Half{}, float{}, Fp32{}) : run(c10::Half{}, c10::Half{}, None{});

@@ -354,7 +354,7 @@ void run_cpu(const StepArgs& a, const BucketArgs& checked) {
 at::Tensor lars_sq_sums_cpu(at::TensorList params, at::TensorList grads, at::TensorList master_params,
                             const at::Tensor& group_hparams, at::IntArrayRef tensor_group,
                             const std::optional<at::Tensor>& grad_scale) {
-  const BucketArgs checked = check_norm_inputs(params, grads, master_params, group_hparams, tensor_group, grad_scale);
+  const NormInputs checked = check_norm_inputs(params, grads, master_params, group_hparams, tensor_group, grad_scale);
   const std::vector<GroupHParams>& groups = checked.groups;
   const int64_t n = static_cast<int64_t>(params.size());
   at::Tensor out = at::zeros({n, kNumLarsSums}, at::TensorOptions().dtype(at::kDouble));

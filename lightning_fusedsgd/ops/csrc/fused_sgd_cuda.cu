@@ -402,7 +402,7 @@ __global__ void __launch_bounds__(kThreads)
 at::Tensor lars_sq_sums_cuda(at::TensorList params, at::TensorList grads, at::TensorList master_params,
                              const at::Tensor& group_hparams, at::IntArrayRef tensor_group,
                              const std::optional<at::Tensor>& grad_scale) {
-  const BucketArgs checked = check_norm_inputs(params, grads, master_params, group_hparams, tensor_group, grad_scale);
+  const NormInputs checked = check_norm_inputs(params, grads, master_params, group_hparams, tensor_group, grad_scale);
   const std::vector<GroupHParams>& groups = checked.groups;
   TORCH_CHECK(!params.empty() && params[0].is_cuda(), "lightning_fusedsgd::lars_sq_sums (CUDA): CUDA tensors only");
   const int64_t n = static_cast<int64_t>(params.size());
