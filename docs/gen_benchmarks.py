@@ -243,13 +243,13 @@ def _accuracy_rows(result: dict[str, Any]) -> list[list[str]]:
     rows = []
     for name, runs in result["runs"].items():
         accs = [run["val_acc"] for run in runs]
-        losses = [run["train_loss"] for run in runs]
+        losses = [run["train_loss"] for run in runs if run["train_loss"] is not None]
         rows.append(
             [
                 name,
                 f"{100 * sum(accs) / len(accs):.2f}%",
                 f"{100 * min(accs):.2f}-{100 * max(accs):.2f}%",
-                f"{sum(losses) / len(losses):.4f}",
+                f"{sum(losses) / len(losses):.4f}" if losses else "not logged",
             ]
         )
     return rows

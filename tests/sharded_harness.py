@@ -197,7 +197,7 @@ def _sharded_runs(out: dict[str, Any], checkpoint_dir: Path) -> None:
     # Mid-run checkpoint: state dicts after 2 steps, into a fresh model and optimizer, one more step (fp32,
     # and bf16 whose fp32 masters must stay fp32); and the fp32 state saved with torch.distributed.checkpoint
     # for a one-process run to load.
-    for name in ("lars", "bf16_master_lars"):
+    for name in ("lars", "bf16_master_lars", "bf16_kahan_lars"):
         dtype, kwargs = SCENARIOS[name]
         data = batches(dtype)
         model = _shard(make_model(dtype))

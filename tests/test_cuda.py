@@ -1,5 +1,6 @@
 """What only the CUDA kernel has to show: no host sync under a GradScaler, determinism, the real GradScaler
-under autocast, and its options and dtypes against the reference backend. Its parity with torch.optim.SGD
+under autocast, its options and dtypes against the reference backend, and bf16 update rounding against the
+compiled CPU kernel. Its parity with torch.optim.SGD
 and with the float64 LARS formula is checked by test_parity.py, which runs on every
 device (conftest.py). Skipped where no GPU is present."""
 
@@ -13,6 +14,7 @@ from oracles import assert_close_rel
 from torch import nn
 
 from lightning_fusedsgd import FusedLARS, FusedSGD
+from lightning_fusedsgd.ops import cpu_capability
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 CUDA = "cuda"
@@ -184,6 +186,10 @@ def test_real_grad_scaler_under_autocast():
     assert scalers[0].get_scale() == scalers[1].get_scale() < 65536.0
 
 
+@pytest.mark.skipif(
+    cpu_capability() == "default",
+    reason="the CPU kernel fuses multiply-adds only where it has FMA (AVX2, AVX512), as CUDA always does",
+)
 @pytest.mark.parametrize("rounding", ["stochastic", "kahan"])
 def test_bf16_update_rounding_gives_the_cpu_kernels_bits(rounding, devices=("cpu", CUDA)):
     """Stochastic rounding and Kahan compensation on CUDA (several chunks, channels_last) give the compiled

@@ -76,7 +76,10 @@ def test_bf16_true_with_update_rounding_keeps_no_masters(rounding):
         for param in module.parameters():
             assert param.dtype == torch.bfloat16 and set(optimizer.state[param]) == state_keys
             assert all(value.dtype == torch.bfloat16 for value in optimizer.state[param].values())
-        runs.append([p.detach().clone() for p in module.parameters()])
+        state = [
+            value.clone() for p in module.parameters() for _, value in sorted(optimizer.state[p].items())
+        ]
+        runs.append([p.detach().clone() for p in module.parameters()] + state)
     assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
 
 

@@ -135,7 +135,19 @@ def test_lars_sq_sums_passes_opcheck(dtype, master, device):
     hparams = table(lars=1.0, weight_decay=1e-4, lars_decayed_grad=1.0)
     args = (params, grads, masters, hparams, [0, 0, 0], torch.tensor([4.0], device=device))
     torch.library.opcheck(OPS.lars_sq_sums.default, args)
-    assert OPS.lars_sq_sums(*args).shape == (3, 3)
+    # A float64 oracle: the weight is the param, the master, or param + compensation; the decayed_grad term is
+    # g / grad_scale + wd w.
+    weights = {
+        False: params,
+        True: masters,
+        "kahan": [p.double() + c.double() for p, c in zip(params, masters)] if master == "kahan" else [],
+    }[master]
+    expected = []
+    for w, g in zip(weights, grads):
+        w, term = w.double(), g.double() / 4.0 + 1e-4 * w.double()
+        expected.append(torch.stack([(w * w).sum(), (term * term).sum(), (w * term).sum()]))
+    for ops in (OPS, reference):
+        assert_close_rel([ops.lars_sq_sums(*args).cpu()], [torch.stack(expected).cpu()], 1e-5)
 
 
 @pytest.mark.parametrize("ops", [OPS, reference], ids=["compiled", "torch"])

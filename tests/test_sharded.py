@@ -173,7 +173,7 @@ def test_zero_redundancy_optimizer_equals_one_process(runs):
     assert all(stepped > 0 for stepped in results["zero"]["ranks_stepped"]), "each rank steps its partition"
 
 
-@pytest.mark.parametrize("name", ["lars", "bf16_master_lars"])
+@pytest.mark.parametrize("name", ["lars", "bf16_master_lars", "bf16_kahan_lars"])
 def test_state_dict_round_trip_mid_run_equals_uninterrupted(runs, name):
     results, _ = runs
     resumed = results[f"resumed_{name}"]

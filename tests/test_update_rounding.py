@@ -221,13 +221,20 @@ def test_kahan_compensation_follows_the_groups_settings():
     assert set(optimizer.state[masters]) == {"momentum_buffer", "master_param"}
 
 
+@pytest.mark.parametrize(
+    "start, grad", [(3.0e38, -1.0e38), (3.3895e38, -1.0e36)], ids=["fp32-inf", "bf16-inf"]
+)
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_a_kahan_weight_that_overflows_stays_inf(backend):
-    """A weight rounded to inf keeps a compensation of 0: inf - inf would make it NaN at the next step."""
-    param = torch.nn.Parameter(torch.full((3,), 3.0e38, dtype=torch.bfloat16))
+def test_a_kahan_weight_that_overflows_stays_inf(backend, start, grad):
+    """A weight rounded to inf keeps a compensation of 0, where the fp32 weight overflows too and where only
+    its rounding to bf16 does (bf16's largest value plus 1e36): inf - inf, or inf - a finite weight, would
+    make the next weight NaN."""
+    param = torch.nn.Parameter(torch.full((3,), start, dtype=torch.bfloat16))
     optimizer = FusedSGD([param], lr=1.0, update_rounding="kahan", backend=backend)
-    for grad in (-1.0e38, 0.0):
-        param.grad = torch.full_like(param, grad)
+    if grad == -1.0e36:  # the fp32 weight is finite: only its rounding overflows
+        assert torch.isfinite(param.detach().float() - grad).all()
+    for step_grad in (grad, 0.0):
+        param.grad = torch.full_like(param, step_grad)
         optimizer.step()
         assert torch.all(param == float("inf"))
         assert torch.all(optimizer.state[param]["kahan_compensation"] == 0)
