@@ -106,12 +106,17 @@ class LitNet(pl.LightningModule):
     """A LightningModule using FusedSGD with a grouping unlike torch's: no-decay group first, named."""
 
     def __init__(
-        self, classes: int = 3, master_weights: bool = False, total_steps: int | None = None
+        self,
+        classes: int = 3,
+        master_weights: bool = False,
+        total_steps: int | None = None,
+        update_rounding: str = "nearest",
     ) -> None:
         super().__init__()
         self.model = Net(classes)
         self.master_weights = master_weights
         self.total_steps = total_steps
+        self.update_rounding = update_rounding
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -126,6 +131,7 @@ class LitNet(pl.LightningModule):
             lr=LR,
             momentum=MOMENTUM,
             master_weights=self.master_weights,
+            update_rounding=self.update_rounding,
         )
         if self.total_steps is None:
             return optimizer
@@ -370,6 +376,37 @@ def test_bf16_true_start_keeps_fp32_weights_as_master_and_fp32_momentum(tmp_path
     assert_same_tensors(probe.masters, {f"model.{n}": p for n, p in reference.named_parameters()}, exact=True)
     expected_buffers = {f"model.{n}": b for n, b in buffers_by_name(sgd, reference).items()}
     assert_same_tensors(probe.buffers, expected_buffers, exact=True)
+
+
+def test_bf16_true_start_with_kahan_keeps_the_fp32_weights_low_bits(tmp_path: Path) -> None:
+    """Without masters, update_rounding="kahan" starts each compensation at what rounding the checkpoint's
+    fp32 weight to the bf16 param dropped: param + compensation is closer to the fp32 weight than the
+    param."""
+    path = tmp_path / "checkpoint.pth"
+    reference, _ = save_torchvision_checkpoint(path)
+
+    class Probe(pl.Callback):
+        def on_train_start(self, trainer, pl_module):
+            state = trainer.optimizers[0].state
+            self.weights = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
+            self.compensations = {
+                n: state[p]["kahan_compensation"].clone() for n, p in pl_module.named_parameters()
+            }
+
+    probe = Probe()
+    make_trainer(
+        tmp_path, precision="bf16-true", max_steps=1, callbacks=[InitFromCheckpoint(path), probe]
+    ).fit(LitNet(update_rounding="kahan"), loader(batches(seed=2)))
+    gained = 0
+    for name, fp32 in reference.named_parameters():
+        param, compensation = probe.weights[f"model.{name}"], probe.compensations[f"model.{name}"]
+        fp32 = fp32.detach()
+        assert torch.equal(param, fp32.to(torch.bfloat16))
+        assert torch.equal(compensation, (fp32 - param.float()).to(torch.bfloat16))
+        error, kept = (param.float() - fp32).abs(), (param.float() + compensation.float() - fp32).abs()
+        assert torch.all(kept <= error)
+        gained += int((kept < error).sum())
+    assert gained > 0
 
 
 @pytest.mark.filterwarnings("ignore:Checkpoint directory .* exists and is not empty")

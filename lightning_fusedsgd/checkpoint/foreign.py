@@ -255,23 +255,31 @@ def read_start_checkpoint(
 def seed_master_weights(
     optimizer: torch.optim.Optimizer, module: nn.Module, weights: Mapping[str, torch.Tensor]
 ) -> None:
-    """Give master-weighted bf16/fp16 parameters the checkpoint's fp32 weights as their master copy.
+    """Give master-weighted bf16/fp16 parameters the checkpoint's fp32 weights as their master copy, and
+    bf16 parameters of ``update_rounding="kahan"`` groups what rounding them dropped as their compensation.
 
     Under ``precision="bf16-true"`` Lightning casts the module before the optimizer exists, so a master
-    copy made from the parameter would lose the low bits the checkpoint still has. Parameters that are
-    not bf16/fp16, not in a ``master_weights`` group, or have no fp32 weight in ``weights`` are left
-    alone.
+    copy made from the parameter would lose the low bits the checkpoint still has, and a compensation
+    started at 0 would too. A compensation is seeded only where the parameter holds the fp32 weight's
+    rounding (the kernel keeps it below half an ulp of the parameter). Parameters that are not bf16/fp16, in
+    neither kind of group, or have no fp32 weight in ``weights`` are left alone.
 
     Args:
-        optimizer: The optimizer (FusedSGD) whose state receives the master copies.
+        optimizer: The optimizer (FusedSGD) whose state receives the master copies and compensations.
         module: The module the optimizer's parameters belong to; names them.
         weights: Weights under ``module``'s parameter names, e.g. :attr:`StartState.model_state`.
     """
     names = {id(param): name for name, param in module.named_parameters()}
     for group in optimizer.param_groups:
-        if not group.get("master_weights"):
-            continue
+        masters = bool(group.get("master_weights"))
+        kahan = not masters and group.get("update_rounding") == "kahan"
         for param in group["params"]:
             saved = weights.get(names.get(id(param), ""))
-            if param.dtype in _LOW_PRECISION and saved is not None and saved.dtype == torch.float32:
+            if saved is None or saved.dtype != torch.float32:
+                continue
+            if masters and param.dtype in _LOW_PRECISION:
                 optimizer.state[param]["master_param"] = saved.to(param.device, copy=True)
+            elif kahan and param.dtype == torch.bfloat16:
+                saved, value = saved.to(param.device), param.detach()
+                dropped = torch.where(value == saved.to(torch.bfloat16), saved - value.float(), 0.0)
+                optimizer.state[param]["kahan_compensation"] = dropped.to(torch.bfloat16)
