@@ -286,14 +286,7 @@ def _plan_param(
         else:
             # A sparse buffer comes from a step of torch's sparse path (plan.sparse): dense from now on.
             local_buffer = buffer.to_dense() if buffer.is_sparse else _dtensor.local(buffer)
-            if (
-                buffer.is_sparse
-                or buffer.shape != param.shape
-                or _dtensor.is_sharded(buffer) != _dtensor.is_sharded(param)
-                or local_buffer.dtype != buffer_dtype
-                or local_buffer.stride() != stride
-                or local_buffer.device != dense.device
-            ):
+            if buffer.is_sparse or not _steppable_as_stored(buffer, local_buffer, param, dense, buffer_dtype):
                 check_state_shapes(state, group, group_index, param_index, param)
                 local_buffer = torch.empty_like(dense, dtype=buffer_dtype).copy_(local_buffer)
                 plan.new_state.append((param, "momentum_buffer", _dtensor.like_param(local_buffer, param)))
@@ -306,14 +299,7 @@ def _plan_param(
                 plan.new_state.append((param, key, None))
             continue
         local = None if stored is None else _dtensor.local(stored)
-        if (
-            stored is None
-            or stored.shape != param.shape
-            or _dtensor.is_sharded(stored) != _dtensor.is_sharded(param)
-            or local.dtype != dtype
-            or local.stride() != stride
-            or local.device != dense.device
-        ):
+        if stored is None or not _steppable_as_stored(stored, local, param, dense, dtype):
             check_state_shapes(state, group, group_index, param_index, param)
             if local is None and kind == KAHAN_COMPENSATIONS:  # 0: the weight is the param
                 local = torch.zeros_like(dense, dtype=dtype)
@@ -321,6 +307,20 @@ def _plan_param(
                 local = torch.empty_like(dense, dtype=dtype).copy_(dense if local is None else local)
             plan.new_state.append((param, key, _dtensor.like_param(local, param)))
         bucket.master_params.append(local)
+
+
+def _steppable_as_stored(
+    stored: Tensor, local: Tensor, param: Tensor, dense: Tensor, dtype: torch.dtype
+) -> bool:
+    """Whether a stored state tensor (``local``: its local shard) can step with the param as it is: the
+    param's shape and sharding, the state's dtype, and the dense param's strides and device."""
+    return (
+        stored.shape == param.shape
+        and _dtensor.is_sharded(stored) == _dtensor.is_sharded(param)
+        and local.dtype == dtype
+        and local.stride() == dense.stride()
+        and local.device == dense.device
+    )
 
 
 def _masters_of(group: dict[str, Any], dtype: torch.dtype) -> str:
