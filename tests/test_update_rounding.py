@@ -238,3 +238,26 @@ def test_a_kahan_weight_that_overflows_stays_inf(backend, start, grad):
         optimizer.step()
         assert torch.all(param == float("inf"))
         assert torch.all(optimizer.state[param]["kahan_compensation"] == 0)
+
+
+def test_switching_between_masters_and_kahan_keeps_the_weight():
+    """A group switched from master weights to "kahan" starts each compensation at what rounding the master
+    to the param dropped, and one switched back starts each master at param + compensation: steps at lr 0
+    show the weight kept across both switches, to the compensation's bf16 rounding."""
+    param = make_params([(500,)], dtype=torch.bfloat16, seed=4)[0]
+    optimizer = _run([param], steps=20, update_rounding="kahan", master_weights=True, lr=1e-3)
+    group = optimizer.param_groups[0]
+    master = optimizer.state[param]["master_param"].clone()
+    assert not torch.equal(master, param.float())  # the master holds bits the param has not
+    group.update({"master_weights": False, "lr": 0.0})
+    _run([param], steps=1, optimizer=optimizer)
+    compensation = optimizer.state[param]["kahan_compensation"]
+    assert "master_param" not in optimizer.state[param]
+    weight = param.float() + compensation.float()
+    dropped = (master - param.float()).abs()
+    assert torch.all((weight - master).abs() <= 2.0**-8 * dropped)  # one bf16 rounding of what was dropped
+
+    group["master_weights"] = True
+    _run([param], steps=1, optimizer=optimizer)
+    assert torch.equal(optimizer.state[param]["master_param"], weight)
+    assert "kahan_compensation" not in optimizer.state[param]

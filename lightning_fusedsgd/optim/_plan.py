@@ -301,10 +301,8 @@ def _plan_param(
         local = None if stored is None else _dtensor.local(stored)
         if stored is None or not _steppable_as_stored(stored, local, param, dense, dtype):
             check_state_shapes(state, group, group_index, param_index, param)
-            if local is None and kind == KAHAN_COMPENSATIONS:  # 0: the weight is the param
-                local = torch.zeros_like(dense, dtype=dtype)
-            else:  # a new master is the param; a stored one is converted to the param's layout
-                local = torch.empty_like(dense, dtype=dtype).copy_(dense if local is None else local)
+            source = _new_master_state(kind, dense, state) if local is None else local
+            local = torch.empty_like(dense, dtype=dtype).copy_(source)  # in the param's layout
             plan.new_state.append((param, key, _dtensor.like_param(local, param)))
         bucket.master_params.append(local)
 
@@ -321,6 +319,22 @@ def _steppable_as_stored(
         and local.stride() == dense.stride()
         and local.device == dense.device
     )
+
+
+def _new_master_state(kind: str, dense: Tensor, state: dict[str, Any]) -> Tensor:
+    """The values of a new master or compensation: the weight the param's state holds, kept where its group
+    switched between the two (a master from param + compensation, a compensation from what rounding the
+    master to the param dropped, where the param holds that rounding); else the param, or a compensation of
+    0."""
+    master, compensation = (state.get(MASTER_STATE[k][0]) for k in (FP32_MASTERS, KAHAN_COMPENSATIONS))
+    if kind == FP32_MASTERS:
+        if compensation is None:
+            return dense
+        return dense.float() + _dtensor.local(compensation).to(dense.device).float()
+    if master is None:
+        return torch.zeros_like(dense)
+    master = _dtensor.local(master).to(dense.device).float()
+    return torch.where(dense == master.to(dense.dtype), master - dense.float(), 0.0)
 
 
 def _masters_of(group: dict[str, Any], dtype: torch.dtype) -> str:
