@@ -296,17 +296,18 @@ class _SeededDataModule(pl.LightningDataModule):
     ) -> None:
         """The datasets from raw images: training through ``augment`` (or ``views``), evaluation through
         ``evaluate``, each then through ``finish`` (to a normalized tensor)."""
+        evaluation = v2.Compose([*evaluate, finish])
         if self.views is None:
             self.train_set = SeededDataset(train, v2.Compose([*augment, finish]))
         else:
             self.train_set = SeededDataset(train, EachView(self.views, finish))
-            bank = SeededDataset(train, v2.Compose([*evaluate, finish]))
+            bank = SeededDataset(train, evaluation)
             if self.bank_size is not None and self.bank_size < len(bank):
                 # A fixed random subset (seed 0), the same for every run and every rank.
                 order = torch.randperm(len(bank), generator=torch.Generator().manual_seed(0))
                 bank = Subset(bank, sorted(order[: self.bank_size].tolist()))
             self.bank_set = bank
-        self.val_set = SeededDataset(val, v2.Compose([*evaluate, finish]))
+        self.val_set = SeededDataset(val, evaluation)
 
     def _ready(self, dataset: Dataset | None) -> Dataset:
         if dataset is None:
