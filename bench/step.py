@@ -53,7 +53,7 @@ def contenders(params: list[torch.Tensor], master_weights: bool) -> dict[str, ob
 
 
 def state_bytes_per_param(optimizer: torch.optim.Optimizer) -> float:
-    """Optimizer state (momentum buffers, masters) in bytes per parameter element, measured."""
+    """Optimizer state (momentum buffers, masters, compensations) in bytes per parameter element, measured."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     state = [t for p in params for t in optimizer.state[p].values() if isinstance(t, torch.Tensor)]
     return sum(t.numel() * t.element_size() for t in state) / sum(p.numel() for p in params)
@@ -68,7 +68,7 @@ def rounding_contenders(params: list[torch.Tensor]) -> tuple[dict[str, object], 
     stochastic = FusedSGD(clone_params(params), backend="compiled", update_rounding="stochastic", **HPARAMS)
     kahan = FusedSGD(clone_params(params), backend="compiled", update_rounding="kahan", **HPARAMS)
     masters = FusedSGD(clone_params(params), backend="compiled", master_weights=True, **HPARAMS)
-    fused_torch = torch.optim.SGD(clone_params(params), fused=True, **HPARAMS)
+    fused_torch = steps["torch fused"].__self__  # the bound step's optimizer, as for "FusedSGD" below
     for optimizer in (stochastic, kahan, masters, fused_torch):
         optimizer.step()  # state created outside the timed steps
     floor_params = clone_params(params)
@@ -90,7 +90,7 @@ def rounding_contenders(params: list[torch.Tensor]) -> tuple[dict[str, object], 
         "FusedSGD kahan": kahan.step,
         "FusedSGD": steps["FusedSGD"],
         "FusedSGD + masters": masters.step,
-        "torch fused": fused_torch.step,
+        "torch fused": steps["torch fused"],
         "floor": steps["floor"],
         "floor kahan": lambda: floor.floor_step(
             floor_params, [p.grad for p in floor_params], *floor_state, []
