@@ -23,6 +23,10 @@ pytestmark = [
 REL_FP32 = 1e-5
 # bf16 params are the rounding of masters that agree to REL_FP32: one bf16 step apart at most.
 REL_BF16 = 2**-7
+# Under tensor parallelism the forward and backward sum in another order too (a row-parallel layer's partial
+# outputs are all-reduced), so the gradients themselves differ by fp32 rounding, most where a sum cancels (the
+# last bias's momentum buffer: 1.2e-5 of its largest element on an AVX-512 Xeon, 5 steps).
+REL_TP = 1e-4
 
 
 def _free_port() -> int:
@@ -42,11 +46,11 @@ def dtype_of(tensors):
     return next(iter(tensors.values())).dtype if tensors else None
 
 
-def _assert_same(actual, expected, rel_param=REL_FP32):
+def _assert_same(actual, expected, rel_param=REL_FP32, rel_fp32=REL_FP32):
     for key in ("param", "momentum_buffer", "master_param"):
         assert actual[key].keys() == expected[key].keys(), key
         names = sorted(expected[key])
-        rel = rel_param if key == "param" or dtype_of(expected[key]) == torch.bfloat16 else REL_FP32
+        rel = rel_param if key == "param" or dtype_of(expected[key]) == torch.bfloat16 else rel_fp32
         assert_close_rel([actual[key][n] for n in names], [expected[key][n] for n in names], rel)
 
 
@@ -126,7 +130,7 @@ def test_tensor_parallel_lars_with_clipping_equals_one_process(runs):
     model = h.make_tp_model()
     optimizer = h.make_optimizer(model, h.SCENARIOS["lars_max_grad_norm"][1])
     h.train(model, optimizer, h.batches())
-    _assert_same(tp, h.snapshot(model, optimizer))
+    _assert_same(tp, h.snapshot(model, optimizer), REL_TP, REL_TP)
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +152,7 @@ def test_fsdp2_over_tensor_parallel_on_a_2d_mesh_equals_one_process(mesh_2d_runs
     model = h.make_tp_model()
     optimizer = h.make_optimizer(model, h.SCENARIOS[name][1])
     h.train(model, optimizer, h.batches())
-    _assert_same(run, h.snapshot(model, optimizer))
+    _assert_same(run, h.snapshot(model, optimizer), REL_TP, REL_TP)
 
 
 def test_hsdp_sums_norms_over_the_sharded_dimension_only(mesh_2d_runs):
