@@ -43,18 +43,37 @@ def _flag(value: Any) -> float:
     return 1.0 if value else 0.0
 
 
+def _type_problem(value: Any) -> str | None:
+    """Why ``value`` is no number at all (a str, None, ...): the check names the type it expected."""
+    if isinstance(value, numbers.Real) or (hasattr(value, "numel") and value.numel() == 1):
+        return None  # a number, or a one-element tensor (lr, as torch.optim.SGD takes it)
+    return f"It must be a number (a float, an int or a one-element tensor), got a {type(value).__name__}."
+
+
+def _finite(value: Any) -> str | None:
+    problem = _type_problem(value)
+    if problem is None and not math.isfinite(value):
+        problem = "It must be a finite number."
+    return problem
+
+
 def _non_negative(value: Any) -> str | None:
-    return None if value >= 0 else "It must be >= 0."
+    return _type_problem(value) or (None if value >= 0 else "It must be >= 0.")
 
 
 def _positive(value: Any) -> str | None:
-    return None if value > 0 else "It must be > 0."
+    return _type_problem(value) or (None if value > 0 else "It must be > 0.")
 
 
 def _threshold(value: Any) -> str | None:
     if value is None or (isinstance(value, numbers.Real) and value > 0):
         return None
     return "It must be a number > 0, or None for no clipping."
+
+
+def _bool(value: Any) -> str | None:
+    # A string is the usual mistake (a config's "false", which Python takes as true).
+    return f"It must be True or False, got a {type(value).__name__}." if isinstance(value, str) else None
 
 
 LARS_DENOMINATORS = ("grad_plus_decay", "decayed_grad")
@@ -88,26 +107,30 @@ class Column:
         encode: The group value as the kernel reads it (a float64).
         check: Why a value is refused (a sentence naming the valid ones), or None where it is valid. Checks
             that relate two keys live with the optimizer's other checks.
+        refused: How a refusal starts, where ``torch.optim.SGD`` words it (its ``{}`` is the value), so that
+            code matching torch's messages keeps working; else ``Invalid <key>: <value>``.
     """
 
     name: str
     key: str
     encode: Callable[[Any], float] = _number
     check: Callable[[Any], str | None] | None = None
+    refused: str | None = None
 
 
 HPARAMS: tuple[Column, ...] = (
-    Column("lr", "lr", check=_non_negative),  # NaN where the op reads the lrs from a tensor instead
-    Column("momentum", "momentum", check=_non_negative),
-    Column("dampening", "dampening"),
-    Column("weight_decay", "weight_decay", check=_non_negative),
-    Column("nesterov", "nesterov", _flag),
-    Column("maximize", "maximize", _flag),
-    Column("wd_after_momentum", "wd_after_momentum", _flag),
-    Column("lars", "lars", _flag),
+    # lr: NaN where the op reads the lrs from a tensor instead
+    Column("lr", "lr", check=_non_negative, refused="Invalid learning rate: {}"),
+    Column("momentum", "momentum", check=_non_negative, refused="Invalid momentum value: {}"),
+    Column("dampening", "dampening", check=_finite),
+    Column("weight_decay", "weight_decay", check=_non_negative, refused="Invalid weight_decay value: {}"),
+    Column("nesterov", "nesterov", _flag, _bool),
+    Column("maximize", "maximize", _flag, _bool),
+    Column("wd_after_momentum", "wd_after_momentum", _flag, _bool),
+    Column("lars", "lars", _flag, _bool),
     Column("trust_coefficient", "trust_coefficient", check=_positive),
     Column("lars_eps", "lars_eps", check=_non_negative),
-    Column("trust_clip", "trust_clip", _flag),
+    Column("trust_clip", "trust_clip", _flag, _bool),
     Column(
         "lars_decayed_grad",
         "lars_denominator",
@@ -116,7 +139,7 @@ HPARAMS: tuple[Column, ...] = (
     ),
     Column("max_grad_norm", "max_grad_norm", lambda v: 0.0 if v is None else float(v), _threshold),
     Column("max_grad_value", "max_grad_value", lambda v: math.inf if v is None else float(v), _threshold),
-    Column("always_adapt", "always_adapt", _flag),
+    Column("always_adapt", "always_adapt", _flag, _bool),
     Column(
         "lars_zero_plain_grad", "lars_zero_norm", lambda v: _flag(v == "plain_grad"), _one_of(LARS_ZERO_NORMS)
     ),

@@ -224,6 +224,13 @@ def _fp16_rounded(rounding: str) -> Callable[[], Scenario]:
     return scenario
 
 
+def _add_group(group: dict[str, Any], **hparams: Any) -> Scenario:
+    """A stepped optimizer asked to add a group it must refuse (nothing added)."""
+    params = make_params([(5,), (3,)])
+    optimizer = _stepped(params[:1], **hparams)
+    return Scenario(optimizer, params, lambda: optimizer.add_param_group({"params": params[1:], **group}))
+
+
 def _set(key: str, value: Any) -> Callable[[FusedSGD], None]:
     return lambda optimizer: optimizer.param_groups[0].__setitem__(key, value)
 
@@ -269,7 +276,42 @@ REFUSALS = [
         "group-edited-to-a-negative-lr",
         lambda: _step_refusal(make_params([(5,), (3,)]), _set("lr", -1.0)),
         ValueError,
-        r"param_groups\[0\]: Invalid lr: -1.0. It must be >= 0",
+        r"param_groups\[0\]: Invalid learning rate: -1.0. It must be >= 0",
+    ),
+    Refusal(
+        "group-edited-to-a-nan-dampening",
+        lambda: _step_refusal(make_params([(5,), (3,)]), _set("dampening", float("nan"))),
+        ValueError,
+        r"param_groups\[0\]: Invalid dampening: nan. It must be a finite number",
+    ),
+    Refusal(
+        "group-edited-to-a-dampening-of-none",
+        lambda: _step_refusal(make_params([(5,), (3,)]), _set("dampening", None)),
+        ValueError,
+        r"param_groups\[0\]: Invalid dampening: None. It must be a number .*got a NoneType",
+    ),
+    *(
+        Refusal(
+            f"group-edited-to-a-two-element-lr{'-capturable' if capturable else ''}",
+            lambda capturable=capturable: _step_refusal(
+                make_params([(5,), (3,)]), _set("lr", torch.tensor([0.1, 0.2])), capturable=capturable
+            ),
+            ValueError,
+            r"Tensor lr must be 1-element, got shape \(2,\)",
+        )
+        for capturable in (False, True)
+    ),
+    Refusal(
+        "added-group-with-its-own-max-grad-norm",
+        lambda: _add_group({"max_grad_norm": 2.0}, max_grad_norm=1.0),
+        ValueError,
+        r"max_grad_norm differs between parameter groups \(\['1.0', '2.0'\]\)",
+    ),
+    Refusal(
+        "added-group-with-a-nan-dampening",
+        lambda: _add_group({"dampening": float("nan")}),
+        ValueError,
+        r"param_groups\[1\]: Invalid dampening: nan",
     ),
     Refusal(
         "max-grad-norm-differs-between-groups", _norm_clip_per_group, ValueError, "max_grad_norm differs"
@@ -348,16 +390,31 @@ REFUSALS = [
         ValueError,
         r"saved param_groups\[0\]: Invalid lars_denominator",
     ),
+    Refusal(
+        "state-dict-group-with-a-nan-dampening",
+        _loaded(lambda s: s["param_groups"][0].__setitem__("dampening", float("nan"))),
+        ValueError,
+        r"saved param_groups\[0\]: Invalid dampening: nan. It must be a finite number",
+    ),
 ]
 """Inputs FusedSGD refuses before anything is written, with an error that names the problem and the fix."""
 
 CONSTRUCTION_REFUSALS = [
-    (dict(lr=-0.1), "Invalid lr: -0.1. It must be >= 0"),
-    (dict(lr=torch.tensor(-0.1)), "Invalid lr"),
-    (dict(lr=torch.ones(2)), "lr as a Tensor must have one element"),
-    (dict(momentum=-0.9), "Invalid momentum"),
-    (dict(weight_decay=-1e-4), "Invalid weight_decay"),
-    (dict(nesterov=True), "Nesterov momentum requires momentum > 0"),
+    (dict(lr=-0.1), "Invalid learning rate: -0.1. It must be >= 0"),
+    (dict(lr=torch.tensor(-0.1)), "Invalid learning rate"),
+    (dict(lr=torch.ones(2)), r"Tensor lr must be 1-element, got shape \(2,\)"),
+    (dict(lr="0.1"), r"Invalid learning rate: '0.1'. It must be a number .*got a str"),
+    (dict(momentum=-0.9), "Invalid momentum value: -0.9"),
+    (dict(weight_decay=-1e-4), "Invalid weight_decay value"),
+    (dict(weight_decay=None), "Invalid weight_decay value: None. It must be a number .*got a NoneType"),
+    (dict(dampening=float("nan")), "Invalid dampening: nan. It must be a finite number"),
+    (dict(dampening=float("inf")), "Invalid dampening: inf. It must be a finite number"),
+    (dict(dampening="x"), "Invalid dampening: 'x'. It must be a number .*got a str"),
+    (dict(lars_eps="x"), "Invalid lars_eps: 'x'. It must be a number .*got a str"),
+    (dict(nesterov="false", momentum=0.9), "Invalid nesterov: 'false'. It must be True or False, got a str"),
+    (dict(foreach="yes"), "Invalid foreach: 'yes'. It must be None, True or False"),
+    (dict(differentiable=True), r"differentiable=True\): the fused step is not differentiable"),
+    (dict(nesterov=True), "Nesterov momentum requires a momentum and zero dampening"),
     (dict(nesterov=True, momentum=0.9, dampening=0.1), "dampening = 0"),
     (dict(lars_denominator="nope"), r"Invalid lars_denominator: 'nope'. Choose one of \('grad_plus_decay'"),
     (dict(trust_coefficient=0.0), r"Invalid trust_coefficient: 0.0. It must be > 0"),

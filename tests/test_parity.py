@@ -237,3 +237,32 @@ def test_complex_params_step_as_their_real_views_close_to_torch():
     for p, q in zip(ours, theirs):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
         assert optimizer.state[p]["momentum_buffer"].dtype == torch.complex64
+
+
+@pytest.mark.parametrize(
+    "switches",
+    [dict(), dict(foreach=False), dict(foreach=True), dict(fused=None), dict(fused=False), dict(fused=True)]
+    + [dict(differentiable=False)],
+    ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()) or "defaults",
+)
+def test_takes_torch_sgds_arguments_and_defaults(switches):
+    """What code and configs pass to torch.optim.SGD, its implementation switches and its default lr
+    included, gives torch's bits; the groups carry the same keys as torch's, with the same values."""
+    ours, theirs = make_params(), make_params()
+    optimizer = FusedSGD(ours, momentum=0.9, **switches)
+    oracle = torch.optim.SGD(theirs, momentum=0.9, **{"foreach": False, **switches, "fused": None})
+    assert optimizer.defaults["lr"] == oracle.defaults["lr"] == 1e-3
+    torch_keys = set(oracle.param_groups[0]) - {"params"}
+    assert {k: optimizer.param_groups[0][k] for k in torch_keys - {"foreach", "fused"}} == {
+        k: oracle.param_groups[0][k] for k in torch_keys - {"foreach", "fused"}
+    }
+    assert {k: optimizer.param_groups[0][k] for k in ("foreach", "fused")} == {
+        "foreach": switches.get("foreach"),
+        "fused": switches.get("fused"),
+    }
+    generator = torch.Generator().manual_seed(3)
+    for step in range(3):
+        set_grads([ours, theirs], step, generator)
+        optimizer.step()
+        oracle.step()
+        _assert_equal(ours, theirs, step)

@@ -51,3 +51,34 @@ def test_a_refused_group_is_not_added():
         p = nn.Parameter(torch.randn(2))
         optimizer.add_param_group({"params": [p, p]})
     assert len(optimizer.param_groups) == 1
+
+
+TORCH_REFUSALS = [
+    (dict(lr=-0.1), ValueError),
+    (dict(lr=torch.ones(2)), ValueError),
+    (dict(momentum=-0.5), ValueError),
+    (dict(weight_decay=-1.0), ValueError),
+    (dict(nesterov=True), ValueError),
+    (dict(nesterov=True, momentum=0.9, dampening=0.1), ValueError),
+]
+
+
+@pytest.mark.parametrize("kwargs, error", TORCH_REFUSALS, ids=lambda v: str(v)[:40])
+def test_refusals_torch_words_are_in_ours(kwargs, error):
+    """Code and tests that match torch.optim.SGD's messages keep working: torch's own message (the oracle) is
+    part of ours, which goes on to name the fix."""
+    with pytest.raises(error) as theirs:
+        torch.optim.SGD([nn.Parameter(torch.randn(3))], **kwargs)
+    with pytest.raises(error) as ours:
+        FusedSGD([nn.Parameter(torch.randn(3))], **kwargs)
+    assert str(theirs.value) in str(ours.value)
+    assert len(str(ours.value)) > len(str(theirs.value))
+
+
+@pytest.mark.parametrize("params", [None, nn.Parameter(torch.randn(3))], ids=["none", "bare-tensor"])
+def test_params_that_are_no_iterable_get_torchs_type_error(params):
+    with pytest.raises(TypeError) as theirs:
+        torch.optim.SGD(params)
+    with pytest.raises(TypeError) as ours:
+        FusedSGD(params)
+    assert str(theirs.value) in str(ours.value)

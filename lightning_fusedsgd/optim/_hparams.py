@@ -11,6 +11,10 @@ from torch import Tensor
 
 from lightning_fusedsgd import _abi
 
+TORCH_SWITCHES = ("foreach", "fused", "differentiable")
+"""``torch.optim.SGD``'s implementation switches: accepted, so configs written for it work, and choosing
+nothing (every step runs the fused kernel); ``differentiable=True`` is refused."""
+
 
 def _shown(value: Any) -> str:
     if isinstance(value, Tensor):
@@ -19,27 +23,40 @@ def _shown(value: Any) -> str:
 
 
 def check_group(group: dict[str, Any]) -> None:
-    """Raises ValueError, naming the value and the fix, for a hyperparameter the step cannot use."""
+    """Raises ValueError, naming the value and the fix, for a hyperparameter the step cannot use. Where
+    ``torch.optim.SGD`` refuses the same value, the message starts with torch's words."""
     lr = group["lr"]
     if isinstance(lr, Tensor) and lr.numel() != 1:
-        raise ValueError(f"lr as a Tensor must have one element, got shape {tuple(lr.shape)}")
+        raise ValueError(
+            f"Tensor lr must be 1-element, got shape {tuple(lr.shape)}: set a float or a 0-d tensor."
+        )
     for column in _abi.HPARAMS:
         value = group[column.key]
         if column.check is None or (isinstance(value, Tensor) and torch.compiler.is_compiling()):
             continue  # a traced step cannot branch on a tensor's value; eager steps check it
         problem = column.check(value)
         if problem is not None:
-            raise ValueError(f"Invalid {column.key}: {_shown(value)}. {problem}")
+            start = (column.refused or f"Invalid {column.key}: {{}}").format(_shown(value))
+            raise ValueError(f"{start}. {problem}")
     if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
         raise ValueError(
-            "Nesterov momentum requires momentum > 0 and dampening = 0 "
+            "Nesterov momentum requires a momentum and zero dampening "
             f"(got momentum={group['momentum']}, dampening={group['dampening']}): "
-            "set nesterov=False or choose a positive momentum with zero dampening."
+            "set nesterov=False or choose a momentum > 0 with dampening = 0."
         )
     if group["max_grad_norm"] is not None and group["max_grad_value"] is not None:
         raise ValueError(
             "max_grad_norm and max_grad_value are alternatives (as Lightning's gradient_clip_algorithm "
             "'norm' and 'value'): set one of them, and None for the other."
+        )
+    for key in TORCH_SWITCHES:
+        if group[key] not in (None, False, True):
+            raise ValueError(f"Invalid {key}: {_shown(group[key])}. It must be None, True or False.")
+    if group["differentiable"]:
+        raise ValueError(
+            "FusedSGD(differentiable=True): the fused step is not differentiable (it writes the params in "
+            "place, outside autograd). Use torch.optim.SGD(differentiable=True) to differentiate through "
+            "optimizer steps."
         )
 
 

@@ -28,6 +28,15 @@ def _store_lr(view: Tensor, lr: float | Tensor) -> None:
         view.fill_(lr)
 
 
+def _same_values(values: list[tuple[Any, ...]], checked: list[tuple[Any, ...]] | None) -> bool:
+    """Whether the groups' values are those last checked: tensors (an lr) by identity, as their elements may
+    be many (a refused lr), the others by value."""
+    return checked is not None and len(values) == len(checked) and all(
+        len(a) == len(b) and all(x is y or (not isinstance(x, Tensor) and x == y) for x, y in zip(a, b))
+        for a, b in zip(values, checked)
+    )
+
+
 class FusedSGD(Optimizer):
     """SGD with momentum whose update runs in one compiled multi-tensor call per (device, dtype).
 
@@ -39,9 +48,8 @@ class FusedSGD(Optimizer):
     checkpoints move both ways between ``torch.optim.SGD`` and this class.
 
     Args:
-        params: Parameters, named parameters, or parameter-group dicts.
-        lr: Learning rate (float or 0-d tensor). The default, 0.1, is TransformerEngine's FusedSGD's;
-            ``torch.optim.SGD``'s is 1e-3, so pass ``lr`` when replacing it.
+        params: Parameters, named parameters, or parameter-group dicts (an iterable, as torch takes them).
+        lr: Learning rate (float or 0-d tensor); 1e-3 by default, as ``torch.optim.SGD``.
         momentum: Momentum factor mu.
         dampening: Dampening tau for momentum.
         weight_decay: Coupled L2 penalty lambda.
@@ -97,6 +105,11 @@ class FusedSGD(Optimizer):
             its schedule on the device. After the first step (which creates the momentum buffers) a step
             reads nothing back to the host. All params must be on one device. ``state_dict()`` saves the
             lrs as numbers, so checkpoints are those of a plain step.
+        foreach, fused: ``torch.optim.SGD``'s choice of implementation, accepted so that code and configs
+            written for it work unchanged; they choose nothing here, where every step runs the fused kernel
+            (``backend`` chooses between it and the reference).
+        differentiable: Only False: the fused step writes the params in place, outside autograd
+            (``torch.optim.SGD(differentiable=True)`` differentiates through steps).
 
     Attributes:
         last_step_applied: Whether the last ``step()`` changed the parameters: ``True``, or under a
@@ -110,7 +123,7 @@ class FusedSGD(Optimizer):
     def __init__(
         self,
         params: Iterable[Any],
-        lr: float | Tensor = 0.1,
+        lr: float | Tensor = 1e-3,
         momentum: float = 0.0,
         dampening: float = 0.0,
         weight_decay: float = 0.0,
@@ -133,10 +146,18 @@ class FusedSGD(Optimizer):
         update_rounding: str = "nearest",
         rounding_seed: int = 0,
         capturable: bool = False,
+        foreach: bool | None = None,
+        fused: bool | None = None,
+        differentiable: bool = False,
     ) -> None:
         if backend not in _backends.BACKENDS:
             raise ValueError(f"Unknown backend {backend!r}; choose one of {_backends.BACKENDS}.")
-        params = list(params) if not isinstance(params, Tensor) else [params]
+        if isinstance(params, Tensor):
+            raise TypeError(
+                "params argument given to the optimizer should be an iterable of Tensors or dicts, but got "
+                f"{torch.typename(params)}: pass [tensor] (or model.parameters())."
+            )
+        params = list(params)
         if not params:
             raise ValueError(
                 "FusedSGD got an empty parameter list: pass model.parameters() (or parameter groups) "
@@ -163,6 +184,9 @@ class FusedSGD(Optimizer):
             update_rounding=update_rounding,
             rounding_seed=rounding_seed,
             rounding_step=0,
+            foreach=foreach,
+            fused=fused,
+            differentiable=differentiable,
         )
         _hparams.check_group(defaults)
         self.set_grad_none = set_grad_none
@@ -189,8 +213,9 @@ class FusedSGD(Optimizer):
         return self._last_step["applied"]
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Validates the group's hyperparameters and devices before adding it (nothing added on error)."""
-        _hparams.check_group({**self.defaults, **param_group})
+        """Validates the group's hyperparameters, alone and beside the other groups', and its devices before
+        adding it (nothing added on error)."""
+        _hparams.check_groups([*self.param_groups, {**self.defaults, **param_group}])
         params = param_group["params"]
         # Materialized once: a generator (model.parameters()) would be used up by the checks below.
         params = param_group["params"] = [params] if isinstance(params, Tensor) else list(params)
@@ -268,7 +293,7 @@ class FusedSGD(Optimizer):
         """Validates the groups' hyperparameters when they changed since the last check: a group dict can
         be edited at any time, and a bad value must fail before anything is written."""
         values = [tuple(map(group.get, self.defaults)) for group in self.param_groups]
-        if values != self._checked_hparams:
+        if not _same_values(values, self._checked_hparams):
             _hparams.check_groups(self.param_groups)
             self._check_rounding()
             self._checked_hparams = values
@@ -306,8 +331,8 @@ class FusedSGD(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_groups()  # first: a refused lr must not reach the lr storage
         lrs = self.lr_tensor() if self.capturable else _hparams.stacked_lrs(self.param_groups)
-        self._check_groups()
         grad_scale: Tensor | None = getattr(self, "grad_scale", None)
         found_inf: Tensor | int | None = getattr(self, "found_inf", None)
         if found_inf is not None and not isinstance(found_inf, Tensor):
@@ -444,7 +469,7 @@ class FusedSGD(Optimizer):
         if self.capturable:
             for group in state["param_groups"]:
                 for key in ("lr", "initial_lr"):
-                    if isinstance(group.get(key), Tensor):
+                    if isinstance(group.get(key), Tensor) and group[key].numel() == 1:
                         group[key] = float(group[key])
         return state
 
