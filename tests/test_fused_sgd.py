@@ -228,6 +228,50 @@ def test_master_weights_survive_state_dict_round_trip_in_fp32():
         assert torch.equal(opt2.state[restored[0]][key], opt.state[params[0]][key])
 
 
+@pytest.mark.parametrize(
+    ("saved_with", "loaded_into"),
+    [
+        (dict(master_weights=True), dict()),
+        (dict(master_weights=True), dict(update_rounding="kahan")),
+        (dict(), dict(master_weights=True)),
+        (dict(update_rounding="kahan"), dict(master_weights=True)),
+    ],
+    ids=["masters-into-default", "masters-into-kahan", "plain-into-masters", "kahan-into-masters"],
+)
+def test_loaded_state_keeps_the_precision_of_the_loaded_groups(saved_with, loaded_into):
+    """A checkpoint's groups decide what its state is, whatever the loading optimizer was built with: the
+    resumed run gives the uninterrupted run's bits (params, fp32 masters and buffers, compensations)."""
+    hparams = dict(lr=0.05, momentum=0.9, weight_decay=1e-3)
+    uninterrupted = make_params([(70_000,), (33, 17)], dtype=torch.bfloat16)
+    resumed = clone_params(uninterrupted)
+    optimizer = FusedSGD(uninterrupted, **hparams, **saved_with)
+    generator = torch.Generator().manual_seed(4)
+
+    def step(param_sets, optimizers):
+        grads = [torch.randn(p.shape, generator=generator).to(torch.bfloat16) for p in param_sets[0]]
+        for params, opt in zip(param_sets, optimizers):
+            for p, g in zip(params, grads):
+                p.grad = g.clone()
+            opt.step()
+
+    for _ in range(2):
+        step([uninterrupted], [optimizer])
+    for p, q in zip(resumed, uninterrupted):
+        p.data.copy_(q)
+    saved = copy.deepcopy(optimizer.state_dict())
+    loader = FusedSGD(resumed, **hparams, **loaded_into)
+    loader.load_state_dict(saved)
+    for _ in range(2):
+        step([uninterrupted, resumed], [optimizer, loader])
+    for p, q in zip(resumed, uninterrupted):
+        assert torch.equal(p, q)
+        mine, theirs = loader.state[p], optimizer.state[q]
+        assert mine.keys() == theirs.keys()
+        for key, value in theirs.items():
+            assert mine[key].dtype == value.dtype, key
+            assert torch.equal(mine[key], value), key
+
+
 def test_named_parameters_are_accepted():
     model = nn.Linear(4, 3)
     opt = FusedSGD(model.named_parameters(), lr=0.1, momentum=0.9)

@@ -31,9 +31,13 @@ def _store_lr(view: Tensor, lr: float | Tensor) -> None:
 def _same_values(values: list[tuple[Any, ...]], checked: list[tuple[Any, ...]] | None) -> bool:
     """Whether the groups' values are those last checked: tensors (an lr) by identity, as their elements may
     be many (a refused lr), the others by value."""
-    return checked is not None and len(values) == len(checked) and all(
-        len(a) == len(b) and all(x is y or (not isinstance(x, Tensor) and x == y) for x, y in zip(a, b))
-        for a, b in zip(values, checked)
+    return (
+        checked is not None
+        and len(values) == len(checked)
+        and all(
+            len(a) == len(b) and all(x is y or (not isinstance(x, Tensor) and x == y) for x, y in zip(a, b))
+            for a, b in zip(values, checked)
+        )
     )
 
 
@@ -524,7 +528,9 @@ class FusedSGD(Optimizer):
 
     def _fp32_state(self, state_dict: dict[str, Any]) -> dict[Tensor, dict[str, Tensor]]:
         """The fp32 momentum buffers and masters of master-weighted bf16/fp16 params, as they will be stored
-        (torch's loader would cast them to the param's dtype); checks every state's shapes first."""
+        (torch's loader would cast them to the param's dtype); checks every state's shapes first. Whether a
+        group keeps masters is the group as loaded (the saved one, or this optimizer's where the state was
+        remapped by name), not as constructed."""
         groups = self.param_groups
         saved_groups = state_dict["param_groups"]
         if len(groups) != len(saved_groups) or any(
@@ -542,7 +548,10 @@ class FusedSGD(Optimizer):
                 continue
             group_index, param_index, param = id_to_param[saved_id]
             check_state_shapes(saved_state, groups[group_index], group_index, param_index, param)
-            if groups[group_index]["master_weights"] and param.dtype in LOW_PRECISION:
+            master_weights = saved_groups[group_index].get(
+                "master_weights", groups[group_index]["master_weights"]
+            )
+            if master_weights and param.dtype in LOW_PRECISION:
                 keep_fp32[param] = {
                     key: saved_state[key].to(device=param.device, dtype=torch.float32, copy=True)
                     for key in ("momentum_buffer", "master_param")
