@@ -3,7 +3,8 @@
 Every op that takes hyperparameters reads them as a CPU float64 table with one row per group; ``HPARAMS``
 lists the columns in order (``LFSGD_HPARAMS`` in ``ops/csrc/sgd_math.h`` names the same fields in the same
 order, checked when the library loads), each with the group key it encodes, how (None and option names become
-numbers here, nowhere else), and which values the kernel accepts. The schedule op reads a schedule as a row
+numbers here, nowhere else), and which values the kernel accepts; a value one for the whole step
+(``STEP_HPARAMS``) is an argument of the ops instead. The schedule op reads a schedule as a row
 too (``SCHEDULE_HEADER`` then the milestones, decays numbered as ``DECAYS``); ``lars_sq_sums`` returns
 ``LARS_SUMS`` sums per tensor.
 
@@ -29,6 +30,7 @@ __all__ = [
     "LARS_SUMS",
     "LARS_ZERO_NORMS",
     "SCHEDULE_HEADER",
+    "STEP_HPARAMS",
     "UPDATE_ROUNDINGS",
     "Column",
     "encode_groups",
@@ -85,7 +87,8 @@ LARS_ZERO_NORMS = ("unit_ratio", "plain_grad")
 
 UPDATE_ROUNDINGS = ("nearest", "stochastic", "kahan")
 """How a bf16 param without master weights takes its update: rounded to nearest, stochastically, or to nearest
-with a Kahan compensation (which the op receives as the bucket's ``master_params``, not as a column)."""
+with a Kahan compensation (the bucket's ``master_params``); numbered as ``kUpdateRoundingNames`` in
+ops/csrc/sgd_math.h."""
 
 
 def _seed(value: Any) -> str | None:
@@ -137,24 +140,23 @@ HPARAMS: tuple[Column, ...] = (
         lambda v: _flag(v == "decayed_grad"),
         _one_of(LARS_DENOMINATORS),
     ),
-    Column("max_grad_norm", "max_grad_norm", lambda v: 0.0 if v is None else float(v), _threshold),
     Column("max_grad_value", "max_grad_value", lambda v: math.inf if v is None else float(v), _threshold),
     Column("always_adapt", "always_adapt", _flag, _bool),
     Column(
         "lars_zero_plain_grad", "lars_zero_norm", lambda v: _flag(v == "plain_grad"), _one_of(LARS_ZERO_NORMS)
     ),
-    Column(
-        "stochastic_rounding",
-        "update_rounding",
-        lambda v: _flag(v == "stochastic"),
-        _one_of(UPDATE_ROUNDINGS),
-    ),
+    Column("update_rounding", "update_rounding", UPDATE_ROUNDINGS.index, _one_of(UPDATE_ROUNDINGS)),
     Column("rounding_seed", "rounding_seed", check=_seed),
-    Column("rounding_step", "rounding_step", check=_seed),  # the group's steps so far: part of the key
 )
 """The table's columns, in the kernel's order."""
 
 HPARAM_NAMES: tuple[str, ...] = tuple(column.name for column in HPARAMS)
+
+STEP_HPARAMS: tuple[Column, ...] = (
+    Column("max_grad_norm", "max_grad_norm", lambda v: v if v is None else float(v), _threshold),
+)
+"""Group keys whose value is one for the whole step (every group holds the same): the ops take each as an
+argument of its name, encoded as here, not as a column."""
 
 
 def encode_groups(groups: Sequence[dict[str, Any]], lr_on_device: bool) -> list[list[float]]:

@@ -426,6 +426,5 @@ CONSTRUCTION_REFUSALS = [
     (dict(update_rounding="up"), r"Invalid update_rounding: 'up'. Choose one of"),
     (dict(rounding_seed=-1), r"Invalid rounding_seed: -1. It must be an int in \[0, 2\*\*53\)"),
     (dict(rounding_seed=0.5), "Invalid rounding_seed: 0.5"),
-    (dict(update_rounding="stochastic", capturable=True), "use capturable=False"),
 ]
 """FusedSGD's arguments it refuses at construction: (kwargs, what the message says)."""

@@ -14,6 +14,7 @@ from torch._dynamo.utils import counters
 
 from lightning_fusedsgd import FusedLARS, FusedSGD
 from lightning_fusedsgd._abi import HPARAM_NAMES as HPARAM_COLUMNS
+from lightning_fusedsgd._abi import UPDATE_ROUNDINGS
 from lightning_fusedsgd.ops import load as load_ops
 from lightning_fusedsgd.ops import reference
 
@@ -21,9 +22,16 @@ OPS = load_ops("cpu")
 
 
 def table(**hparams):
-    """One group's row; max_grad_value is inf (no clamp) unless given: 0 would clamp every gradient to 0."""
-    defaults = {"lr": 0.1, "trust_coefficient": 1e-3, "max_grad_value": math.inf}
+    """One group's row; max_grad_value is inf (no clamp) unless given: 0 would clamp every gradient to 0;
+    update_rounding is a name of _abi.UPDATE_ROUNDINGS."""
+    defaults = {
+        "lr": 0.1,
+        "trust_coefficient": 1e-3,
+        "max_grad_value": math.inf,
+        "update_rounding": "nearest",
+    }
     row = {name: 0.0 for name in HPARAM_COLUMNS} | defaults | hparams
+    row["update_rounding"] = UPDATE_ROUNDINGS.index(row["update_rounding"])
     return torch.tensor([[float(row[name]) for name in HPARAM_COLUMNS]], dtype=torch.float64)
 
 
@@ -49,9 +57,14 @@ def bucket(dtype=torch.float32, master=False, momentum=True):
         dict(hparams=dict(), momentum=False),
         dict(hparams=dict(momentum=0.9, lars=1.0, weight_decay=1e-4)),
         dict(hparams=dict(momentum=0.9), dtype=torch.bfloat16, master=True),
-        dict(hparams=dict(momentum=0.9, lars=1.0), dtype=torch.bfloat16, master="kahan"),
+        dict(
+            hparams=dict(momentum=0.9, lars=1.0, update_rounding="kahan"),
+            dtype=torch.bfloat16,
+            master="kahan",
+        ),
+        dict(hparams=dict(momentum=0.9, update_rounding="stochastic"), dtype=torch.bfloat16, steps=True),
         dict(hparams=dict(momentum=0.9), scaler=True),
-        dict(hparams=dict(momentum=0.9, lars=1.0, max_grad_norm=0.5), scaler=True, clip=True),
+        dict(hparams=dict(momentum=0.9, lars=1.0), scaler=True, clip=0.5),
         dict(hparams=dict(momentum=0.9, max_grad_value=0.1)),
     ],
     ids=[
@@ -60,6 +73,7 @@ def bucket(dtype=torch.float32, master=False, momentum=True):
         "lars",
         "bf16-master",
         "bf16-kahan-lars",
+        "bf16-stochastic",
         "grad-scaler",
         "clip-norm",
         "clip-value",
@@ -75,12 +89,14 @@ def test_sgd_step_passes_opcheck(case):
         grads,
         buffers,
         masters,
+        [torch.tensor(7) for _ in params] if case.get("steps") else [],
         table(**case["hparams"]),
         [0, 0, 0],
         [False, True, False],
         scale,
         found_inf,
         OPS.grad_sq_sum(grads) if case.get("clip") else None,
+        case.get("clip"),
     )
     torch.library.opcheck(OPS.sgd_step.default, args)
 
@@ -104,9 +120,11 @@ def test_sgd_step_refuses_masters_it_cannot_use(dtype, masters):
             grads,
             buffers,
             [masters(p) for p in params],
+            [],
             table(momentum=0.9),
             [0, 0, 0],
             [False] * 3,
+            None,
             None,
             None,
             None,
@@ -166,9 +184,11 @@ def test_sgd_step_reads_the_lrs_on_the_device(ops, lars, device):
             grads,
             buffers,
             [],
+            [],
             hparam_table,
             [0, 1, 1],
             [False, True, False],
+            None,
             None,
             None,
             None,
@@ -240,21 +260,21 @@ def test_given_lars_sq_sums_replace_the_norm_pass(backend, denominator, max_grad
         lars=1.0,
         trust_coefficient=0.5,
         lars_decayed_grad=denominator,
-        max_grad_norm=max_grad_norm,
     )
     groups, first = [0, 0, 0], [False, True, False]
     grad_sq_sum = ops.grad_sq_sum(grads) if max_grad_norm else None
+    clip = (grad_sq_sum, max_grad_norm) if max_grad_norm else (None, None)
     if max_grad_norm:  # the clip is active, so its coefficient enters the norms
         assert grad_sq_sum.sqrt() / scale > 4 * max_grad_norm
     expected, expected_buffers = [p.clone() for p in params], [b.clone() for b in buffers]
-    ops.sgd_step(expected, grads, expected_buffers, [], hparams, groups, first, scale, None, grad_sq_sum)
+    ops.sgd_step(expected, grads, expected_buffers, [], [], hparams, groups, first, scale, None, *clip)
     actual, actual_buffers = [p.clone() for p in params], [b.clone() for b in buffers]
     sums = ops.lars_sq_sums(actual, grads, [], hparams, groups, scale)
-    ops.sgd_step(actual, grads, actual_buffers, [], hparams, groups, first, scale, None, grad_sq_sum, sums)
+    ops.sgd_step(actual, grads, actual_buffers, [], [], hparams, groups, first, scale, None, *clip, sums)
     assert_close_rel(actual + actual_buffers, expected + expected_buffers, 1e-6)
-    plain_hparams = table(momentum=0.9, weight_decay=0.05, max_grad_norm=max_grad_norm)
+    plain_hparams = table(momentum=0.9, weight_decay=0.05)
     plain, plain_buffers = [p.clone() for p in params], [b.clone() for b in buffers]
-    ops.sgd_step(plain, grads, plain_buffers, [], plain_hparams, groups, first, scale, None, grad_sq_sum)
+    ops.sgd_step(plain, grads, plain_buffers, [], [], plain_hparams, groups, first, scale, None, *clip)
     update, plain_update = actual[1] - params[1], plain[1] - params[1]  # a first step: no old buffer
     assert not torch.allclose(update, plain_update, rtol=0.1), "the trust ratio must matter here"
 
@@ -264,7 +284,7 @@ def test_sgd_step_schema_declares_what_it_writes():
     written = [
         argument.name for argument in schema.arguments if argument.alias_info and argument.alias_info.is_write
     ]
-    assert written == ["params", "momentum_buffers", "master_params"]
+    assert written == ["params", "momentum_buffers", "master_params", "rounding_steps"]
 
 
 def compiled_and_eager_runs(make_optimizer, dtype=torch.float32, scaler=False, steps=4):
@@ -311,6 +331,12 @@ def compiled_and_eager_runs(make_optimizer, dtype=torch.float32, scaler=False, s
             torch.bfloat16,
             False,
         ),
+        (lambda p: FusedSGD(p, lr=0.1, momentum=0.9, update_rounding="stochastic"), torch.bfloat16, False),
+        (
+            lambda p: FusedSGD(p, lr=0.1, momentum=0.9, update_rounding="stochastic", capturable=True),
+            torch.bfloat16,
+            True,
+        ),
         (lambda p: FusedSGD(p, lr=0.1, momentum=0.9), torch.float32, True),
         (lambda p: FusedLARS(p, lr=0.1, momentum=0.9, max_grad_norm=1.0), torch.float32, True),
         (lambda p: FusedSGD(p, lr=torch.tensor(0.1), momentum=0.9), torch.float32, False),
@@ -323,6 +349,8 @@ def compiled_and_eager_runs(make_optimizer, dtype=torch.float32, scaler=False, s
         "lars",
         "bf16-master",
         "bf16-kahan-capturable",
+        "bf16-stochastic",
+        "bf16-stochastic-capturable-grad-scaler",
         "grad-scaler",
         "clip-norm-lars-grad-scaler",
         "tensor-lr",

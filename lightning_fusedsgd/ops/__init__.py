@@ -38,9 +38,9 @@ _LIBRARY = torch.library.Library("lightning_fusedsgd", "DEF")  # the compiled li
 
 _LIBRARY.define(
     "sgd_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_buffers, "
-    "Tensor(c!)[] master_params, Tensor group_hparams, int[] tensor_group, bool[] first_step, "
-    "Tensor? grad_scale, Tensor? found_inf, Tensor? grad_sq_sum, Tensor? lars_sq_sums=None, "
-    "Tensor? lrs=None) -> ()"
+    "Tensor(c!)[] master_params, Tensor(d!)[] rounding_steps, Tensor group_hparams, int[] tensor_group, "
+    "bool[] first_step, Tensor? grad_scale, Tensor? found_inf, Tensor? grad_sq_sum, float? max_grad_norm, "
+    "Tensor? lars_sq_sums=None, Tensor? lrs=None) -> ()"
 )
 """One SGD/LARS step of one bucket (one device, one param dtype; fp32 masters, Kahan compensations or
 neither), in place.
@@ -51,16 +51,21 @@ Arguments:
     momentum_buffers: one per param whose group has momentum != 0, in param order; the params' dtype, fp32
         with master weights; updated (seeded with the gradient where ``first_step``).
     master_params: [n] or []; updated. fp32 masters of bf16/fp16 params, each param holding its master's
-        rounding; or bf16 Kahan compensations of bf16 params (``update_rounding="kahan"``), the weight being
-        param + compensation in fp32, the param taking the update rounded to nearest and the compensation what
-        that rounding dropped.
+        rounding; or bf16 Kahan compensations of bf16 params (their groups' update_rounding "kahan"), the
+        weight being param + compensation in fp32, the param taking the update rounded to nearest and the
+        compensation what that rounding dropped.
+    rounding_steps: one per param rounded stochastically (a bf16 param without masters or compensations whose
+        group's update_rounding is "stochastic"), in param order: a one-element int64 tensor on the params'
+        device counting that param's stochastic steps, read as the step of its random bits and then advanced
+        by one (not by a skipped step).
     group_hparams: the hyperparameter table (module docstring).
     tensor_group: [n] each param's row of the table.
     first_step: [n] whether a param's buffer is seeded this step.
     grad_scale, found_inf: GradScaler's one-element float32 tensors on the params' device, or None: gradients
         are unscaled in the kernel, and a step with found_inf != 0 changes nothing.
-    grad_sq_sum: one-element float64 on the params' device, the sum of squares of every gradient the optimizer
-        steps (``grad_sq_sum`` over all its buckets); needed where a group has ``max_grad_norm``.
+    grad_sq_sum, max_grad_norm: clipping by the global norm, or None for both: the sum of squares of every
+        gradient the optimizer steps (one-element float64 on the params' device, ``grad_sq_sum`` over all its
+        buckets), and the one threshold of the whole step.
     lars_sq_sums: float64 [n, LARS_SUMS] on the params' device (``lars_sq_sums``, all-reduced over the
         shards of sharded params), or None: the trust ratios are taken from it instead of the kernel's own
         norm pass.
@@ -76,9 +81,10 @@ _LIBRARY.define(
     "lars_sq_sums(Tensor[] params, Tensor[] grads, Tensor[] master_params, Tensor group_hparams, "
     "int[] tensor_group, Tensor? grad_scale) -> Tensor"
 )
-"""Each LARS tensor's sums of w^2, of its norm term squared and of w times that term, before norm clipping, as
-a float64 [n, LARS_SUMS] tensor on the params' device (zeros for tensors without LARS); arguments as
-``sgd_step``'s. A sharded step all-reduces them and hands them to ``sgd_step``."""
+"""Each LARS tensor's sums of w^2, of its norm term squared and of w times that term, before norm clipping
+(which needs the global norm: ``sgd_step`` applies it to the reduced sums), as a float64 [n, LARS_SUMS] tensor
+on the params' device (zeros for tensors without LARS); arguments as ``sgd_step``'s. A sharded step
+all-reduces them and hands them to ``sgd_step``."""
 
 _LIBRARY.define(
     "schedule_lrs(Tensor(a!) lrs, Tensor(b!) position, Tensor schedule, Tensor peaks, Tensor? applied, "

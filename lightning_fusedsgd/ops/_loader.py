@@ -185,6 +185,7 @@ def _registered(device_type: str, library: Path) -> Path:
         for kernel, python, what in (
             (tuple(ops.hparam_names()), _abi.HPARAM_NAMES, "hyperparameter columns"),
             (tuple(ops.decay_names()), _abi.DECAYS, "decays"),
+            (tuple(ops.update_rounding_names()), _abi.UPDATE_ROUNDINGS, "update roundings"),
         ):
             if kernel != python:
                 raise KernelBuildError(

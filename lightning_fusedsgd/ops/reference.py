@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lightning_fusedsgd._abi import HPARAM_NAMES
+from lightning_fusedsgd._abi import HPARAM_NAMES, UPDATE_ROUNDINGS
 from lightning_fusedsgd.schedule.function import WarmupSchedule
 
 
@@ -121,12 +121,10 @@ def clip_coef(grad_sq_sum: Tensor, max_norm: float, inv_scale: float | Tensor) -
     return torch.clamp(coef, max=1.0)
 
 
-def make_coeffs(
-    h: dict[str, float], inv_scale: float | Tensor, grad_sq_sum: Tensor | None, first: bool
-) -> Coeffs:
-    """A tensor's coefficients from its group's hyperparameters (``make_coeffs`` in sgd_math.h)."""
+def make_coeffs(h: dict[str, float], inv_scale: float | Tensor, clip: float | Tensor, first: bool) -> Coeffs:
+    """A tensor's coefficients from its group's hyperparameters and the step's clip coefficient (1 where it
+    does not clip by norm) (``make_coeffs`` in sgd_math.h)."""
     wd_after = bool(h["wd_after_momentum"])
-    clip = clip_coef(grad_sq_sum, h["max_grad_norm"], inv_scale) if h["max_grad_norm"] > 0 else 1.0
     return Coeffs(
         grad_mul=-inv_scale if h["maximize"] else inv_scale,
         clip_value=h["max_grad_value"],
@@ -198,17 +196,20 @@ def sgd_step(
     grads: list[Tensor],
     momentum_buffers: list[Tensor],
     master_params: list[Tensor],
+    rounding_steps: list[Tensor],
     group_hparams: Tensor,
     tensor_group: list[int],
     first_step: list[bool],
     grad_scale: Tensor | None,
     found_inf: Tensor | None,
     grad_sq_sum: Tensor | None,
+    max_grad_norm: float | None,
     lars_sq_sums: Tensor | None = None,
     lrs: Tensor | None = None,
 ) -> None:
     """``torch.ops.lightning_fusedsgd.sgd_step`` (arguments documented with its schema): updates params,
-    momentum buffers (one per param whose group has momentum) and masters or compensations in place."""
+    momentum buffers (one per param whose group has momentum), masters or compensations, and the counts of the
+    params rounded stochastically in place."""
     if not params or (found_inf is not None and bool(found_inf.item())):
         return
     hparams = group_hparams.tolist()
@@ -216,7 +217,8 @@ def sgd_step(
         for row, lr in zip(hparams, lrs.tolist(), strict=True):
             row[HPARAM_NAMES.index("lr")] = lr
     inv_scale = inverse_scale(grad_scale)
-    buffers = iter(momentum_buffers)
+    clip = 1.0 if max_grad_norm is None else clip_coef(grad_sq_sum, max_grad_norm, inv_scale)
+    buffers, counts = iter(momentum_buffers), iter(rounding_steps)
     for i, param in enumerate(params):
         h = dict(zip(HPARAM_NAMES, hparams[tensor_group[i]]))
         opmath = _opmath(param.dtype)
@@ -224,7 +226,7 @@ def sgd_step(
         w = load_weight(param, master)
         g = grads[i].to(opmath)
         b = next(buffers) if h["momentum"] != 0 else None
-        coeffs = make_coeffs(h, inv_scale, grad_sq_sum, first_step[i])
+        coeffs = make_coeffs(h, inv_scale, clip, first_step[i])
         if isinstance(coeffs.clip_coef, Tensor):
             coeffs.clip_coef = coeffs.clip_coef.to(opmath)
         if lars_adapts(h):
@@ -241,14 +243,22 @@ def sgd_step(
             w_new = rounded
         elif master is not None:
             master.copy_(w_new)
-        elif h["stochastic_rounding"] and param.dtype == torch.bfloat16:
-            random = element_random_bits(rounding_key(h, i), param)
+        elif rounds_stochastically(h, param.dtype):
+            random = element_random_bits(rounding_key(h, next(counts), i), param)
             w_new = stochastic_bf16(w_new, random >> 16)
             if b is not None:
                 b_new = stochastic_bf16(b_new, random & 0xFFFF)  # the buffer has the param's layout
         param.copy_(w_new)
         if b is not None:
             b.copy_(b_new)
+    for count in rounding_steps:  # after every tensor read its count
+        count += 1
+
+
+def rounds_stochastically(h: dict[str, float], dtype: torch.dtype) -> bool:
+    """Whether a param without masters or compensations is rounded stochastically (``rounds_stochastically``
+    in bucket.h)."""
+    return UPDATE_ROUNDINGS[int(h["update_rounding"])] == "stochastic" and dtype == torch.bfloat16
 
 
 _MASK32 = 0xFFFFFFFF
@@ -271,9 +281,9 @@ def mix32(x: Tensor | int) -> Tensor | int:
     return x ^ (x >> 16)
 
 
-def rounding_key(h: dict[str, float], tensor: int) -> int:
-    """The key of one tensor's draws at this step (``rounding_key`` in sgd_math.h)."""
-    seed, step = int(h["rounding_seed"]), int(h["rounding_step"])
+def rounding_key(h: dict[str, float], rounding_step: Tensor, tensor: int) -> int:
+    """The key of one tensor's draws at its step (``rounding_key`` in sgd_math.h)."""
+    seed, step = int(h["rounding_seed"]), int(rounding_step)
     key = mix32((seed & _MASK32) ^ 0x9E3779B9)
     for word in (seed >> 32, step & _MASK32, step >> 32, tensor & _MASK32):
         key = mix32(key ^ word)
@@ -322,7 +332,7 @@ def lars_sq_sums(
             rows.append(torch.zeros(3, dtype=torch.float64, device=param.device))
             continue
         w = load_weight(param, master_params[i] if master_params else None)
-        coeffs = make_coeffs({**h, "max_grad_norm": 0.0}, inv_scale, None, False)
+        coeffs = make_coeffs(h, inv_scale, 1.0, False)  # the sums are taken before the norm clip
         decayed = bool(h["lars_decayed_grad"])
         term = lars_norm_term(w, grads[i].to(w.dtype), coeffs, h["weight_decay"], decayed)
         w, term = w.double(), term.double()

@@ -30,7 +30,7 @@ def check_group(group: dict[str, Any]) -> None:
         raise ValueError(
             f"Tensor lr must be 1-element, got shape {tuple(lr.shape)}: set a float or a 0-d tensor."
         )
-    for column in _abi.HPARAMS:
+    for column in (*_abi.HPARAMS, *_abi.STEP_HPARAMS):
         value = group[column.key]
         if column.check is None or (isinstance(value, Tensor) and torch.compiler.is_compiling()):
             continue  # a traced step cannot branch on a tensor's value; eager steps check it
@@ -67,13 +67,20 @@ def check_groups(groups: Sequence[dict[str, Any]], label: str = "param_groups") 
             check_group(group)
         except ValueError as error:
             raise ValueError(f"{label}[{index}]: {error}") from None
-    thresholds = {group["max_grad_norm"] for group in groups}
-    if len(thresholds) > 1:
-        raise ValueError(
-            f"max_grad_norm differs between parameter groups ({sorted(map(str, thresholds))}), but it clips "
-            "the one global norm of every group's gradients: set it on the optimizer "
-            "(FusedSGD(..., max_grad_norm=...)), not per group."
-        )
+    for column in _abi.STEP_HPARAMS:
+        values = {group[column.key] for group in groups}
+        if len(values) > 1:
+            raise ValueError(
+                f"{column.key} differs between parameter groups ({sorted(map(str, values))}), but it is one "
+                "value for the whole step (max_grad_norm clips the one global norm of every group's "
+                f"gradients): set it on the optimizer (FusedSGD(..., {column.key}=...)), not per group."
+            )
+
+
+def step_hparams(groups: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The values one for the whole step (``_abi.STEP_HPARAMS``, equal in every group: ``check_groups``), as
+    the ops take them."""
+    return {column.name: column.encode(groups[0][column.key]) for column in _abi.STEP_HPARAMS}
 
 
 def table(groups: Sequence[dict[str, Any]], lr_on_device: bool) -> Tensor:

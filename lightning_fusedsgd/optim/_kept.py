@@ -28,9 +28,17 @@ from torch import Tensor
 
 from lightning_fusedsgd import ops
 from lightning_fusedsgd.optim import _dtensor
-from lightning_fusedsgd.optim._plan import MASTER_STATE, NO_MASTERS, BucketKey, Plan, real_view
+from lightning_fusedsgd.optim._plan import (
+    MASTER_STATE,
+    MOMENTUM_BUFFER,
+    NO_MASTERS,
+    ROUNDING_STEP,
+    BucketKey,
+    Plan,
+    real_view,
+)
 
-_get_buffer = operator.methodcaller("get", "momentum_buffer")
+_get_buffer = operator.methodcaller("get", MOMENTUM_BUFFER)
 _NO_STATE: dict[str, Any] = {}
 
 
@@ -41,7 +49,7 @@ def _group_key(groups: Sequence[dict[str, Any]]) -> list[tuple[Any, ...]]:
             len(g["params"]),
             g["momentum"] != 0,
             bool(g["master_weights"]),
-            g["update_rounding"] == "kahan",
+            g["update_rounding"],
             bool(g["lars"]),
             g["max_grad_norm"] is not None,
             g["max_grad_value"] is not None,
@@ -60,15 +68,17 @@ class _Record:
     state_dicts: list[dict[str, Any]]
     stepped_dicts: list[dict[str, Any]]
     buffers: list[Tensor | None]
-    # By state key: the masters or compensations, for the kinds some bucket keeps.
-    masters: dict[str, list[Tensor | None]]
+    # By state key: the masters or compensations, and the rounding steps, for the kinds some bucket keeps.
+    tracked: dict[str, list[Tensor | None]]
 
     @classmethod
     def of(
         cls, groups: Sequence[dict[str, Any]], state: Mapping[Tensor, dict[str, Any]], plan: Plan
     ) -> _Record:
         params = [p for g in groups for p in g["params"]]
-        master_keys = {MASTER_STATE[masters][0] for *_, masters in plan.buckets if masters != NO_MASTERS}
+        tracked_keys = {MASTER_STATE[masters][0] for *_, masters in plan.buckets if masters != NO_MASTERS}
+        if any(bucket.rounding_steps for bucket in plan.buckets.values()):
+            tracked_keys.add(ROUNDING_STEP)
         stepped_dicts = [state.get(p, _NO_STATE) for p in params if p.grad is not None]
         return cls(
             group_key=_group_key(groups),
@@ -77,7 +87,9 @@ class _Record:
             state_dicts=list(state.values()),
             stepped_dicts=stepped_dicts,
             buffers=list(map(_get_buffer, stepped_dicts)),
-            masters={key: list(map(operator.methodcaller("get", key), stepped_dicts)) for key in master_keys},
+            tracked={
+                key: list(map(operator.methodcaller("get", key), stepped_dicts)) for key in tracked_keys
+            },
         )
 
     def matches(self, groups: Sequence[dict[str, Any]], state: Mapping[Tensor, dict[str, Any]]) -> bool:
@@ -92,7 +104,7 @@ class _Record:
             and all(map(operator.is_, map(_get_buffer, self.stepped_dicts), self.buffers))
             and all(
                 all(map(operator.is_, map(operator.methodcaller("get", key), self.stepped_dicts), stored))
-                for key, stored in self.masters.items()
+                for key, stored in self.tracked.items()
             )
         )
 
@@ -114,11 +126,12 @@ class KeptBucket:
         grad_scale: Tensor | None,
         found_inf: Tensor | None,
         grad_sq_sum: Tensor | None,
+        max_grad_norm: float | None,
         lars_sq_sums: Tensor | None,
         lrs: Tensor | None,
     ) -> None:
         del lars_sq_sums  # a kept C++ plan has no sharded params
-        self.step.sgd_step(self.index, table, grad_scale, found_inf, grad_sq_sum, lrs)
+        self.step.sgd_step(self.index, table, grad_scale, found_inf, grad_sq_sum, max_grad_norm, lrs)
 
 
 def _stepped_positions(params: list[Tensor]) -> tuple[list[Tensor], dict[int, int]]:
@@ -150,6 +163,7 @@ class KeptSteps:
                 bucket.params,
                 bucket.momentum_buffers,
                 bucket.master_params,
+                bucket.rounding_steps,
                 bucket.tensor_group,
                 [position[id(p)] for p in bucket.sources],
             )

@@ -20,6 +20,10 @@ LOW_PRECISION = (torch.bfloat16, torch.float16)
 _SUPPORTED_DTYPES = (torch.float32, torch.float64, *LOW_PRECISION, torch.complex64, torch.complex128)
 _NO_STATE: dict[str, Any] = {}
 
+# The state keys, as torch.optim.SGD names its buffer: a param's momentum buffer, and the count of its
+# stochastic steps (update_rounding="stochastic").
+MOMENTUM_BUFFER, ROUNDING_STEP = "momentum_buffer", "rounding_step"
+
 # What a bucket's master_params hold (the ops' contract): nothing, fp32 master weights, or bf16 Kahan
 # compensations (update_rounding="kahan"); each kind with the state key that stores it and its dtype.
 NO_MASTERS, FP32_MASTERS, KAHAN_COMPENSATIONS = "", "fp32 master", "kahan compensation"
@@ -39,6 +43,9 @@ class Bucket:
     grads: list[Tensor] = field(default_factory=list)
     momentum_buffers: list[Tensor] = field(default_factory=list)  # of the params with momentum, in order
     master_params: list[Tensor] = field(default_factory=list)  # fp32 masters or Kahan compensations, or none
+    rounding_steps: list[Tensor] = field(
+        default_factory=list
+    )  # of the params rounded stochastically, in order
     tensor_group: list[int] = field(default_factory=list)
     first_step: list[bool] = field(default_factory=list)
     # Per tensor: where its partial norms are all-reduced (_dtensor.reduce_key), None when not sharded.
@@ -275,21 +282,21 @@ def _plan_param(
     reduce_key = _dtensor.reduce_key(param)
     bucket.reduce_keys.append(reduce_key)
     plan.sharded = plan.sharded or reduce_key is not None
-    buffer = state.get("momentum_buffer") if has_momentum else None
+    buffer = state.get(MOMENTUM_BUFFER) if has_momentum else None
     bucket.first_step.append(has_momentum and buffer is None)
     if has_momentum:
         buffer_dtype = torch.float32 if masters == FP32_MASTERS else param.dtype
         if buffer is None:
             new_buffer = torch.zeros_like if tracing else torch.empty_like
             buffer = new_buffer(dense, dtype=buffer_dtype)
-            plan.new_state.append((param, "momentum_buffer", _dtensor.like_param(buffer, param)))
+            plan.new_state.append((param, MOMENTUM_BUFFER, _dtensor.like_param(buffer, param)))
         else:
             # A sparse buffer comes from a step of torch's sparse path (plan.sparse): dense from now on.
             local_buffer = buffer.to_dense() if buffer.is_sparse else _dtensor.local(buffer)
             if buffer.is_sparse or not _steppable_as_stored(buffer, local_buffer, param, dense, buffer_dtype):
                 check_state_shapes(state, group, group_index, param_index, param)
                 local_buffer = torch.empty_like(dense, dtype=buffer_dtype).copy_(local_buffer)
-                plan.new_state.append((param, "momentum_buffer", _dtensor.like_param(local_buffer, param)))
+                plan.new_state.append((param, MOMENTUM_BUFFER, _dtensor.like_param(local_buffer, param)))
             buffer = local_buffer
         bucket.momentum_buffers.append(real_view(buffer))
     for kind, (key, dtype) in MASTER_STATE.items():
@@ -305,6 +312,27 @@ def _plan_param(
             local = torch.empty_like(dense, dtype=dtype).copy_(source)  # in the param's layout
             plan.new_state.append((param, key, _dtensor.like_param(local, param)))
         bucket.master_params.append(local)
+    if masters == NO_MASTERS and param.dtype == torch.bfloat16 and group["update_rounding"] == "stochastic":
+        bucket.rounding_steps.append(_rounding_step(plan, state, param, dense.device))
+
+
+def _rounding_step(plan: Plan, state: dict[str, Any], param: Tensor, device: torch.device) -> Tensor:
+    """The param's count of stochastic steps as the op takes it, a one-element int64 tensor on its device: the
+    stored one, or a new one holding its value (0 for a param's first stochastic step)."""
+    stored = state.get(ROUNDING_STEP)
+    if (
+        isinstance(stored, Tensor)
+        and stored.dtype == torch.int64
+        and stored.numel() == 1
+        and stored.device == device
+        and not _dtensor.is_sharded(stored)
+    ):
+        return stored
+    count = torch.zeros((), dtype=torch.int64, device=device)
+    if stored is not None:
+        count.fill_(int(stored))
+    plan.new_state.append((param, ROUNDING_STEP, count))
+    return count
 
 
 def _steppable_as_stored(
@@ -350,7 +378,7 @@ def _masters_of(group: dict[str, Any], dtype: torch.dtype) -> str:
 def check_state_shapes(
     state: dict[str, Any], group: dict[str, Any], group_index: int, param_index: int, param: Tensor
 ) -> None:
-    for key in ("momentum_buffer", *(key for key, _ in MASTER_STATE.values())):
+    for key in (MOMENTUM_BUFFER, *(key for key, _ in MASTER_STATE.values())):
         value = state.get(key)
         if isinstance(value, Tensor) and _dtensor.is_sharded(value) != _dtensor.is_sharded(param):
             kinds = ["a DTensor", "a plain tensor"]

@@ -39,6 +39,7 @@ class BucketStep(Protocol):
         grad_scale: Tensor | None,
         found_inf: Tensor | None,
         grad_sq_sum: Tensor | None,
+        max_grad_norm: float | None,
         lars_sq_sums: Tensor | None,
         lrs: Tensor | None,
     ) -> None: ...
@@ -65,6 +66,7 @@ class PlannedBucket:
         grad_scale: Tensor | None,
         found_inf: Tensor | None,
         grad_sq_sum: Tensor | None,
+        max_grad_norm: float | None,
         lars_sq_sums: Tensor | None,
         lrs: Tensor | None,
     ) -> None:
@@ -74,12 +76,14 @@ class PlannedBucket:
             b.grads,
             b.momentum_buffers,
             b.master_params,
+            b.rounding_steps,
             table,
             b.tensor_group,
             b.first_step,
             grad_scale,
             found_inf,
             grad_sq_sum,
+            max_grad_norm,
             lars_sq_sums,
             lrs,
         )
@@ -88,13 +92,13 @@ class PlannedBucket:
 @dataclass
 class Scalars:
     """A step's inputs besides the buckets: the hyperparameter table, GradScaler's two tensors, the lrs read
-    on the device (or None), and whether a group clips by global norm."""
+    on the device (or None), and the threshold of clipping by global norm (or None)."""
 
     table: Tensor
     grad_scale: Tensor | None
     found_inf: Tensor | None
     lrs: Tensor | None
-    clip_norm: bool
+    max_grad_norm: float | None
 
 
 def _on(tensor: Tensor | None, device: torch.device) -> Tensor | None:
@@ -110,16 +114,15 @@ def _sum_on(sums: Sequence[Tensor], device: torch.device) -> Tensor:
 
 def run(buckets: Sequence[BucketStep], scalars: Scalars, sharded: bool, lars_groups: Sequence[bool]) -> None:
     """One optimizer step over ``buckets``: norms, their reduction, then the update. ``sharded``: some
-    tensor's
-    norms must be summed over other ranks (then every bucket is a :class:`PlannedBucket`); ``lars_groups``:
-    which groups use LARS."""
+    tensor's norms must be summed over other ranks (then every bucket is a :class:`PlannedBucket`);
+    ``lars_groups``: which groups use LARS."""
     if not buckets:
         return
     lars_sums: dict[BucketKey, Tensor] = {}
     grad_sq_sum = None
     if sharded:
         lars_sums, grad_sq_sum = _global_norm_sums(buckets, scalars, lars_groups)  # type: ignore[arg-type]
-    elif scalars.clip_norm:
+    elif scalars.max_grad_norm is not None:
         grad_sq_sum = _sum_on([bucket.grad_sq_sum() for bucket in buckets], buckets[0].key[0])
     for bucket in buckets:
         device = bucket.key[0]
@@ -128,6 +131,7 @@ def run(buckets: Sequence[BucketStep], scalars: Scalars, sharded: bool, lars_gro
             _on(scalars.grad_scale, device),
             _on(scalars.found_inf, device),
             _on(grad_sq_sum, device),
+            scalars.max_grad_norm,
             lars_sums.get(bucket.key),
             _on(scalars.lrs, device),
         )
@@ -158,7 +162,8 @@ def _global_norm_sums(
         for i, reduce_key in enumerate(bucket.reduce_keys):
             by_key.setdefault(reduce_key, []).append(i)
         for reduce_key, indices in by_key.items():
-            sq = planned.ops.grad_sq_sum([bucket.grads[i] for i in indices]) if scalars.clip_norm else None
+            clips = scalars.max_grad_norm is not None
+            sq = planned.ops.grad_sq_sum([bucket.grads[i] for i in indices]) if clips else None
             if reduce_key is None:
                 if sq is not None:
                     grad_sqs.append(sq)
@@ -184,6 +189,6 @@ def _global_norm_sums(
             lars_sums[key][rows] = reduced[:count].view(len(rows), LARS_SUMS).to(lars_sums[key].device)
         if has_sq:
             grad_sqs.append(reduced[-1])
-    if not scalars.clip_norm:
+    if scalars.max_grad_norm is None:
         return lars_sums, None
     return lars_sums, _sum_on(grad_sqs, grad_sqs[0].device)

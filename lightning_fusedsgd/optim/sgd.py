@@ -17,7 +17,17 @@ from lightning_fusedsgd.checkpoint import (
     same_param_layout,
 )
 from lightning_fusedsgd.optim import _backends, _hparams, _kept, _step
-from lightning_fusedsgd.optim._plan import LOW_PRECISION, Plan, bucket_name, check_state_shapes, plan_step
+from lightning_fusedsgd.optim._plan import (
+    FP32_MASTERS,
+    LOW_PRECISION,
+    MASTER_STATE,
+    MOMENTUM_BUFFER,
+    ROUNDING_STEP,
+    Plan,
+    bucket_name,
+    check_state_shapes,
+    plan_step,
+)
 
 
 def _store_lr(view: Tensor, lr: float | Tensor) -> None:
@@ -39,6 +49,27 @@ def _same_values(values: list[tuple[Any, ...]], checked: list[tuple[Any, ...]] |
             for a, b in zip(values, checked)
         )
     )
+
+
+def _rounding_steps_in_state(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """A state dict with the counts of stochastic steps in each param's state, where a checkpoint of an
+    earlier version counts them per group (``group["rounding_step"]``, the same for each of its params). The
+    input is not modified."""
+    groups = state_dict["param_groups"]
+    if not any("rounding_step" in group for group in groups):
+        return state_dict
+    state = dict(state_dict["state"])
+    for group in groups:
+        count = group.get("rounding_step", 0)
+        for index in group["params"]:
+            saved = state.get(index, {})
+            if count and ROUNDING_STEP not in saved:
+                state[index] = {**saved, ROUNDING_STEP: torch.tensor(count, dtype=torch.int64)}
+    return {
+        **state_dict,
+        "state": state,
+        "param_groups": [{k: v for k, v in group.items() if k != "rounding_step"} for group in groups],
+    }
 
 
 class FusedSGD(Optimizer):
@@ -92,15 +123,15 @@ class FusedSGD(Optimizer):
             weight is lost; ``"stochastic"`` rounds up with probability (the dropped bits) / 2^16, so the
             weight moves by the update on average (Zamirai et al. 2020, arXiv:2010.06192), and rounds the
             bf16 momentum buffer the same way. The random bits are a pure function of ``rounding_seed``, the
-            group's step count, the tensor's position in the step and the element's index: the same on any
-            thread count, on CPU and CUDA, and after a resume (not capturable, and not under
-            ``torch.compile``). ``"kahan"`` keeps a bf16 compensation per param
+            param's count of stochastic steps (``state[p]["rounding_step"]``, a one-element int64 tensor on
+            its device, as torch keeps ``step``), the tensor's position in the step and the element's index:
+            the same on any thread count, on CPU and CUDA, after a resume, captured and under
+            ``torch.compile``. ``"kahan"`` keeps a bf16 compensation per param
             (``state[p]["kahan_compensation"]``, 2 bytes per element): the weight is param + compensation,
             the param takes the update rounded to nearest and the compensation what that rounding dropped, so
             small updates accumulate until they move the param (deterministic; the buffer is rounded to
             nearest). Other params of the group are unaffected; fp16 params need master weights.
-        rounding_seed: The seed of stochastic rounding (an int in [0, 2**53)). Each group counts its steps
-            in ``group["rounding_step"]``, which the state dict saves.
+        rounding_seed: The seed of stochastic rounding (an int in [0, 2**53)).
         capturable: Keep every per-step value on the params' device, so that a step can be captured in a CUDA
             graph (``torch.cuda.graph``, ``torch.compile(mode="reduce-overhead")``) and replayed. Each group's
             lr becomes a 0-d float64 tensor on that device, a view of one ``[groups]`` tensor
@@ -109,9 +140,10 @@ class FusedSGD(Optimizer):
             its schedule on the device. After the first step (which creates the momentum buffers) a step
             reads nothing back to the host. All params must be on one device. ``state_dict()`` saves the
             lrs as numbers, so checkpoints are those of a plain step.
-        foreach, fused: ``torch.optim.SGD``'s choice of implementation, accepted so that code and configs
-            written for it work unchanged; they choose nothing here, where every step runs the fused kernel
+        foreach: ``torch.optim.SGD``'s choice of implementation, accepted so that code and configs written
+            for it work unchanged; it chooses nothing here, where every step runs the fused kernel
             (``backend`` chooses between it and the reference).
+        fused: As ``foreach``: accepted, choosing nothing.
         differentiable: Only False: the fused step writes the params in place, outside autograd
             (``torch.optim.SGD(differentiable=True)`` differentiates through steps).
 
@@ -187,7 +219,6 @@ class FusedSGD(Optimizer):
             max_grad_value=max_grad_value,
             update_rounding=update_rounding,
             rounding_seed=rounding_seed,
-            rounding_step=0,
             foreach=foreach,
             fused=fused,
             differentiable=differentiable,
@@ -208,7 +239,6 @@ class FusedSGD(Optimizer):
         self._lrs: Tensor | None = None
         self._lr_views: list[Tensor] = []
         super().__init__(params, defaults)
-        self._check_rounding()
         if capturable:
             self._bind_lrs()
 
@@ -299,25 +329,7 @@ class FusedSGD(Optimizer):
         values = [tuple(map(group.get, self.defaults)) for group in self.param_groups]
         if not _same_values(values, self._checked_hparams):
             _hparams.check_groups(self.param_groups)
-            self._check_rounding()
             self._checked_hparams = values
-
-    def _check_rounding(self) -> None:
-        """Stochastic rounding keys each step's bits by the group's step count, a host value that a captured
-        graph or a traced step would freeze."""
-        if not any(group["update_rounding"] == "stochastic" for group in self.param_groups):
-            return
-        if self.capturable:
-            raise ValueError(
-                "update_rounding='stochastic' draws new random bits each step from a count kept on the host, "
-                "which a captured CUDA graph would replay unchanged: use capturable=False, or "
-                "update_rounding='nearest' (or master_weights=True) for capturable steps."
-            )
-        if torch.compiler.is_compiling():
-            raise ValueError(
-                "update_rounding='stochastic' is not supported under torch.compile (its step count would be "
-                "traced as a constant): step the optimizer outside the compiled region."
-            )
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
         """Clears gradients; ``set_to_none`` defaults to the constructor's ``set_grad_none``."""
@@ -368,12 +380,9 @@ class FusedSGD(Optimizer):
             grad_scale,
             found_inf,
             lrs,
-            clip_norm=self.param_groups[0]["max_grad_norm"] is not None,
+            **_hparams.step_hparams(self.param_groups),
         )
         _step.run(buckets, scalars, sharded, [bool(group["lars"]) for group in self.param_groups])
-        for group in self.param_groups:
-            if group["update_rounding"] == "stochastic":
-                group["rounding_step"] += 1  # the next step draws new random bits
         # Updated in place: dynamo replays in-place dict updates of a traced step, not attribute stores.
         self.last_backends.clear()
         self.last_backends.update(names)
@@ -428,7 +437,7 @@ class FusedSGD(Optimizer):
             group = self.param_groups[group_index]
             params = [param for param, index in sparse if index == group_index]
             grads = [p.grad if inv_scale is None else p.grad * inv_scale.to(p.grad.device) for p in params]
-            buffers = [self.state.get(p, {}).get("momentum_buffer") for p in params]
+            buffers = [self.state.get(p, {}).get(MOMENTUM_BUFFER) for p in params]
             sgd(
                 params,
                 grads,
@@ -444,7 +453,7 @@ class FusedSGD(Optimizer):
             )
             if group["momentum"] != 0:
                 for param, buffer in zip(params, buffers):
-                    self.state[param]["momentum_buffer"] = buffer
+                    self.state[param][MOMENTUM_BUFFER] = buffer
 
     def _applied(self, found_inf: Tensor) -> Tensor:
         """``found_inf == 0`` as a 0-d bool; a capturable step writes it into the same tensor every step."""
@@ -484,9 +493,10 @@ class FusedSGD(Optimizer):
         group where ``param_groups`` makes two) is remapped by parameter name; this optimizer's group
         hyperparameters are kept in that case.
 
-        Keeps fp32 master weights and fp32 momentum of master-weighted params in fp32 (torch's loader
-        would cast them to the param's dtype), and fills hyperparameters that a ``torch.optim.SGD``
-        checkpoint lacks (``lars``, ``master_weights``, ...) from the current groups.
+        Keeps fp32 master weights and fp32 momentum of master-weighted params in fp32, and the counts of
+        stochastic steps in int64 (torch's loader would cast them to the param's dtype), and fills
+        hyperparameters that a ``torch.optim.SGD`` checkpoint lacks (``lars``, ``master_weights``, ...) from
+        the current groups.
 
         Hooks work as in torch, for every dtype: ``register_load_state_dict_pre_hook`` hooks run first and
         what they return or edit is what is checked and loaded; post hooks run once the state is in place,
@@ -498,13 +508,14 @@ class FusedSGD(Optimizer):
             if result is not None:
                 state_dict = result
         self._check_loadable(state_dict)
+        state_dict = _rounding_steps_in_state(state_dict)
         if not same_param_layout(state_dict, self.param_groups):
             # A different grouping (e.g. torch.optim.SGD's one group for our two): move state by name.
             state_dict = remap_optimizer_state_dict(state_dict, self.param_groups, source="optimizer state")
-        keep_fp32 = self._fp32_state(state_dict)
+        kept_dtypes = self._state_in_its_dtypes(state_dict)
         current = [dict(group) for group in self.param_groups]
         # torch's loader casts every state tensor to its param's dtype; the hooks already ran above, and the
-        # post hooks run below, once the fp32 state is back.
+        # post hooks run below, once the fp32 and int64 state is back.
         pre_hooks, post_hooks = (
             self._optimizer_load_state_dict_pre_hooks,
             self._optimizer_load_state_dict_post_hooks,
@@ -520,17 +531,18 @@ class FusedSGD(Optimizer):
         for group, before in zip(self.param_groups, current):
             for key, value in before.items():
                 group.setdefault(key, value)
-        for param, values in keep_fp32.items():
+        for param, values in kept_dtypes.items():
             self.state[param].update(values)
         self._checked_hparams = None
         for hook in post_hooks.values():
             hook(self)
 
-    def _fp32_state(self, state_dict: dict[str, Any]) -> dict[Tensor, dict[str, Tensor]]:
-        """The fp32 momentum buffers and masters of master-weighted bf16/fp16 params, as they will be stored
-        (torch's loader would cast them to the param's dtype); checks every state's shapes first. Whether a
-        group keeps masters is the group as loaded (the saved one, or this optimizer's where the state was
-        remapped by name), not as constructed."""
+    def _state_in_its_dtypes(self, state_dict: dict[str, Any]) -> dict[Tensor, dict[str, Tensor]]:
+        """The state whose dtype is not its param's, as it will be stored (torch's loader would cast it to the
+        param's dtype): the fp32 momentum buffers and masters of master-weighted bf16/fp16 params, and the
+        int64 counts of stochastic steps; checks every state's shapes first. Whether a group keeps masters is
+        the group as loaded (the saved one, or this optimizer's where the state was remapped by name), not as
+        constructed."""
         groups = self.param_groups
         saved_groups = state_dict["param_groups"]
         if len(groups) != len(saved_groups) or any(
@@ -542,7 +554,7 @@ class FusedSGD(Optimizer):
             for group_index, (group, saved) in enumerate(zip(groups, saved_groups))
             for param_index, (saved_id, param) in enumerate(zip(saved["params"], group["params"]))
         }
-        keep_fp32 = {}
+        kept = {}
         for saved_id, saved_state in state_dict["state"].items():
             if saved_id not in id_to_param:
                 continue
@@ -551,13 +563,15 @@ class FusedSGD(Optimizer):
             master_weights = saved_groups[group_index].get(
                 "master_weights", groups[group_index]["master_weights"]
             )
+            dtypes = {ROUNDING_STEP: torch.int64}
             if master_weights and param.dtype in LOW_PRECISION:
-                keep_fp32[param] = {
-                    key: saved_state[key].to(device=param.device, dtype=torch.float32, copy=True)
-                    for key in ("momentum_buffer", "master_param")
-                    if isinstance(saved_state.get(key), Tensor)
-                }
-        return keep_fp32
+                dtypes |= {MOMENTUM_BUFFER: torch.float32, MASTER_STATE[FP32_MASTERS][0]: torch.float32}
+            kept[param] = {
+                key: saved_state[key].to(device=param.device, dtype=dtype, copy=True)
+                for key, dtype in dtypes.items()
+                if isinstance(saved_state.get(key), Tensor)
+            }
+        return kept
 
     def _check_loadable(self, state_dict: Any) -> None:
         """Refuses, before anything changes, a state dict that is not an optimizer's, holds values that

@@ -22,13 +22,21 @@ enum class Masters { kNone, kFp32, kCompensation };
 template <Masters kMasters>
 using MasterType = std::conditional_t<kMasters == Masters::kCompensation, c10::BFloat16, float>;
 
-// A validated bucket: each group's hyperparameters and each tensor's slot in momentum_buffers (-1: none).
+// A validated bucket: each group's hyperparameters, each tensor's slot in momentum_buffers and in rounding_steps
+// (-1: none), and the step's clip_grad_norm_ coefficient's inputs.
 struct BucketArgs {
   std::vector<GroupHParams> groups;
   std::vector<int64_t> buffer_slot;
+  std::vector<int64_t> step_slot;
   Masters masters = Masters::kNone;
   bool any_lars = false;
 };
+
+// Whether a tensor's update is rounded stochastically: a bf16 param without masters or compensations in a group
+// with update_rounding "stochastic". Such a tensor has a rounding_steps entry.
+inline bool rounds_stochastically(at::ScalarType dtype, Masters masters, const GroupHParams& h) {
+  return dtype == at::kBFloat16 && masters == Masters::kNone && h.update_rounding == kStochastic;
+}
 
 inline void check_same_layout(const at::Tensor& param, const at::Tensor& other, const char* what,
                               const char* op = "sgd_step") {
@@ -93,12 +101,14 @@ struct StepArgs {
   at::TensorList grads;
   at::TensorList momentum_buffers;
   at::TensorList master_params;
+  at::TensorList rounding_steps;
   const at::Tensor& group_hparams;
   at::IntArrayRef tensor_group;
   const c10::List<bool>& first_step;
   const std::optional<at::Tensor>& grad_scale;
   const std::optional<at::Tensor>& found_inf;
   const std::optional<at::Tensor>& grad_sq_sum;
+  std::optional<double> max_grad_norm;
   const std::optional<at::Tensor>& lars_sq_sums;
   const std::optional<at::Tensor>& lrs;
 };
@@ -120,6 +130,9 @@ inline BucketArgs check_bucket(const StepArgs& a) {
   check_scalar(a.grad_scale, first.device(), "grad_scale");
   check_scalar(a.found_inf, first.device(), "found_inf");
   check_scalar(a.grad_sq_sum, first.device(), "grad_sq_sum", at::kDouble);
+  TORCH_CHECK(a.max_grad_norm.has_value() == a.grad_sq_sum.has_value() &&
+                  (!a.max_grad_norm.has_value() || *a.max_grad_norm > 0.0),
+              "lightning_fusedsgd::sgd_step: max_grad_norm (> 0) and grad_sq_sum come together, or neither");
   const auto& sums = a.lars_sq_sums;
   TORCH_CHECK(!sums.has_value() || (sums->device() == first.device() && sums->scalar_type() == at::kDouble &&
                                     sums->dim() == 2 && sums->size(0) == static_cast<int64_t>(n) &&
@@ -132,7 +145,7 @@ inline BucketArgs check_bucket(const StepArgs& a) {
                    lrs->size(0) == static_cast<int64_t>(args.groups.size()) && lrs->is_contiguous()),
               "lightning_fusedsgd::sgd_step: lrs must be a contiguous float64 [groups] tensor on ", first.device());
   const auto buffer_dtype = args.masters == Masters::kFp32 ? at::kFloat : dtype;
-  size_t slot = 0;
+  size_t slot = 0, step_slot = 0;
   for (size_t t = 0; t < n; ++t) {
     const at::Tensor& p = a.params[t];
     TORCH_CHECK(a.tensor_group[t] >= 0 && a.tensor_group[t] < static_cast<int64_t>(args.groups.size()),
@@ -144,8 +157,22 @@ inline BucketArgs check_bucket(const StepArgs& a) {
     TORCH_CHECK(a.grads[t].scalar_type() == dtype, "lightning_fusedsgd::sgd_step: grads must have their params' dtype");
     const GroupHParams& h = args.groups[a.tensor_group[t]];
     args.any_lars = args.any_lars || lars_adapts(h);
-    TORCH_CHECK(h.max_grad_norm <= 0.0 || a.grad_sq_sum.has_value(),
-                "lightning_fusedsgd::sgd_step: a group with max_grad_norm needs grad_sq_sum");
+    TORCH_CHECK(h.update_rounding >= kNearest && h.update_rounding <= kKahan,
+                "lightning_fusedsgd::sgd_step: update_rounding column out of range");
+    TORCH_CHECK((args.masters == Masters::kCompensation) == (dtype == at::kBFloat16 && args.masters != Masters::kFp32 &&
+                                                              h.update_rounding == kKahan),
+                "lightning_fusedsgd::sgd_step: bf16 params of a group with update_rounding 'kahan' (and no fp32 "
+                "masters) come with their compensations, and only they");
+    if (rounds_stochastically(dtype, args.masters, h)) {
+      TORCH_CHECK(step_slot < a.rounding_steps.size(),
+                  "lightning_fusedsgd::sgd_step: one rounding step per param rounded stochastically");
+      const at::Tensor& count = a.rounding_steps[step_slot];
+      TORCH_CHECK(count.device() == first.device() && count.scalar_type() == at::kLong && count.numel() == 1,
+                  "lightning_fusedsgd::sgd_step: rounding_steps must be one-element int64 tensors on ", first.device());
+      args.step_slot.push_back(static_cast<int64_t>(step_slot++));
+    } else {
+      args.step_slot.push_back(-1);
+    }
     args.buffer_slot.push_back(h.momentum != 0.0 ? static_cast<int64_t>(slot++) : -1);
     if (h.momentum != 0.0) {
       TORCH_CHECK(slot <= a.momentum_buffers.size(),
@@ -158,6 +185,8 @@ inline BucketArgs check_bucket(const StepArgs& a) {
   }
   TORCH_CHECK(slot == a.momentum_buffers.size(),
               "lightning_fusedsgd::sgd_step: one momentum buffer per param whose group has momentum");
+  TORCH_CHECK(step_slot == a.rounding_steps.size(),
+              "lightning_fusedsgd::sgd_step: one rounding step per param rounded stochastically");
   return args;
 }
 
@@ -165,12 +194,14 @@ inline BucketArgs check_bucket(const StepArgs& a) {
 // device's kernel, `Run(arguments, checked bucket)`.
 template <void (*Run)(const StepArgs&, const BucketArgs&)>
 void sgd_step_op(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
-                 at::TensorList master_params, const at::Tensor& group_hparams, at::IntArrayRef tensor_group,
-                 const c10::List<bool>& first_step, const std::optional<at::Tensor>& grad_scale,
-                 const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& grad_sq_sum,
+                 at::TensorList master_params, at::TensorList rounding_steps, const at::Tensor& group_hparams,
+                 at::IntArrayRef tensor_group, const c10::List<bool>& first_step,
+                 const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf,
+                 const std::optional<at::Tensor>& grad_sq_sum, std::optional<double> max_grad_norm,
                  const std::optional<at::Tensor>& lars_sq_sums, const std::optional<at::Tensor>& lrs) {
-  const StepArgs arguments{params,       grads,      momentum_buffers, master_params, group_hparams, tensor_group,
-                           first_step,   grad_scale, found_inf,        grad_sq_sum,   lars_sq_sums,  lrs};
+  const StepArgs arguments{params,     grads,        momentum_buffers, master_params, rounding_steps,
+                           group_hparams, tensor_group, first_step,    grad_scale,    found_inf,
+                           grad_sq_sum, max_grad_norm, lars_sq_sums,   lrs};
   Run(arguments, check_bucket(arguments));
 }
 

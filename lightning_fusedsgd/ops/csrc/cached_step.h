@@ -29,17 +29,19 @@ class CachedStep : public torch::CustomClassHolder {
 
   // `slots`: each tensor's position among the stepped params (the order of `layouts`).
   void add_bucket(std::vector<at::Tensor> params, std::vector<at::Tensor> momentum_buffers,
-                  std::vector<at::Tensor> master_params, std::vector<int64_t> tensor_group,
-                  std::vector<int64_t> slots) {
+                  std::vector<at::Tensor> master_params, std::vector<at::Tensor> rounding_steps,
+                  std::vector<int64_t> tensor_group, std::vector<int64_t> slots) {
     for (int64_t slot : slots) TORCH_CHECK(slot >= 0 && slot < static_cast<int64_t>(layouts_.size()));
     // Detached views keep the layouts as they are now; `.data = ...` later changes the live tensors only.
     std::vector<at::Tensor> state_layouts;
-    for (const auto& buffer : momentum_buffers) state_layouts.push_back(buffer.detach());
-    for (const auto& master : master_params) state_layouts.push_back(master.detach());
+    for (const auto* state : {&momentum_buffers, &master_params, &rounding_steps}) {
+      for (const auto& tensor : *state) state_layouts.push_back(tensor.detach());
+    }
     c10::List<bool> first_step;
     for (size_t i = 0; i < params.size(); ++i) first_step.push_back(false);
     buckets_.push_back({std::move(params), std::move(momentum_buffers), std::move(master_params),
-                        std::move(tensor_group), std::move(slots), std::move(state_layouts), first_step, {}});
+                        std::move(rounding_steps), std::move(tensor_group), std::move(slots),
+                        std::move(state_layouts), first_step, {}});
   }
 
   // Collects this step's grads into the buckets and returns true, or returns false, having changed nothing, when
@@ -85,7 +87,7 @@ class CachedStep : public torch::CustomClassHolder {
   // lightning_fusedsgd::sgd_step over bucket `b` (after gather()), with this step's table and scalars.
   void sgd_step(int64_t b, const at::Tensor& group_hparams, const std::optional<at::Tensor>& grad_scale,
                 const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& grad_sq_sum,
-                const std::optional<at::Tensor>& lrs) {
+                std::optional<double> max_grad_norm, const std::optional<at::Tensor>& lrs) {
     static const auto op = c10::Dispatcher::singleton()
                                .findSchemaOrThrow("lightning_fusedsgd::sgd_step", "")
                                .typed<SgdStepFunction>();
@@ -93,9 +95,9 @@ class CachedStep : public torch::CustomClassHolder {
     // (thousands of tensors on large models). The step runs under no_grad.
     const at::AutoDispatchBelowADInplaceOrView below_autograd;
     Bucket& kept = bucket(b);
-    op.call(kept.params, kept.grads, kept.momentum_buffers, kept.master_params, group_hparams, kept.tensor_group,
-            kept.first_step, grad_scale, found_inf, grad_sq_sum, std::nullopt /* sharded plans are kept in Python */,
-            lrs);
+    op.call(kept.params, kept.grads, kept.momentum_buffers, kept.master_params, kept.rounding_steps, group_hparams,
+            kept.tensor_group, kept.first_step, grad_scale, found_inf, grad_sq_sum, max_grad_norm,
+            std::nullopt /* sharded plans are kept in Python */, lrs);
     kept.grads.clear();  // the bucket's last use of them this step: the next backward may free them
   }
 
@@ -104,9 +106,10 @@ class CachedStep : public torch::CustomClassHolder {
     std::vector<at::Tensor> params;
     std::vector<at::Tensor> momentum_buffers;
     std::vector<at::Tensor> master_params;
+    std::vector<at::Tensor> rounding_steps;
     std::vector<int64_t> tensor_group;
     std::vector<int64_t> slots;
-    std::vector<at::Tensor> state_layouts;  // buffers, then masters, as recorded
+    std::vector<at::Tensor> state_layouts;  // buffers, masters, then rounding steps, as recorded
     c10::List<bool> first_step;             // all false: a kept plan creates no buffer
     std::vector<at::Tensor> grads;          // this step's, from gather()
   };
@@ -123,11 +126,10 @@ class CachedStep : public torch::CustomClassHolder {
 
   static bool state_unchanged(const Bucket& bucket) {
     size_t k = 0;
-    for (const auto& buffer : bucket.momentum_buffers) {
-      if (!same_layout(bucket.state_layouts[k++], buffer)) return false;
-    }
-    for (const auto& master : bucket.master_params) {
-      if (!same_layout(bucket.state_layouts[k++], master)) return false;
+    for (const auto* state : {&bucket.momentum_buffers, &bucket.master_params, &bucket.rounding_steps}) {
+      for (const auto& tensor : *state) {
+        if (!same_layout(bucket.state_layouts[k++], tensor)) return false;
+      }
     }
     return true;
   }

@@ -160,8 +160,7 @@ class BucketStep {
   using O = typename OpMath<P>::type;
   using M = MasterType<kMasters>;
 
-  BucketStep(const StepArgs& a, const BucketArgs& args, double inv_scale, double grad_sq_sum,
-             const double* lars_sums)
+  BucketStep(const StepArgs& a, const BucketArgs& args, double inv_scale, double clip, const double* lars_sums)
       : groups_(args.groups), tensor_group_(a.tensor_group) {
     const at::TensorList params = a.params;
     const size_t n = params.size();
@@ -169,6 +168,7 @@ class BucketStep {
     g_ptr_.resize(n);
     b_ptr_.assign(n, nullptr);
     m_ptr_.assign(n, nullptr);
+    step_ptr_.assign(n, nullptr);
     coeffs_.resize(n);
     lars_.resize(n);
     for (size_t t = 0; t < n; ++t) {
@@ -177,7 +177,8 @@ class BucketStep {
       g_ptr_[t] = a.grads[t].data_ptr<P>();
       if (args.buffer_slot[t] >= 0) b_ptr_[t] = a.momentum_buffers[args.buffer_slot[t]].data_ptr<B>();
       if (kMasters != Masters::kNone) m_ptr_[t] = a.master_params[t].data_ptr<M>();
-      coeffs_[t] = make_coeffs<O>(h, inv_scale, grad_sq_sum, a.first_step[t]);
+      if (args.step_slot[t] >= 0) step_ptr_[t] = a.rounding_steps[args.step_slot[t]].data_ptr<int64_t>();
+      coeffs_[t] = make_coeffs<O>(h, inv_scale, clip, a.first_step[t]);
       // Given sums (sharded params, reduced across shards) replace the norm pass: the ratio is set here.
       lars_[t] = lars_adapts(h) && lars_sums == nullptr;
       if (lars_adapts(h) && lars_sums != nullptr) {
@@ -190,8 +191,17 @@ class BucketStep {
     g_sq_.resize(work_.chunks.size());
   }
 
-  // One parallel region over the waves: a wave's LARS norms, then its update.
+  // One parallel region over the waves: a wave's LARS norms, then its update; then each stochastically
+  // rounded tensor counts the step (after the region: every chunk of it read the count first).
   void run() {
+    update();
+    for (int64_t* step : step_ptr_) {
+      if (step != nullptr) ++*step;
+    }
+  }
+
+ private:
+  void update() {
 #pragma omp parallel num_threads(num_threads_for(work_))
     {
       int32_t lars_tensor = -1;
@@ -211,7 +221,6 @@ class BucketStep {
     }
   }
 
- private:
   void norm_chunk(const Chunk& chunk, int64_t c) {
     const int32_t t = chunk.tensor;
     const bool decayed = groups_[tensor_group_[t]].lars_decayed_grad;
@@ -263,13 +272,13 @@ class BucketStep {
   // of the loop, so the compiler sees a loop without branches and vectorizes it. `c` by value: the loop's stores
   // could alias a referenced Coeffs, which stops vectorization too.
   // Rounding the update stochastically is a switch of bf16 buckets without masters only (the others round in
-  // fp32 or fp64, or to fp16, which the plan refuses).
+  // fp32 or fp64, or to fp16, which the plan refuses): the tensors with a rounding step (rounds_stochastically).
   static constexpr bool kMayRoundStochastically = std::is_same_v<P, c10::BFloat16> && kMasters == Masters::kNone;
 
   template <bool kClipValue>
   void update_elements(const Chunk& chunk, int32_t t, const Coeffs<O> c) const {
     if constexpr (kMayRoundStochastically) {
-      if (groups_[tensor_group_[t]].stochastic_rounding) return update_cases<kClipValue, true>(chunk, t, c);
+      if (step_ptr_[t] != nullptr) return update_cases<kClipValue, true>(chunk, t, c);
     }
     return update_cases<kClipValue, false>(chunk, t, c);
   }
@@ -297,7 +306,7 @@ class BucketStep {
     B* b = b_ptr_[t];
     M* m = m_ptr_[t];
     const GroupHParams& h = groups_[tensor_group_[t]];
-    const uint32_t key = kStochastic ? rounding_key(h, t) : 0;
+    const uint32_t key = kStochastic ? rounding_key(h.rounding_seed, *step_ptr_[t], t) : 0;
 #pragma omp simd
     for (int64_t i = chunk.begin; i < chunk.end; ++i) {
       O wi = load_weight<kMasters>(w, m, i);
@@ -326,6 +335,7 @@ class BucketStep {
   std::vector<const P*> g_ptr_;
   std::vector<B*> b_ptr_;
   std::vector<M*> m_ptr_;
+  std::vector<int64_t*> step_ptr_;
   std::vector<Coeffs<O>> coeffs_;
   std::vector<bool> lars_;
   WorkList work_;
@@ -341,10 +351,11 @@ void run_cpu(const StepArgs& a, const BucketArgs& checked) {
     for (size_t g = 0; g < args.groups.size(); ++g) args.groups[g].lr = a.lrs->data_ptr<double>()[g];
   }
   const double inv_scale = a.grad_scale.has_value() ? inverse_scale(a.grad_scale->item<float>()) : 1.0;
-  const double sq_sum = a.grad_sq_sum.has_value() ? a.grad_sq_sum->item<double>() : 0.0;
+  const double clip =
+      a.max_grad_norm.has_value() ? clip_coef(a.grad_sq_sum->item<double>(), *a.max_grad_norm, inv_scale) : 1.0;
   const double* lars_sums = a.lars_sq_sums.has_value() ? a.lars_sq_sums->data_ptr<double>() : nullptr;
   dispatch_bucket_types(a.params[0].scalar_type(), args.masters, [&](auto param, auto buffer, auto masters) {
-    BucketStep<decltype(param), decltype(buffer), decltype(masters)::value>(a, args, inv_scale, sq_sum, lars_sums)
+    BucketStep<decltype(param), decltype(buffer), decltype(masters)::value>(a, args, inv_scale, clip, lars_sums)
         .run();
   });
 }
@@ -371,10 +382,9 @@ at::Tensor lars_sq_sums_cpu(at::TensorList params, at::TensorList grads, at::Ten
     for (int64_t c = 0; c < static_cast<int64_t>(work.chunks.size()); ++c) {
       const Chunk& chunk = work.chunks[c];
       const int32_t t = chunk.tensor;
-      GroupHParams h = groups[tensor_group[t]];
+      const GroupHParams& h = groups[tensor_group[t]];
       if (!lars_adapts(h)) continue;
-      h.max_grad_norm = 0.0;  // the norm clip is applied to the reduced sums (clipped_term_sq_sum)
-      const Coeffs<O> coeffs = make_coeffs<O>(h, inv_scale, 0.0, false);
+      const Coeffs<O> coeffs = make_coeffs<O>(h, inv_scale, /*clip=*/1.0, false);  // sums taken before the clip
       const bool clip_value = std::isfinite(coeffs.clip_value);
       double* sums = &partials[kNumLarsSums * c];
       const auto sum = [&](auto accumulator) {
@@ -435,6 +445,9 @@ void schedule_lrs_cpu(const at::Tensor& lrs, const at::Tensor& position, const a
 
 std::vector<std::string> hparam_names() { return {std::begin(kHParamNames), std::end(kHParamNames)}; }
 std::vector<std::string> decay_names() { return {std::begin(kDecayNames), std::end(kDecayNames)}; }
+std::vector<std::string> update_rounding_names() {
+  return {std::begin(kUpdateRoundingNames), std::end(kUpdateRoundingNames)};
+}
 
 }  // namespace
 }  // namespace lfsgd
@@ -445,6 +458,7 @@ std::vector<std::string> decay_names() { return {std::begin(kDecayNames), std::e
 TORCH_LIBRARY_FRAGMENT(lightning_fusedsgd, m) {
   m.def("hparam_names() -> str[]", &lfsgd::hparam_names);
   m.def("decay_names() -> str[]", &lfsgd::decay_names);
+  m.def("update_rounding_names() -> str[]", &lfsgd::update_rounding_names);
   lfsgd::register_cached_step(m);
 }
 

@@ -40,6 +40,7 @@ struct TensorArgs {
   const void* grad;
   void* buffer;  // momentum buffer, or null without momentum
   void* master;  // fp32 master weights or bf16 Kahan compensations (MasterType), or null
+  int64_t* rounding_step;  // the count of a tensor rounded stochastically (rounds_stochastically), or null
   int64_t group;
   int32_t first;  // first step: the buffer is seeded with the gradient
   int32_t lars;
@@ -59,12 +60,13 @@ __device__ inline double inverse_scale_of(const float* grad_scale) {
 
 __device__ inline bool skipped(const float* found_inf) { return found_inf != nullptr && *found_inf != 0.0f; }
 
-// The step's scalars, all read on the device: GradScaler's grad scale and found_inf, the gradients' sum of
-// squares for norm clipping, and the groups' lrs (each null when absent).
+// The step's scalars, all read on the device but max_grad_norm: GradScaler's grad scale and found_inf, the
+// gradients' sum of squares for norm clipping, and the groups' lrs (each null when absent).
 struct StepScalars {
   const float* grad_scale;
   const float* found_inf;
-  const double* grad_sq_sum;
+  const double* grad_sq_sum;  // with max_grad_norm: clip by norm
+  double max_grad_norm;
   const double* lars_sums;  // [n, kNumLarsSums] reduced across shards: replaces the norm pass
   const double* lrs;        // [groups] (capturable steps): replaces the table's lr
 };
@@ -78,8 +80,9 @@ __device__ inline GroupHParams group_of(const GroupHParams* groups, int64_t grou
 
 template <typename O>
 __device__ inline Coeffs<O> coeffs_of(const GroupHParams& h, const TensorArgs& t, const StepScalars& s) {
-  return make_coeffs<O>(h, inverse_scale_of(s.grad_scale), s.grad_sq_sum == nullptr ? 0.0 : *s.grad_sq_sum,
-                        t.first != 0);
+  const double inv_scale = inverse_scale_of(s.grad_scale);
+  const double clip = s.grad_sq_sum == nullptr ? 1.0 : clip_coef(*s.grad_sq_sum, s.max_grad_norm, inv_scale);
+  return make_coeffs<O>(h, inv_scale, clip, t.first != 0);
 }
 
 // The weight of element i in opmath: the param, its fp32 master re-synced with the param, or the param plus its
@@ -183,10 +186,10 @@ __global__ void __launch_bounds__(kThreads)
   P* w = static_cast<P*>(t.param);
   const P* g = static_cast<const P*>(t.grad);
   B* b = static_cast<B*>(t.buffer);
-  // Stochastic rounding of the update: bf16 params without masters only (sgd_math.h).
+  // Stochastic rounding of the update: bf16 params without masters only (sgd_math.h), those with a count.
   constexpr bool kMayRoundStochastically = std::is_same_v<P, c10::BFloat16> && kMasters == Masters::kNone;
-  const bool stochastic = kMayRoundStochastically && h.stochastic_rounding;
-  const uint32_t key = stochastic ? rounding_key(h, chunk.tensor) : 0;
+  const bool stochastic = kMayRoundStochastically && t.rounding_step != nullptr;
+  const uint32_t key = stochastic ? rounding_key(h.rounding_seed, *t.rounding_step, chunk.tensor) : 0;
   for (int64_t base = chunk.begin + threadIdx.x; base < chunk.end; base += kThreads * kUnroll) {
     O wi[kUnroll], gi[kUnroll], bi[kUnroll];
 #pragma unroll
@@ -288,15 +291,30 @@ inline DeviceTables upload(const at::Device& device, std::initializer_list<std::
   return tables;
 }
 
+// After the update (whose every block read the counts): each stochastically rounded tensor counts its step,
+// unless the step was skipped.
+__global__ void advance_rounding_steps_kernel(const TensorArgs* tensors, int64_t n, const float* found_inf) {
+  if (skipped(found_inf)) return;
+  for (int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; t < n;
+       t += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    if (tensors[t].rounding_step != nullptr) ++*tensors[t].rounding_step;
+  }
+}
+
 template <typename P, typename B, Masters kMasters>
-void launch(const TensorArgs* tensors, const ChunkArgs* chunks, const GroupHParams* groups, double* partials,
-            int64_t num_chunks, bool any_lars, StepScalars scalars, cudaStream_t stream) {
+void launch(const TensorArgs* tensors, int64_t n, const ChunkArgs* chunks, const GroupHParams* groups,
+            double* partials, int64_t num_chunks, bool any_lars, bool any_stochastic, StepScalars scalars,
+            cudaStream_t stream) {
   if (any_lars && scalars.lars_sums == nullptr) {
     norm_kernel<P, kMasters><<<num_chunks, kThreads, 0, stream>>>(tensors, chunks, groups, partials, scalars);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   update_kernel<P, B, kMasters><<<num_chunks, kThreads, 0, stream>>>(tensors, chunks, groups, partials, scalars);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (any_stochastic) {
+    advance_rounding_steps_kernel<<<(n + 255) / 256, 256, 0, stream>>>(tensors, n, scalars.found_inf);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
 }
 
 // The CUDA kernel of lightning_fusedsgd::sgd_step (the op: sgd_step_op in bucket.h).
@@ -309,6 +327,7 @@ void run_cuda(const StepArgs& a, const BucketArgs& bucket) {
 
   std::vector<TensorArgs> tensors(n);
   std::vector<ChunkArgs> chunks;
+  bool any_stochastic = false;
   for (int64_t t = 0; t < n; ++t) {
     const at::Tensor& p = params[t];
     TensorArgs& args = tensors[t];
@@ -316,6 +335,9 @@ void run_cuda(const StepArgs& a, const BucketArgs& bucket) {
     args.grad = a.grads[t].data_ptr();
     args.buffer = bucket.buffer_slot[t] >= 0 ? a.momentum_buffers[bucket.buffer_slot[t]].data_ptr() : nullptr;
     args.master = bucket.masters != Masters::kNone ? a.master_params[t].data_ptr() : nullptr;
+    args.rounding_step =
+        bucket.step_slot[t] >= 0 ? a.rounding_steps[bucket.step_slot[t]].data_ptr<int64_t>() : nullptr;
+    any_stochastic = any_stochastic || args.rounding_step != nullptr;
     args.group = a.tensor_group[t];
     args.first = a.first_step[t] ? 1 : 0;
     args.lars = lars_adapts(bucket.groups[a.tensor_group[t]]) ? 1 : 0;
@@ -327,6 +349,7 @@ void run_cuda(const StepArgs& a, const BucketArgs& bucket) {
   const StepScalars scalars{a.grad_scale.has_value() ? a.grad_scale->data_ptr<float>() : nullptr,
                             a.found_inf.has_value() ? a.found_inf->data_ptr<float>() : nullptr,
                             a.grad_sq_sum.has_value() ? a.grad_sq_sum->data_ptr<double>() : nullptr,
+                            a.max_grad_norm.value_or(0.0),
                             a.lars_sq_sums.has_value() ? a.lars_sq_sums->data_ptr<double>() : nullptr,
                             a.lrs.has_value() ? a.lrs->data_ptr<double>() : nullptr};
 
@@ -345,9 +368,9 @@ void run_cuda(const StepArgs& a, const BucketArgs& bucket) {
   double* partial_ptr = bucket.any_lars ? partials.data_ptr<double>() : nullptr;
 
   dispatch_bucket_types(params[0].scalar_type(), bucket.masters, [&](auto param, auto buffer, auto masters) {
-    launch<decltype(param), decltype(buffer), decltype(masters)::value>(tensor_args, chunk_args, group_args,
+    launch<decltype(param), decltype(buffer), decltype(masters)::value>(tensor_args, n, chunk_args, group_args,
                                                                         partial_ptr, num_chunks, bucket.any_lars,
-                                                                        scalars, stream);
+                                                                        any_stochastic, scalars, stream);
   });
 }
 
@@ -361,9 +384,8 @@ __global__ void __launch_bounds__(kThreads)
   const ChunkArgs chunk = chunks[blockIdx.x];
   const TensorArgs t = tensors[chunk.tensor];
   if (!t.lars) return;
-  GroupHParams h = groups[t.group];
-  h.max_grad_norm = 0.0;  // the norm clip is applied to the reduced sums (clipped_term_sq_sum)
-  const Coeffs<O> c = make_coeffs<O>(h, inverse_scale_of(grad_scale), 0.0, false);
+  const GroupHParams& h = groups[t.group];
+  const Coeffs<O> c = make_coeffs<O>(h, inverse_scale_of(grad_scale), /*clip=*/1.0, false);  // before the clip
   const O weight_decay = static_cast<O>(h.weight_decay);
   const P* w = static_cast<const P*>(t.param);
   const P* g = static_cast<const P*>(t.grad);
@@ -416,6 +438,7 @@ at::Tensor lars_sq_sums_cuda(at::TensorList params, at::TensorList grads, at::Te
     args.grad = grads[t].data_ptr();
     args.buffer = nullptr;
     args.master = checked.masters != Masters::kNone ? master_params[t].data_ptr() : nullptr;
+    args.rounding_step = nullptr;
     args.group = tensor_group[t];
     args.first = 0;
     args.lars = lars_adapts(groups[tensor_group[t]]) ? 1 : 0;

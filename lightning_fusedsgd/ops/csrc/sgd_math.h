@@ -33,13 +33,16 @@ namespace lfsgd {
   X(double, lars_eps)           \
   X(bool, trust_clip)           \
   X(bool, lars_decayed_grad)    \
-  X(double, max_grad_norm)      \
   X(double, max_grad_value)     \
   X(bool, always_adapt)         \
   X(bool, lars_zero_plain_grad) \
-  X(bool, stochastic_rounding)  \
-  X(double, rounding_seed)      \
-  X(double, rounding_step)
+  X(int, update_rounding)       \
+  X(double, rounding_seed)
+
+// How bf16 params without master weights take their update (the update_rounding column), numbered as
+// _abi.UPDATE_ROUNDINGS (checked when the library loads). kKahan needs the bucket's compensations.
+enum UpdateRounding : int { kNearest = 0, kStochastic, kKahan };
+constexpr const char* kUpdateRoundingNames[] = {"nearest", "stochastic", "kahan"};
 
 struct GroupHParams {
 #define LFSGD_FIELD(type, name) type name;
@@ -79,7 +82,7 @@ LFSGD_HOST_DEVICE inline double inverse_scale(float grad_scale) {
 
 // clip_grad_norm_'s coefficient, min(1, max_norm / (||g|| + 1e-6)), from the sum of squares of every
 // stepped gradient as the kernels receive it (still scaled: ||g|| is unscaled here). A NaN norm gives NaN,
-// as torch's clamp does.
+// as torch's clamp does. max_grad_norm is one value for the whole step (the op's argument, not a column).
 LFSGD_HOST_DEVICE inline double clip_coef(double grad_sq_sum, double max_norm, double inv_scale) {
   const double coef = max_norm / (sqrt(grad_sq_sum) * fabs(inv_scale) + 1e-6);
   return coef > 1.0 ? 1.0 : coef;
@@ -116,12 +119,10 @@ struct Coeffs {
   bool nesterov;
 };
 
-// `grad_sq_sum`: the sum of squares of every stepped gradient, read when the group clips by norm.
+// `clip`: the step's clip_grad_norm_ coefficient (clip_coef), 1 where it does not clip by norm.
 template <typename T>
-LFSGD_HOST_DEVICE inline Coeffs<T> make_coeffs(const GroupHParams& h, double inv_scale, double grad_sq_sum,
-                                               bool first) {
+LFSGD_HOST_DEVICE inline Coeffs<T> make_coeffs(const GroupHParams& h, double inv_scale, double clip, bool first) {
   const double weight_decay = h.weight_decay;
-  const double clip = h.max_grad_norm > 0.0 ? clip_coef(grad_sq_sum, h.max_grad_norm, inv_scale) : 1.0;
   return Coeffs<T>{static_cast<T>(h.maximize ? -inv_scale : inv_scale),
                    static_cast<T>(h.max_grad_value),
                    static_cast<T>(clip),
@@ -249,7 +250,8 @@ LFSGD_ELEMENT float kahan_compensation(float weight, float rounded) {
 
 // Stochastic rounding of the update to bf16 (update_rounding="stochastic", bf16 params without masters): the
 // fp32 result rounds up with probability (the dropped 16 bits) / 2^16, so E[rounded] is the fp32 value and small
-// updates are not lost. Each element draws 32 random bits, a pure function of (seed, step, tensor, element index),
+// updates are not lost. Each element draws 32 random bits, a pure function of (seed, the param's count of
+// stochastic steps, tensor, element index),
 // the same on any thread count and device: the high 16 round the weight, the low 16 the momentum buffer. The
 // draw is murmur3's 32-bit finalizer over a per-tensor key plus the index times the golden ratio (one finalizer
 // an element: three integer multiplies, which keeps the step near the memory floor).
@@ -262,10 +264,10 @@ LFSGD_ELEMENT uint32_t mix32(uint32_t x) {
   return x;
 }
 
-// The key of one tensor's draws at this step: tensor is its index in the bucket.
-LFSGD_HOST_DEVICE inline uint32_t rounding_key(const GroupHParams& h, int64_t tensor) {
-  const uint64_t seed = static_cast<uint64_t>(h.rounding_seed);
-  const uint64_t step = static_cast<uint64_t>(h.rounding_step);
+// The key of one tensor's draws at its step `step` (its rounding_steps entry): tensor is its index in the bucket.
+LFSGD_HOST_DEVICE inline uint32_t rounding_key(double rounding_seed, int64_t rounding_step, int64_t tensor) {
+  const uint64_t seed = static_cast<uint64_t>(rounding_seed);
+  const uint64_t step = static_cast<uint64_t>(rounding_step);
   uint32_t key = mix32(static_cast<uint32_t>(seed) ^ 0x9E3779B9u);
   key = mix32(key ^ static_cast<uint32_t>(seed >> 32));
   key = mix32(key ^ static_cast<uint32_t>(step));
