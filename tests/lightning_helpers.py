@@ -28,10 +28,11 @@ STEPS_PER_EPOCH = 3  # conf/debug/tiny.yaml's trainer.limit_train_batches
 SMALL_RUN = ["debug=tiny"]
 
 
-class TinyClassifier(pl.LightningModule):
-    """What a user writes: their own module, with ``configure_fused_sgd`` in ``configure_optimizers``."""
+class UserModule(pl.LightningModule):
+    """What a user writes: their own small module, with no ``configure_optimizers`` (LightningCLI's
+    ``--optimizer`` gives one)."""
 
-    def __init__(self, samples: int = 80, batch_size: int = 16, **factory_kwargs: Any) -> None:
+    def __init__(self, samples: int = 80, batch_size: int = 16) -> None:
         super().__init__()
         self.net = nn.Sequential(
             nn.Conv2d(3, 8, 3, padding=1),
@@ -46,7 +47,6 @@ class TinyClassifier(pl.LightningModule):
             torch.randn(samples, 3, 8, 8, generator=generator), torch.arange(samples) % 4
         )
         self.batch_size = batch_size
-        self.factory_kwargs = factory_kwargs
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         images, targets = batch
@@ -56,6 +56,14 @@ class TinyClassifier(pl.LightningModule):
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(self.data, batch_size=self.batch_size)
+
+
+class TinyClassifier(UserModule):
+    """A user's module with ``configure_fused_sgd`` in ``configure_optimizers``."""
+
+    def __init__(self, samples: int = 80, batch_size: int = 16, **factory_kwargs: Any) -> None:
+        super().__init__(samples, batch_size)
+        self.factory_kwargs = factory_kwargs
 
     def configure_optimizers(self) -> Any:
         return configure_fused_sgd(self, **self.factory_kwargs)

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 from lightning.pytorch.cli import LightningCLI
-from lightning_helpers import run_train_py
+from lightning_helpers import UserModule, run_train_py
 
 from lightning_fusedsgd import FusedLARS, FusedSGD
 from lightning_fusedsgd.runner.data import DigitsDataModule
@@ -112,3 +112,116 @@ def test_fused_lars_has_fused_sgds_signature_with_lars_on():
     assert list(lars.parameters) == list(sgd.parameters)
     differing = [name for name in sgd.parameters if sgd.parameters[name] != lars.parameters[name]]
     assert differing == ["lars"] and lars.parameters["lars"].default is True
+
+
+def _cli(args, tmp_path, monkeypatch):
+    """LightningCLI over a user's module with no configure_optimizers, as `python main.py ARGS` runs it."""
+    monkeypatch.setattr("sys.argv", ["main"])
+    return LightningCLI(
+        UserModule,
+        args=[
+            *args,
+            "--trainer.accelerator=cpu",
+            "--trainer.logger=false",
+            "--trainer.enable_progress_bar=false",
+            "--trainer.enable_model_summary=false",
+            f"--trainer.default_root_dir={tmp_path}",
+        ],
+        seed_everything_default=0,
+        save_config_kwargs={"overwrite": True},
+    )
+
+
+OPTIMIZER = ["--optimizer.lr=0.5", "--optimizer.momentum=0.9", "--optimizer.weight_decay=1e-4"]
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_cli_clips_inside_the_fused_step_under_mixed_precision(precision, tmp_path, monkeypatch):
+    """The command a user types, with no code: `--optimizer FusedSGD` (the short name resolves once the
+    package is imported), mixed precision and gradient_clip_val. It equals the same command with
+    torch.optim.SGD, which Lightning clips itself (on the CPU, Lightning runs 16-mixed as bf16-mixed)."""
+    runs = {}
+    for optimizer in ("FusedSGD", "torch.optim.SGD"):
+        cli = _cli(
+            [
+                "fit",
+                f"--optimizer={optimizer}",
+                *OPTIMIZER,
+                f"--trainer.precision={precision}",
+                "--trainer.gradient_clip_val=0.05",
+                "--trainer.max_steps=3",
+                "--trainer.enable_checkpointing=false",
+            ],
+            tmp_path / optimizer,
+            monkeypatch,
+        )
+        assert cli.trainer.global_step == 3
+        runs[optimizer] = cli.trainer.optimizers[0], [p.detach().clone() for p in cli.model.parameters()]
+    fused, ours = runs["FusedSGD"]
+    assert isinstance(fused, FusedSGD) and fused.param_groups[0]["max_grad_norm"] == 0.05
+    for a, b in zip(ours, runs["torch.optim.SGD"][1]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_cli_print_config_names_the_optimizer_with_torchs_arguments(tmp_path, monkeypatch, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        _cli(["fit", "--optimizer=FusedSGD", *OPTIMIZER, "--print_config"], tmp_path, monkeypatch)
+    assert exit_.value.code == 0
+    printed = capsys.readouterr().out
+    assert "  class_path: lightning_fusedsgd.FusedSGD\n" in printed
+    for line in ("lr: 0.5", "momentum: 0.9", "dampening: 0.0", "foreach: null", "differentiable: false"):
+        assert f"    {line}\n" in printed, line
+    # The printed config is one a run takes back.
+    config = tmp_path / "config.yaml"
+    config.write_text(printed)
+    cli = _cli(["fit", f"--config={config}", "--trainer.max_steps=1"], tmp_path, monkeypatch)
+    assert isinstance(cli.trainer.optimizers[0], FusedSGD) and cli.trainer.optimizers[0].defaults["lr"] == 0.5
+
+
+def test_cli_resume_with_ckpt_path_keeps_momentum(tmp_path, monkeypatch):
+    """fit for 2 epochs, or for 1 and then `fit --ckpt_path` to 2: the same weights and momentum buffers, bit
+    for bit (the second run starts from the checkpoint's buffers, not from zero)."""
+    common = [
+        "--optimizer=lightning_fusedsgd.FusedSGD",
+        *OPTIMIZER,
+        "--trainer.gradient_clip_val=0.05",
+        "--model.samples=32",  # 2 steps an epoch
+    ]
+    straight = _cli(["fit", *common, "--trainer.max_epochs=2"], tmp_path / "straight", monkeypatch)
+    first = _cli(["fit", *common, "--trainer.max_epochs=1"], tmp_path / "first", monkeypatch)
+    checkpoint = next((tmp_path / "first").rglob("*.ckpt"))
+    resume = ["fit", *common, "--trainer.max_epochs=2", f"--ckpt_path={checkpoint}"]
+    resumed = _cli(resume, tmp_path / "resumed", monkeypatch)
+    assert first.trainer.global_step == 2 and resumed.trainer.global_step == straight.trainer.global_step == 4
+    for a, b in zip(straight.model.parameters(), resumed.model.parameters()):
+        assert torch.equal(a, b)
+        expected = straight.trainer.optimizers[0].state[a]["momentum_buffer"]
+        assert torch.equal(resumed.trainer.optimizers[0].state[b]["momentum_buffer"], expected)
+
+
+def test_timm_builds_fused_sgd_by_the_documented_name():
+    """docs/guide/usage.md registers FusedSGD with timm as "lfsgd": create_optimizer_v2 builds it with timm's
+    own grouping, and its steps give the bits of timm's "sgd" (torch.optim.SGD, Nesterov)."""
+    from timm.optim import OptimInfo, create_optimizer_v2
+    from timm.optim._optim_factory import default_registry
+
+    info = OptimInfo("lfsgd", FusedSGD, "FusedSGD, Nesterov", has_momentum=True, defaults={"nesterov": True})
+    default_registry.register(info)
+    try:
+        models = [UserModule().net for _ in range(2)]
+        models[1].load_state_dict(models[0].state_dict())
+        kwargs = dict(lr=0.1, weight_decay=1e-4, momentum=0.9)
+        ours = create_optimizer_v2(models[0], opt="lfsgd", **kwargs)
+        theirs = create_optimizer_v2(models[1], opt="sgd", foreach=False, **kwargs)
+    finally:
+        default_registry._optimizers.pop("lfsgd")
+    assert isinstance(ours, FusedSGD) and [len(g["params"]) for g in ours.param_groups] == [4, 2]
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        for p, q in zip(models[0].parameters(), models[1].parameters()):
+            p.grad = torch.randn(p.shape, generator=generator)
+            q.grad = p.grad.clone()
+        ours.step()
+        theirs.step()
+    for p, q in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.equal(p, q)

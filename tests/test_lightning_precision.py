@@ -14,8 +14,8 @@ import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning_helpers import TinyClassifier, cpu_trainer
 
-from lightning_fusedsgd import param_groups
-from lightning_fusedsgd.lightning import Schedule, configure_fused_sgd
+from lightning_fusedsgd import FusedSGD, param_groups
+from lightning_fusedsgd.lightning import ClipInTheStep, Schedule, configure_fused_sgd
 from lightning_fusedsgd.runner.summary import RunSummary
 
 CONSTANT = Schedule(decay="constant")
@@ -68,14 +68,16 @@ def test_bf16_true_with_update_rounding_keeps_no_masters(rounding):
         optimizer = trainer.optimizers[0]
         assert not any(group["master_weights"] for group in optimizer.param_groups)
         assert all(group["update_rounding"] == rounding for group in optimizer.param_groups)
-        assert all(
-            group["rounding_step"] == (3 if rounding == "stochastic" else 0)
-            for group in optimizer.param_groups
-        )
-        state_keys = {"momentum_buffer"} | ({"kahan_compensation"} if rounding == "kahan" else set())
+        extra = {"kahan": {"kahan_compensation"}, "stochastic": {"rounding_step"}}[rounding]
         for param in module.parameters():
-            assert param.dtype == torch.bfloat16 and set(optimizer.state[param]) == state_keys
-            assert all(value.dtype == torch.bfloat16 for value in optimizer.state[param].values())
+            assert param.dtype == torch.bfloat16 and set(optimizer.state[param]) == {
+                "momentum_buffer",
+                *extra,
+            }
+            tensors = {key: value for key, value in optimizer.state[param].items() if key != "rounding_step"}
+            assert all(value.dtype == torch.bfloat16 for value in tensors.values())
+            if rounding == "stochastic":  # 3 steps, each counted
+                assert optimizer.state[param]["rounding_step"].item() == 3
         state = [
             value.clone() for p in module.parameters() for _, value in sorted(optimizer.state[p].items())
         ]
@@ -154,6 +156,35 @@ def test_gradient_clip_val_clips_in_the_fused_step_like_lightning_clips_torch_sg
     optimizer = trainer.optimizers[0]
     assert optimizer.last_backends and all(b.startswith("compiled") for b in optimizer.last_backends.values())
     assert optimizer.param_groups[0][f"max_grad_{algorithm}"] == CLIP[algorithm]
+    for a, b in zip(_params(ours), _params(theirs)):
+        torch.testing.assert_close(a, b, rtol=tolerance, atol=tolerance)
+
+
+class SelfBuiltFusedSGD(TinyClassifier):
+    """A module that builds FusedSGD itself and has no clipping hook (as LightningCLI's ``--optimizer`` does):
+    the ClipInTheStep callback, which Lightning adds to every Trainer, routes the clipping into the step."""
+
+    def configure_optimizers(self):
+        kwargs = self.factory_kwargs
+        return FusedSGD(param_groups(self, kwargs.get("weight_decay", 1e-4)), lr=kwargs["lr"], momentum=0.9)
+
+
+@pytest.mark.parametrize("algorithm", list(CLIP))
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+def test_a_self_built_fused_sgd_clips_in_the_step_with_no_code(precision, algorithm):
+    """Trainer(gradient_clip_val=...) under every precision, with no hook and no factory: equal to
+    torch.optim.SGD clipped by Lightning."""
+    trainer_kwargs, tolerance = PRECISIONS[precision]
+    factory = dict(schedule=CONSTANT, lr=0.5)
+    clip = (algorithm, CLIP[algorithm])
+    torch.manual_seed(0)
+    ours = SelfBuiltFusedSGD(**factory)
+    torch.manual_seed(0)
+    theirs = TorchSGDClassifier(**factory)
+    trainer = _fit(ours, clip, **trainer_kwargs)
+    _fit(theirs, clip, **trainer_kwargs)
+    assert any(isinstance(callback, ClipInTheStep) for callback in trainer.callbacks)
+    assert trainer.optimizers[0].param_groups[0][f"max_grad_{algorithm}"] == CLIP[algorithm]
     for a, b in zip(_params(ours), _params(theirs)):
         torch.testing.assert_close(a, b, rtol=tolerance, atol=tolerance)
 

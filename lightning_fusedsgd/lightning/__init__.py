@@ -4,12 +4,13 @@ files, starting a fit from another run's or torchvision's checkpoint). Needs ``l
 runner behind ``train.py`` is :mod:`lightning_fusedsgd.runner`."""
 
 from lightning_fusedsgd.lightning.checkpointing import AtomicCheckpointIO, InitFromCheckpoint
-from lightning_fusedsgd.lightning.clipping import clip_gradients
+from lightning_fusedsgd.lightning.clipping import ClipInTheStep, clip_gradients
 from lightning_fusedsgd.lightning.errors import ConfigError
 from lightning_fusedsgd.lightning.factory import Schedule, configure_fused_sgd
 
 __all__ = [
     "AtomicCheckpointIO",
+    "ClipInTheStep",
     "ConfigError",
     "InitFromCheckpoint",
     "Schedule",

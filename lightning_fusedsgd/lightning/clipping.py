@@ -5,11 +5,14 @@ optimizer that unscales gradients itself (``_step_supports_amp_scaling``, as Fus
 ``16-mixed`` and ``bf16-mixed`` a ``gradient_clip_val`` would raise. The supported way to change how a module
 clips is its ``configure_gradient_clipping`` hook, which Lightning calls once per optimizer step with the
 trainer's clip settings: :func:`clip_gradients` is that hook for FusedSGD, handing the threshold to the
-optimizer. Lightning offers no way for a library to supply that hook without the module's class naming it, so
-:func:`configure_fused_sgd <lightning_fusedsgd.lightning.configure_fused_sgd>` binds it on the module instance
-(:func:`clip_in_the_step`, the one place this is done), unless the class defines its own. A module that builds
-FusedSGD itself adds one line to its class: ``configure_gradient_clipping =
-lightning_fusedsgd.lightning.clip_gradients``."""
+optimizer. :func:`clip_in_the_step` (the one place this is done) binds it on a module instance unless its
+class defines its own hook, and two things call it: :func:`configure_fused_sgd
+<lightning_fusedsgd.lightning.configure_fused_sgd>`, and the :class:`ClipInTheStep` callback, which Lightning
+adds to every ``Trainer`` through this package's ``lightning.pytorch.callbacks_factory`` entry point and which
+binds the hook when a FusedSGD is trained. So a module that builds FusedSGD itself, and a LightningCLI run
+that names it (``--optimizer lightning_fusedsgd.FusedSGD``), clip in the step with no code. Modules of the
+older ``pytorch_lightning`` package, which reads its own entry points, add one line to their class:
+``configure_gradient_clipping = lightning_fusedsgd.lightning.clip_gradients``."""
 
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ import torch
 from lightning_fusedsgd.lightning.errors import ConfigError
 from lightning_fusedsgd.optim import FusedSGD
 
-__all__ = ["clip_gradients", "clip_in_the_step"]
+__all__ = ["ClipInTheStep", "callbacks", "clip_gradients", "clip_in_the_step"]
 
 
 def clip_gradients(
@@ -43,9 +46,9 @@ def clip_gradients(
     through Lightning's own ``clip_gradients``. With no ``gradient_clip_val`` (None) the optimizer's own
     clipping settings are left as they are.
 
-    ``configure_fused_sgd`` installs it on the module unless the module's class defines its own
-    ``configure_gradient_clipping`` (:func:`clip_in_the_step`); a module that builds FusedSGD itself adds one
-    line to its class::
+    ``configure_fused_sgd`` and the :class:`ClipInTheStep` callback install it on the module unless the
+    module's class defines its own ``configure_gradient_clipping`` (:func:`clip_in_the_step`); a module of the
+    older ``pytorch_lightning`` package that builds FusedSGD itself adds one line to its class::
 
         configure_gradient_clipping = lightning_fusedsgd.lightning.clip_gradients
 
@@ -79,8 +82,7 @@ def clip_gradients(
 
 def clip_in_the_step(module: Any) -> None:
     """Makes :func:`clip_gradients` the module's ``configure_gradient_clipping`` unless its class defines its
-    own;
-    for a module of ``lightning.pytorch`` and of the older ``pytorch_lightning`` package alike."""
+    own; for a module of ``lightning.pytorch`` and of the older ``pytorch_lightning`` package alike."""
     defaults = {
         package.LightningModule.configure_gradient_clipping
         for package in (pl, sys.modules.get("pytorch_lightning"))
@@ -88,3 +90,21 @@ def clip_in_the_step(module: Any) -> None:
     }
     if getattr(type(module), "configure_gradient_clipping", None) in defaults:
         module.configure_gradient_clipping = types.MethodType(clip_gradients, module)
+
+
+class ClipInTheStep(pl.Callback):
+    """Clips inside FusedSGD's step whatever built the optimizer: when a fit starts with a FusedSGD among the
+    trainer's optimizers, :func:`clip_in_the_step` makes :func:`clip_gradients` the module's
+    ``configure_gradient_clipping`` (unless its class defines one). Every ``Trainer`` gets it through this
+    package's ``lightning.pytorch.callbacks_factory`` entry point (:func:`callbacks`); with no FusedSGD it
+    does nothing."""
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if any(isinstance(getattr(o, "optimizer", o), FusedSGD) for o in trainer.optimizers):
+            clip_in_the_step(pl_module)
+
+
+def callbacks() -> list[pl.Callback]:
+    """The callbacks Lightning adds to every ``Trainer`` (the package's
+    ``lightning.pytorch.callbacks_factory`` entry point)."""
+    return [ClipInTheStep()]
