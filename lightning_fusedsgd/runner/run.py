@@ -14,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_fusedsgd.checkpoint import CheckpointError, read_start_checkpoint
 from lightning_fusedsgd.lightning import ConfigError, InitFromCheckpoint
+from lightning_fusedsgd.runner.cpu_bf16 import check_cpu_bf16_convolutions
 from lightning_fusedsgd.runner.data import DataNotFoundError
 from lightning_fusedsgd.runner.summary import RunSummary
 
@@ -54,6 +55,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     callbacks = [instantiate(node) for node in cfg.callbacks.values() if node is not None] + start
     logger = instantiate(cfg.logger) if cfg.get("logger") else False
     trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=logger)
+    check_cpu_bf16_convolutions(trainer, model, cfg.data.in_channels, cfg.data.image_size)
     if logger:
         logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
     with warnings.catch_warnings():
