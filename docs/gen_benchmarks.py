@@ -317,9 +317,12 @@ def verified_section(results: dict[str, dict[str, Any]]) -> str:
     if not gpu_runs:
         text += [
             "**GPUs**: no run of this version on a GPU yet. The CUDA kernels compile with nvcc 13.0 (sm_80, "
-            "sm_90); their tests (`tests/test_cuda.py`, the device cases of every parity test, the CUDA "
-            "graph tests) and `bench/gpu.py` run where a GPU is present, and `bench/gpu_check.sh` runs them "
-            "all. The changelog records what an earlier kernel measured on an H200.",
+            "sm_90) and run, host code included, on the CPU under an emulation of CUDA's execution model "
+            "(`tests/test_cuda_emulated.py`, against the CPU kernel's bits): verified, not measured. Their "
+            "GPU tests (`tests/test_cuda.py`, the device cases of every parity test, the CUDA graph tests) "
+            "and "
+            "`bench/gpu.py` run where a GPU is present, and `bench/gpu_check.sh` runs them all. The "
+            "changelog records what an earlier kernel measured on an H200.",
             "",
         ]
     return "\n".join(text)

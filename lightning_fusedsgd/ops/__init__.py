@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from lightning_fusedsgd._abi import LARS_SUMS
+from lightning_fusedsgd.ops import _build
 from lightning_fusedsgd.ops._loader import (
     CPU_CAPABILITY_ENV,
     REQUIRE_COMPILED_ENV,
@@ -34,9 +35,10 @@ __all__ = [
     "load",
 ]
 
-_LIBRARY = torch.library.Library("lightning_fusedsgd", "DEF")  # the compiled libraries add the kernels
+SCHEMAS: dict[str, str] = {}
+"""Each op's schema, by name; the docstring after each is its contract."""
 
-_LIBRARY.define(
+SCHEMAS["sgd_step"] = (
     "sgd_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_buffers, "
     "Tensor(c!)[] master_params, Tensor(d!)[] rounding_steps, Tensor group_hparams, int[] tensor_group, "
     "bool[] first_step, Tensor? grad_scale, Tensor? found_inf, Tensor? grad_sq_sum, float? max_grad_norm, "
@@ -73,11 +75,11 @@ Arguments:
         lr column (NaN then): capturable steps, and tensor lrs under torch.compile.
 """
 
-_LIBRARY.define("grad_sq_sum(Tensor[] grads) -> Tensor")
+SCHEMAS["grad_sq_sum"] = "grad_sq_sum(Tensor[] grads) -> Tensor"
 """The sum of squares of every gradient, a float64 scalar on their device, summed in a fixed order (the result
 does not depend on the thread count)."""
 
-_LIBRARY.define(
+SCHEMAS["lars_sq_sums"] = (
     "lars_sq_sums(Tensor[] params, Tensor[] grads, Tensor[] master_params, Tensor group_hparams, "
     "int[] tensor_group, Tensor? grad_scale) -> Tensor"
 )
@@ -86,7 +88,7 @@ _LIBRARY.define(
 on the params' device (zeros for tensors without LARS); arguments as ``sgd_step``'s. A sharded step
 all-reduces them and hands them to ``sgd_step``."""
 
-_LIBRARY.define(
+SCHEMAS["schedule_lrs"] = (
     "schedule_lrs(Tensor(a!) lrs, Tensor(b!) position, Tensor schedule, Tensor peaks, Tensor? applied, "
     "bool advance) -> ()"
 )
@@ -100,6 +102,18 @@ Arguments:
     applied: a one-element bool, whether the optimizer's last step was applied (None: it was).
     advance: False only sets the lrs from the position (a new or resumed scheduler).
 """
+
+
+# The op libraries, each defining every op: the compiled libraries register their kernels there, the CPU and
+# CUDA ones under "lightning_fusedsgd", the CUDA kernels run on CPU tensors under emulation (the tests) under
+# their own.
+_LIBRARIES = [
+    torch.library.Library(namespace, "DEF")
+    for namespace in dict.fromkeys(extension.namespace for extension in _build.EXTENSIONS.values())
+]
+for _library in _LIBRARIES:
+    for _schema in SCHEMAS.values():
+        _library.define(_schema)
 
 
 @torch.library.register_fake("lightning_fusedsgd::sgd_step")

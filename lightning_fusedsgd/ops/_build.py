@@ -16,31 +16,66 @@ from dataclasses import dataclass
 from pathlib import Path
 
 CSRC = Path(__file__).parent / "csrc"
-HEADERS = ("sgd_math.h", "schedule.h", "bucket.h", "cached_step.h", "work_list.h")
+HEADERS = (
+    "sgd_math.h",
+    "schedule.h",
+    "bucket.h",
+    "cached_step.h",
+    "work_list.h",
+    "device.h",
+    "device_cuda.h",
+    "device_emulated.h",
+    "fused_sgd_cuda.cu",
+)
 
 
 @dataclass(frozen=True)
 class Extension:
-    """One compiled library: what it is built from and how."""
+    """One compiled library: what it is built from and how.
+
+    Attributes:
+        namespace: The ``torch.ops`` namespace its kernels register under (``LFSGD_DEVICE_LIBRARY`` in the
+            device's csrc/device_*.h).
+        per_cpu_capability: Built with the flags of one of ``CPU_CAPABILITIES`` (the CPU's, as torch picks
+        it). in_wheel: Shipped prebuilt in the wheel (else built on first use only).
+    """
 
     name: str
     sources: tuple[str, ...]
     cflags: tuple[str, ...]
     ldflags: tuple[str, ...] = ()
     cuda_cflags: tuple[str, ...] = ()
+    namespace: str = "lightning_fusedsgd"
+    per_cpu_capability: bool = False
+    in_wheel: bool = True
 
 
 # -ffp-contract=off / --fmad=false: no multiply-add is fused behind the code's back. The kernels fuse exactly
 # where ATen's kernels do (sgd_math.h), which is what gives torch.optim.SGD's bits.
 EXTENSIONS = {
     "cpu": Extension(
-        "lightning_fusedsgd_C", ("fused_sgd.cpp",), ("-O3", "-fopenmp", "-ffp-contract=off"), ("-fopenmp",)
+        "lightning_fusedsgd_C",
+        ("fused_sgd.cpp",),
+        ("-O3", "-fopenmp", "-ffp-contract=off"),
+        ("-fopenmp",),
+        per_cpu_capability=True,
     ),
     "cuda": Extension(
         "lightning_fusedsgd_cuda", ("fused_sgd_cuda.cu",), ("-O3",), (), ("-O3", "--fmad=false")
     ),
+    # The CUDA source built by the host compiler, its kernels run on the CPU under an emulation of CUDA's
+    # execution model (csrc/device_emulated.h): for the tests, not shipped. With the CPU library's capability
+    # flags, so that both fuse multiply-adds alike (as CUDA does where the CPU has FMA).
+    "cuda_emulated": Extension(
+        "lightning_fusedsgd_cuda_emulated",
+        ("fused_sgd_cuda_emulated.cpp",),
+        ("-O2", "-ffp-contract=off"),
+        namespace="lightning_fusedsgd_cuda_emulated",
+        per_cpu_capability=True,
+        in_wheel=False,
+    ),
 }
-"""The libraries by device type."""
+"""The libraries by kind: ``cpu``, ``cuda``, and ``cuda_emulated``."""
 
 CPU_CAPABILITIES = {
     "default": (),

@@ -60,10 +60,11 @@ OUTCOMES: dict[str, Path | KernelBuildError] = {}
 
 
 def load(device_type: str = "cpu", verbose: bool = False) -> Any:
-    """The ``torch.ops.lightning_fusedsgd`` namespace with the kernel for ``device_type`` ("cpu" or "cuda")
-    registered, loading (or building) it on first use; the outcome, a library or a failure, is kept for the
-    process. The CUDA library registers kernels for ops whose ABI the CPU library's checks cover, so it loads
-    that first.
+    """The ops namespace with the kernel for ``device_type`` registered, loading (or building) it on first
+    use: ``torch.ops.lightning_fusedsgd`` for "cpu" and "cuda", ``torch.ops.lightning_fusedsgd_cuda_emulated``
+    for "cuda_emulated" (the CUDA kernels run on CPU tensors under an emulation of CUDA, for the tests). The
+    outcome, a library or a failure, is kept for the process. The CUDA libraries register kernels for ops
+    whose ABI the CPU library's checks cover, so they load that first.
 
     Raises:
         KernelBuildError: There is no kernel for ``device_type``, or no library could be loaded or built.
@@ -79,7 +80,7 @@ def load(device_type: str = "cpu", verbose: bool = False) -> Any:
         outcome = OUTCOMES[needed]
         if isinstance(outcome, KernelBuildError):
             raise outcome
-    return torch.ops.lightning_fusedsgd
+    return getattr(torch.ops, _build.EXTENSIONS[device_type].namespace)
 
 
 def is_loaded(device_type: str) -> bool:
@@ -144,7 +145,7 @@ def _prebuilt_library(device_type: str) -> tuple[Path | None, str | None]:
     """The wheel's library for ``device_type`` on this machine, or why it cannot be used; (None, None) where
     there is no wheel (a source tree: built on first use, as designed)."""
     info = _build_info()
-    if info is None:
+    if info is None or not _build.EXTENSIONS[device_type].in_wheel:
         return None, None
     if info["torch"] != torch.__version__:
         return None, f"it was built for torch {info['torch']}, this is torch {torch.__version__}"
@@ -211,7 +212,7 @@ def _cpp_extension() -> ModuleType:
 
 def _machine(device_type: str) -> tuple[str, ...]:
     """What a build for ``device_type`` depends on besides its sources and flags."""
-    if device_type == "cpu":
+    if _build.EXTENSIONS[device_type].per_cpu_capability:
         return (cpu_capability(),)
     toolkit, how = _build.cuda_toolkit()
     capabilities = sorted({torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())})
@@ -266,11 +267,11 @@ def _build_in_cache(device_type: str, verbose: bool, unused: str) -> Path:
     reason = f"the cached library is damaged ({problem}); " if damaged else ""
     print(
         f"lightning_fusedsgd: {unused}{reason}compiling the {device_type} kernel into {build_dir} "
-        f"(first use only, {'about 30 s' if device_type == 'cpu' else 'a minute or two'})",
+        f"(first use only, {'about a minute' if device_type != 'cuda' else 'a minute or two'})",
         file=sys.stderr,
     )
     cpp_extension = _cpp_extension()
-    capability_flags = list(_build.CPU_CAPABILITIES[cpu_capability()]) if device_type == "cpu" else []
+    capability_flags = list(_build.CPU_CAPABILITIES[cpu_capability()]) if extension.per_cpu_capability else []
     try:
         cpp_extension.load(
             name=name,

@@ -3,9 +3,11 @@
 Backends:
     ``compiled``: our kernels, for CPU and CUDA tensors. ``torch``: the same math in plain PyTorch
     (``ops/reference.py``): the oracle in tests and the fallback. ``auto``: ``compiled`` on CPU and CUDA,
-    ``torch`` on other devices, and ``torch`` with one warning where the
-        kernel cannot be built. ``LIGHTNING_FUSEDSGD_REQUIRE_COMPILED=1`` turns that fallback into an error
-        (CI sets it, to prove the compiled kernel is what ran).
+    ``torch`` on other devices, and ``torch`` with one warning where the kernel cannot be built.
+    ``LIGHTNING_FUSEDSGD_REQUIRE_COMPILED=1`` turns that fallback into an error (CI sets it, to prove the
+    compiled kernel is what ran). ``cuda_emulated``: the CUDA kernels and their host code, built by the host
+    compiler and run on CPU tensors under an emulation of CUDA's execution model (slow; for testing them where
+    no GPU is).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 from lightning_fusedsgd import ops
 from lightning_fusedsgd.ops import reference
 
-BACKENDS = ("auto", "compiled", "torch")
+BACKENDS = ("auto", "compiled", "torch", "cuda_emulated")
 _KERNEL_DEVICES = ("cpu", "cuda")
 
 
@@ -46,6 +48,13 @@ def implementation(requested: str, device: torch.device) -> tuple[str, Any]:
     """
     if requested == "torch" or (requested == "auto" and device.type not in _KERNEL_DEVICES):
         return "torch", reference
+    if requested == "cuda_emulated":
+        if device.type != "cpu":
+            raise RuntimeError(
+                "backend='cuda_emulated' runs the CUDA kernels on CPU tensors, under an emulation of CUDA's "
+                f"execution model (to test them without a GPU); these are on {device}. Use backend='auto'."
+            )
+        return "cuda_emulated", ops.load("cuda_emulated")
     if device.type not in _KERNEL_DEVICES:
         raise RuntimeError(
             f"backend='compiled' runs on CPU and CUDA tensors; these are on {device}. Use backend='auto'."

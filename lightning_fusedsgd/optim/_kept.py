@@ -142,21 +142,31 @@ def _stepped_positions(params: list[Tensor]) -> tuple[list[Tensor], dict[int, in
 
 @dataclass
 class KeptSteps:
-    """A plan of plain (not DTensor) params on one device, its bucket arguments held in C++."""
+    """A plan of plain (not DTensor) params on one device, its bucket arguments held in C++, which calls the
+    ops of the backend that ran the plan (``compiled``, or ``cuda_emulated``)."""
 
     record: _Record
     step: Any  # torch.classes.lightning_fusedsgd.CachedStep
     keys: list[BucketKey]
+    backend: str
 
     @classmethod
     def of(
-        cls, groups: Sequence[dict[str, Any]], state: Mapping[Tensor, dict[str, Any]], plan: Plan
+        cls,
+        groups: Sequence[dict[str, Any]],
+        state: Mapping[Tensor, dict[str, Any]],
+        plan: Plan,
+        backend: str,
+        namespace: str,
     ) -> KeptSteps:
         record = _Record.of(groups, state, plan)
         stepped, position = _stepped_positions(record.params)
-        ops.load(next(iter(plan.buckets))[0].type)  # the class is in the library
+        ops.load("cpu")  # the class is in the CPU library
         step = torch.classes.lightning_fusedsgd.CachedStep(
-            record.params, [p.grad is not None for p in record.params], [p.detach() for p in stepped]
+            record.params,
+            [p.grad is not None for p in record.params],
+            [p.detach() for p in stepped],
+            namespace,
         )
         for bucket in plan.buckets.values():
             step.add_bucket(
@@ -167,7 +177,7 @@ class KeptSteps:
                 bucket.tensor_group,
                 [position[id(p)] for p in bucket.sources],
             )
-        return cls(record, step, list(plan.buckets))
+        return cls(record, step, list(plan.buckets), backend)
 
     def buckets_for(
         self, groups: Sequence[dict[str, Any]], state: Mapping[Tensor, dict[str, Any]]
@@ -248,13 +258,31 @@ class KeptShardedPlan:
         return self.plan
 
 
+# The backends whose plans are kept: our kernels (a plan of the reference backend is made anew each step).
+KEPT_BACKENDS = ("compiled", "cuda_emulated")
+
+
 def keep(
-    groups: Sequence[dict[str, Any]], state: Mapping[Tensor, dict[str, Any]], plan: Plan, compiled: bool
+    groups: Sequence[dict[str, Any]],
+    state: Mapping[Tensor, dict[str, Any]],
+    plan: Plan,
+    ran_by: tuple[str, Any] | None,
 ) -> KeptSteps | KeptShardedPlan | None:
-    """The step just run, kept for the next steps, where our kernel ran it on one device and it created or
-    converted no state, staged no param and stepped no sparse gradient; else None."""
+    """The step just run, kept for the next steps, where one backend of our kernels ran all its buckets
+    (``ran_by``: its name and ops, None where several did) on one device, and it created or converted no
+    state, staged no param and stepped no sparse gradient; else None."""
     devices = {key[0] for key in plan.buckets}
-    if not (compiled and len(devices) == 1 and not plan.new_state and not plan.staged and not plan.sparse):
+    if not (
+        ran_by is not None
+        and ran_by[0] in KEPT_BACKENDS
+        and len(devices) == 1
+        and not plan.new_state
+        and not plan.staged
+        and not plan.sparse
+    ):
         return None
     # The C++ class reads p.grad, which would be a DTensor: sharded plans are kept in Python.
-    return KeptShardedPlan.of(groups, state, plan) if plan.dtensors else KeptSteps.of(groups, state, plan)
+    if plan.dtensors:
+        return KeptShardedPlan.of(groups, state, plan)
+    backend, ops_namespace = ran_by
+    return KeptSteps.of(groups, state, plan, backend, ops_namespace.name)

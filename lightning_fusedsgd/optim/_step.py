@@ -47,11 +47,13 @@ class BucketStep(Protocol):
 
 @dataclass
 class PlannedBucket:
-    """A bucket of a plan made in Python, run by one implementation's ops (compiled or reference)."""
+    """A bucket of a plan made in Python, run by one implementation's ops (``backend``: compiled, reference or
+    emulated CUDA)."""
 
     key: BucketKey
     bucket: Bucket
     ops: Any
+    backend: str
 
     def grad_sq_sum(self) -> Tensor:
         return self.ops.grad_sq_sum(self.bucket.grads)

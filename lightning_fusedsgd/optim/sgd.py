@@ -229,8 +229,8 @@ class FusedSGD(Optimizer):
         self._kept: _kept.KeptSteps | _kept.KeptShardedPlan | None = None
         self._checked_hparams: list[tuple[Any, ...]] | None = None
         #: Which implementation ran each bucket of the last step, by "device/dtype": "compiled" (our
-        #: kernel), "compiled (kept plan)" (a plan kept from an earlier step, its arguments held in C++) or
-        #: "torch" (the reference).
+        #: kernel), "compiled (kept plan)" (a plan kept from an earlier step, its arguments held in C++),
+        #: "torch" (the reference) or "cuda_emulated" (the CUDA kernels on the CPU, under emulation).
         self.last_backends: dict[str, str] = {}
         # A dict, updated in place: dynamo replays dict updates of a traced step, not attribute stores.
         self._last_step: dict[str, Tensor | bool] = {"applied": True}
@@ -387,7 +387,7 @@ class FusedSGD(Optimizer):
         self.last_backends.clear()
         self.last_backends.update(names)
         if plan is not None:
-            self._finish(plan, grad_scale, tracing, compiled=set(names.values()) == {"compiled"})
+            self._finish(plan, grad_scale, tracing, buckets)
         self._last_step["applied"] = applied  # set once the step went through: a refused one changes nothing
         return loss
 
@@ -399,7 +399,7 @@ class FusedSGD(Optimizer):
             buckets = kept.buckets_for(self.param_groups, self.state)
             if buckets is None:
                 return None
-            return buckets, False, {bucket_name(b.key): "compiled (kept plan)" for b in buckets}
+            return buckets, False, {bucket_name(b.key): f"{kept.backend} (kept plan)" for b in buckets}
         plan = kept.plan_for(self.param_groups, self.state)
         if plan is None:
             return None
@@ -410,10 +410,16 @@ class FusedSGD(Optimizer):
         """The plan's buckets with the implementation that runs each, all resolved before any runs, so a
         refusal leaves every bucket untouched."""
         chosen = {key: _backends.implementation(self.backend, key[0]) for key in plan.buckets}
-        buckets = [_step.PlannedBucket(key, bucket, chosen[key][1]) for key, bucket in plan.buckets.items()]
+        buckets = [
+            _step.PlannedBucket(key, bucket, ops, name)
+            for key, bucket in plan.buckets.items()
+            for name, ops in [chosen[key]]
+        ]
         return buckets, {bucket_name(key): name for key, (name, _) in chosen.items()}
 
-    def _finish(self, plan: Plan, grad_scale: Tensor | None, tracing: bool, compiled: bool) -> None:
+    def _finish(
+        self, plan: Plan, grad_scale: Tensor | None, tracing: bool, buckets: list[_step.PlannedBucket]
+    ) -> None:
         """What a new plan does after its buckets ran: sparse gradients, params updated through a copy, the
         new state; and the plan kept for the next steps where it can be."""
         if plan.sparse:
@@ -426,7 +432,9 @@ class FusedSGD(Optimizer):
             else:
                 self.state[param][key] = value
         if not tracing:
-            self._kept = _kept.keep(self.param_groups, self.state, plan, compiled and bool(plan.buckets))
+            ran_by = {(bucket.backend, bucket.ops) for bucket in buckets}
+            kept_by = ran_by.pop() if len(ran_by) == 1 else None
+            self._kept = _kept.keep(self.param_groups, self.state, plan, kept_by)
 
     def _step_sparse(self, sparse: list[tuple[Tensor, int]], grad_scale: Tensor | None) -> None:
         """Steps params with sparse gradients (``nn.Embedding(sparse=True)``) through torch.optim.SGD's own

@@ -13,6 +13,7 @@
 #include <torch/library.h>
 
 #include <optional>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -22,8 +23,19 @@ namespace lfsgd {
 
 class CachedStep : public torch::CustomClassHolder {
  public:
-  CachedStep(std::vector<at::Tensor> params, c10::List<bool> has_grad, std::vector<at::Tensor> layouts)
-      : params_(std::move(params)), has_grad_(has_grad.vec()), layouts_(std::move(layouts)) {
+  // `ops`: the namespace whose grad_sq_sum and sgd_step run the plan (the compiled kernels', or the emulated CUDA
+  // kernels').
+  CachedStep(std::vector<at::Tensor> params, c10::List<bool> has_grad, std::vector<at::Tensor> layouts,
+             const std::string& ops)
+      : params_(std::move(params)),
+        has_grad_(has_grad.vec()),
+        layouts_(std::move(layouts)),
+        grad_sq_sum_(c10::Dispatcher::singleton()
+                         .findSchemaOrThrow((ops + "::grad_sq_sum").c_str(), "")
+                         .typed<at::Tensor(at::TensorList)>()),
+        sgd_step_(c10::Dispatcher::singleton()
+                      .findSchemaOrThrow((ops + "::sgd_step").c_str(), "")
+                      .typed<SgdStepFunction>()) {
     TORCH_CHECK(params_.size() == has_grad_.size(), "CachedStep: one has_grad entry per param");
   }
 
@@ -77,25 +89,19 @@ class CachedStep : public torch::CustomClassHolder {
 
   // lightning_fusedsgd::grad_sq_sum over bucket `b`'s grads (after gather()).
   at::Tensor grad_sq_sum(int64_t b) {
-    static const auto op = c10::Dispatcher::singleton()
-                               .findSchemaOrThrow("lightning_fusedsgd::grad_sq_sum", "")
-                               .typed<at::Tensor(at::TensorList)>();
     const at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return op.call(bucket(b).grads);
+    return grad_sq_sum_.call(bucket(b).grads);
   }
 
   // lightning_fusedsgd::sgd_step over bucket `b` (after gather()), with this step's table and scalars.
   void sgd_step(int64_t b, const at::Tensor& group_hparams, const std::optional<at::Tensor>& grad_scale,
                 const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& grad_sq_sum,
                 std::optional<double> max_grad_norm, const std::optional<at::Tensor>& lrs) {
-    static const auto op = c10::Dispatcher::singleton()
-                               .findSchemaOrThrow("lightning_fusedsgd::sgd_step", "")
-                               .typed<SgdStepFunction>();
     // Straight to the CPU or CUDA kernel: the autograd and in-place fallbacks of a custom op box every argument
     // (thousands of tensors on large models). The step runs under no_grad.
     const at::AutoDispatchBelowADInplaceOrView below_autograd;
     Bucket& kept = bucket(b);
-    op.call(kept.params, kept.grads, kept.momentum_buffers, kept.master_params, kept.rounding_steps, group_hparams,
+    sgd_step_.call(kept.params, kept.grads, kept.momentum_buffers, kept.master_params, kept.rounding_steps, group_hparams,
             kept.tensor_group, kept.first_step, grad_scale, found_inf, grad_sq_sum, max_grad_norm,
             std::nullopt /* sharded plans are kept in Python */, lrs);
     kept.grads.clear();  // the bucket's last use of them this step: the next backward may free them
@@ -137,12 +143,14 @@ class CachedStep : public torch::CustomClassHolder {
   std::vector<at::Tensor> params_;
   std::vector<bool> has_grad_;
   std::vector<at::Tensor> layouts_;
+  c10::TypedOperatorHandle<at::Tensor(at::TensorList)> grad_sq_sum_;
+  c10::TypedOperatorHandle<SgdStepFunction> sgd_step_;
   std::vector<Bucket> buckets_;
 };
 
 inline void register_cached_step(torch::Library& m) {
   m.class_<CachedStep>("CachedStep")
-      .def(torch::init<std::vector<at::Tensor>, c10::List<bool>, std::vector<at::Tensor>>())
+      .def(torch::init<std::vector<at::Tensor>, c10::List<bool>, std::vector<at::Tensor>, std::string>())
       .def("add_bucket", &CachedStep::add_bucket)
       .def("gather", &CachedStep::gather)
       .def("grad_sq_sum", &CachedStep::grad_sq_sum)

@@ -1,0 +1,431 @@
+"""The CUDA kernels and their host code, run on the CPU: ``fused_sgd_cuda.cu`` built by the host compiler with
+an emulation of CUDA's execution model (``ops/csrc/device_emulated.h``), its ops registered as
+``torch.ops.lightning_fusedsgd_cuda_emulated``. Every op and launch path (tables copied, tables written by
+kernels as under graph capture, a plan kept in C++) runs under several scheduling seeds (blocks, and threads
+between barriers, in order, reversed, shuffled), so a result that depends on the order of threads fails.
+
+Oracles: the compiled CPU kernel, bit for bit, wherever the two take the same norms (LARS tensors are handed
+the same sums, as a sharded step hands them, where the two would sum in different orders); float64 sums for
+the norm passes; the CPU kernel to rounding where the CUDA kernels take their own LARS norms."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+from helpers import make_params
+from oracles import assert_close_rel
+from torch import nn
+
+from lightning_fusedsgd import FusedSGD, ops
+from lightning_fusedsgd._abi import DECAYS, HPARAM_NAMES, LARS_DENOMINATORS, UPDATE_ROUNDINGS
+from lightning_fusedsgd.schedule import WarmupSchedule
+
+pytestmark = [pytest.mark.cuda_emulated, pytest.mark.slow]  # slow: it builds a library (once, cached)
+
+SEEDS = [0, 1, 2, 3]  # in order, reversed, two shuffles
+CHUNK = 65536  # the CUDA kernels' elements per block
+
+
+@pytest.fixture(scope="module")
+def emulated():
+    return ops.load("cuda_emulated")
+
+
+@pytest.fixture(scope="module")
+def cpu():
+    return ops.load("cpu")
+
+
+@pytest.fixture(autouse=True)
+def poisoned_memory():
+    """New tensors hold garbage, as fresh device memory does (torch's deterministic mode fills uninitialized
+    memory with NaN or the largest integer): a table byte or a partial sum never written shows."""
+    enabled = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(enabled)
+
+
+@pytest.fixture(params=SEEDS, ids=lambda seed: f"seed{seed}")
+def seed(request, emulated):
+    emulated.set_schedule(request.param)
+    yield request.param
+    emulated.set_schedule(0)
+
+
+@pytest.fixture(params=[False, True], ids=["copied-tables", "captured-tables"])
+def capturing(request, emulated):
+    emulated.set_capturing(request.param)
+    yield request.param
+    emulated.set_capturing(False)
+
+
+def table(groups: list[dict[str, Any]]) -> torch.Tensor:
+    """The hyperparameter table of these groups (defaults: FusedSGD's, lr 0.05)."""
+    rows = []
+    for hparams in groups:
+        row = {name: 0.0 for name in HPARAM_NAMES}
+        row |= {
+            "lr": 0.05,
+            "trust_coefficient": 1e-3,
+            "max_grad_value": math.inf,
+            "always_adapt": 1.0,
+            "update_rounding": "nearest",
+        }
+        row |= hparams
+        row["update_rounding"] = UPDATE_ROUNDINGS.index(row["update_rounding"])
+        row["lars_decayed_grad"] = float(
+            row.pop("lars_denominator", "grad_plus_decay") == LARS_DENOMINATORS[1]
+        )
+        rows.append([float(row[name]) for name in HPARAM_NAMES])
+    return torch.tensor(rows, dtype=torch.float64)
+
+
+# Shapes: ragged sizes, an empty tensor, several CUDA chunks of one tensor (its LARS sums reduced across
+# blocks).
+SHAPES = [(33, 17), (0,), (2 * CHUNK + 1001,), (5,), (3, 5, 4, 4)]
+
+
+@dataclass(frozen=True)
+class Case:
+    """One bucket: its param dtype, what its master_params hold, two groups' hyperparameters (the second group
+    takes every other tensor), GradScaler and clipping."""
+
+    id: str
+    dtype: torch.dtype = torch.float32
+    masters: str = ""  # "", "fp32", "kahan"
+    groups: tuple[dict[str, Any], ...] = (dict(momentum=0.9, weight_decay=1e-3), dict(momentum=0.9))
+    scale: float | None = None  # GradScaler's scale
+    found_inf: bool = False
+    max_grad_norm: float | None = None
+    shapes: tuple[tuple[int, ...], ...] = tuple(SHAPES)
+    first_step: tuple[bool, ...] = field(default=())
+
+    @property
+    def lars(self) -> bool:
+        return any(group.get("lars") for group in self.groups)
+
+
+def _lars(**options: Any) -> tuple[dict[str, Any], ...]:
+    return (
+        dict(momentum=0.9, weight_decay=5e-3, lars=1.0, **options),
+        dict(momentum=0.9, lars=1.0, **options),
+    )
+
+
+CASES = [
+    Case("fp32-momentum"),
+    Case("fp32-nesterov", groups=(dict(momentum=0.9, nesterov=1.0, weight_decay=1e-3), dict(momentum=0.8))),
+    Case("fp32-dampening-maximize", groups=(dict(momentum=0.9, dampening=0.3, maximize=1.0), dict())),
+    Case("fp32-decay-after-momentum", groups=(dict(momentum=0.9, weight_decay=1e-2, wd_after_momentum=1.0),)),
+    Case("fp32-first-step", first_step=(True, False, True, True, False)),
+    Case("fp64", dtype=torch.float64),
+    Case("fp16-nearest", dtype=torch.float16),
+    Case("fp16-fp32-masters", dtype=torch.float16, masters="fp32"),
+    Case("bf16-nearest", dtype=torch.bfloat16),
+    Case("bf16-fp32-masters", dtype=torch.bfloat16, masters="fp32"),
+    Case(
+        "bf16-kahan",
+        dtype=torch.bfloat16,
+        masters="kahan",
+        groups=(dict(momentum=0.9, weight_decay=1e-3, update_rounding="kahan"),),
+    ),
+    Case(
+        "bf16-stochastic",
+        dtype=torch.bfloat16,
+        groups=(
+            dict(momentum=0.9, weight_decay=1e-3, update_rounding="stochastic", rounding_seed=7),
+            dict(momentum=0.9, update_rounding="nearest"),
+        ),
+    ),
+    Case("lars", groups=_lars()),
+    Case("lars-nesterov-trust-clip", groups=_lars(nesterov=1.0, trust_clip=1.0, lars_eps=1e-8)),
+    Case("lars-decayed-grad-maximize", groups=_lars(lars_denominator="decayed_grad", maximize=1.0)),
+    Case(
+        "lars-not-always-adapt-zero-norm-plain-grad",
+        groups=(
+            dict(momentum=0.9, weight_decay=5e-3, lars=1.0, lars_zero_plain_grad=1.0),
+            dict(momentum=0.9, lars=1.0, always_adapt=0.0),
+        ),
+    ),
+    Case("lars-bf16-kahan", dtype=torch.bfloat16, masters="kahan", groups=_lars(update_rounding="kahan")),
+    Case(
+        "lars-fp16-masters-clip-norm-scaler",
+        dtype=torch.float16,
+        masters="fp32",
+        groups=_lars(),
+        scale=1024.0,
+        max_grad_norm=0.5,
+    ),
+    Case("clip-norm", max_grad_norm=0.5),
+    Case("clip-value", groups=(dict(momentum=0.9, max_grad_value=0.01), dict(max_grad_value=0.02))),
+    Case("lars-decayed-grad-clip-norm", groups=_lars(lars_denominator="decayed_grad"), max_grad_norm=0.5),
+    Case("grad-scaler", scale=512.0),
+    Case("grad-scaler-found-inf", scale=512.0, found_inf=True),
+    Case(
+        "bf16-stochastic-found-inf",
+        dtype=torch.bfloat16,
+        groups=(dict(momentum=0.9, update_rounding="stochastic"),),
+        scale=64.0,
+        found_inf=True,
+    ),
+    Case(
+        "many-tensors", shapes=tuple((7 + i % 5,) for i in range(130))
+    ),  # tables of several kernel parameters
+    Case("many-tensors-lars", shapes=tuple((9 + i % 3, 2) for i in range(70)), groups=_lars()),
+]
+
+
+def bucket(case: Case) -> dict[str, Any]:
+    """The case's op arguments (fresh tensors), in sgd_step's order and by name."""
+    generator = torch.Generator().manual_seed(0)
+    groups = len(case.groups)
+    tensor_group = [i % groups for i in range(len(case.shapes))]
+    params, grads, buffers, masters, steps = [], [], [], [], []
+    scale = case.scale or 1.0
+    for i, shape in enumerate(case.shapes):
+        weight = torch.randn(shape, generator=generator)
+        if i == 3 and case.lars:
+            weight.zero_()  # a LARS tensor whose norm is 0
+        params.append(weight.to(case.dtype))
+        grads.append((torch.randn(shape, generator=generator) * scale).to(case.dtype))
+        hparams = case.groups[tensor_group[i]]
+        if hparams.get("momentum", 0.0) != 0.0:
+            buffer_dtype = torch.float32 if case.masters == "fp32" else case.dtype
+            buffers.append(torch.randn(shape, generator=generator).to(buffer_dtype))
+        if case.masters == "fp32":
+            masters.append(params[-1].float())
+        elif case.masters == "kahan":
+            masters.append((1e-3 * torch.randn(shape, generator=generator)).to(torch.bfloat16))
+        elif case.dtype == torch.bfloat16 and hparams.get("update_rounding") == "stochastic":
+            steps.append(torch.tensor(5 + i))
+    first = list(case.first_step) or [False] * len(case.shapes)
+    return dict(
+        params=params,
+        grads=grads,
+        momentum_buffers=buffers,
+        master_params=masters,
+        rounding_steps=steps,
+        group_hparams=table(list(case.groups)),
+        tensor_group=tensor_group,
+        first_step=first,
+        grad_scale=None if case.scale is None else torch.tensor([case.scale]),
+        found_inf=None if case.scale is None else torch.tensor([float(case.found_inf)]),
+    )
+
+
+def _written(arguments: dict[str, Any]) -> list[torch.Tensor]:
+    return [
+        tensor
+        for key in ("params", "momentum_buffers", "master_params", "rounding_steps")
+        for tensor in arguments[key]
+    ]
+
+
+def _step(op_library, arguments, grad_sq_sum, max_grad_norm, lars_sq_sums=None):
+    a = arguments
+    op_library.sgd_step(
+        a["params"],
+        a["grads"],
+        a["momentum_buffers"],
+        a["master_params"],
+        a["rounding_steps"],
+        a["group_hparams"],
+        a["tensor_group"],
+        a["first_step"],
+        a["grad_scale"],
+        a["found_inf"],
+        grad_sq_sum,
+        max_grad_norm,
+        lars_sq_sums,
+    )
+
+
+def _assert_same_bits(actual, expected):
+    assert len(actual) == len(expected)
+    for a, e in zip(actual, expected):
+        assert a.dtype == e.dtype and a.shape == e.shape
+        if a.element_size() == 2:
+            a, e = a.view(torch.int16), e.view(torch.int16)
+        assert torch.equal(a, e)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda case: case.id)
+def test_sgd_step_gives_the_cpu_kernels_bits(case, seed, capturing, emulated, cpu):
+    """Each bucket through the CUDA kernels equals the compiled CPU kernel bit for bit: params, buffers,
+    masters and compensations, rounding steps. LARS tensors get the same sums (the CPU kernel's, as a sharded
+    step hands them reduced), so the two take the same trust ratios."""
+    expected, actual, initial = bucket(case), bucket(case), bucket(case)
+    clip = (cpu.grad_sq_sum(expected["grads"]), case.max_grad_norm) if case.max_grad_norm else (None, None)
+    sums = None
+    if case.lars:
+        a = expected
+        sums = cpu.lars_sq_sums(
+            a["params"],
+            a["grads"],
+            a["master_params"],
+            a["group_hparams"],
+            a["tensor_group"],
+            a["grad_scale"],
+        )
+    launches = emulated.stats()[0]
+    _step(cpu, expected, *clip, sums)
+    _step(emulated, actual, *clip, sums)
+    _assert_same_bits(_written(actual), _written(expected))
+    if case.found_inf:
+        _assert_same_bits(_written(actual), _written(initial))
+    else:
+        assert any(not torch.equal(p, q) for p, q in zip(actual["params"], initial["params"]) if p.numel())
+    # The launches: the update, the rounding steps' advance, and under capture the kernels writing the tables
+    # (several where they fill more than one kernel parameter).
+    pieces = emulated.stats()[0] - launches - 1 - bool(actual["rounding_steps"])
+    if not capturing:
+        assert pieces == 0
+    else:
+        assert pieces >= (3 if len(case.shapes) > 100 else 1)
+
+
+@pytest.mark.parametrize("case", [case for case in CASES if case.lars], ids=lambda case: case.id)
+def test_lars_norms_of_the_cuda_kernels(case, seed, capturing, emulated, cpu):
+    """Given no sums, the CUDA kernels reduce each LARS tensor's sums once (lars_sq_sums's two kernels) and
+    the update reads them: within rounding of the CPU kernel, whose norms are summed in another order."""
+    expected, actual = bucket(case), bucket(case)
+    clip = (cpu.grad_sq_sum(expected["grads"]), case.max_grad_norm) if case.max_grad_norm else (None, None)
+    _step(cpu, expected, *clip)
+    _step(emulated, actual, *clip)
+    # 16-bit values one rounding apart at most, where the trust ratios differ by rounding; a Kahan
+    # compensation (what rounding the weight dropped) through the weight, param + compensation.
+    compensations = actual["master_params"] + expected["master_params"] if case.masters == "kahan" else []
+    for a, e in zip(_written(actual), _written(expected), strict=True):
+        if e.numel() and not any(e is c for c in compensations):
+            assert_close_rel([a], [e], {torch.bfloat16: 2**-7, torch.float16: 2**-10}.get(e.dtype, 1e-6))
+    if compensations:
+        weights = [
+            [p.float() + m.float() for p, m in zip(b["params"], b["master_params"]) if p.numel()]
+            for b in (actual, expected)
+        ]
+        assert_close_rel(*weights, 1e-6)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [case for case in CASES if case.lars or "masters" in case.id or "kahan" in case.id],
+    ids=lambda case: case.id,
+)
+def test_lars_sq_sums_within_the_float64_oracles_bound(case, seed, capturing, emulated):
+    """Each row is the float64 sum of w^2, t^2 and w t (t the LARS norm term, before the clip), within the
+    rounding of a double sum (n eps relative to the sum of magnitudes); zeros for tensors without LARS."""
+    a = bucket(case)
+    rows = emulated.lars_sq_sums(
+        a["params"], a["grads"], a["master_params"], a["group_hparams"], a["tensor_group"], a["grad_scale"]
+    )
+    inv_scale = 1.0 if case.scale is None else 1.0 / case.scale
+    for i, (param, grad) in enumerate(zip(a["params"], a["grads"])):
+        hparams = case.groups[a["tensor_group"][i]]
+        adapts = hparams.get("lars") and (
+            hparams.get("always_adapt", 1.0) or hparams.get("weight_decay", 0.0)
+        )
+        if not adapts:
+            assert torch.equal(rows[i], torch.zeros(3, dtype=torch.float64))
+            continue
+        w = param.double()
+        if case.masters == "fp32":
+            w = a["master_params"][i].double()
+        elif case.masters == "kahan":
+            w = (param.float() + a["master_params"][i].float()).double()
+        g = grad.double() * float(torch.tensor(inv_scale, dtype=torch.float32))
+        g = -g if hparams.get("maximize") else g
+        decay = hparams.get("weight_decay", 0.0)
+        t = g + decay * w if hparams.get("lars_denominator") == "decayed_grad" else g
+        expected = torch.stack([(w * w).sum(), (t * t).sum(), (w * t).sum()])
+        bound = torch.stack([(w * w).sum(), (t * t).sum(), (w * t).abs().sum()]) * (w.numel() + 1) * 2**-23
+        assert ((rows[i] - expected).abs() <= bound + 1e-300).all(), (i, rows[i], expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_grad_sq_sum_within_the_float64_oracles_bound(dtype, seed, capturing, emulated):
+    grads = [t.to(dtype) for t in make_params([(0,), (2 * CHUNK + 7,), (31, 3), *[(5,)] * 90], seed=3)]
+    total = emulated.grad_sq_sum(grads)
+    expected = sum(float(g.double().square().sum()) for g in grads)
+    assert total.dtype == torch.float64
+    assert abs(total.item() - expected) <= expected * 2 * CHUNK * 2**-52
+
+
+@pytest.mark.parametrize("decay", DECAYS)
+def test_schedule_lrs_gives_the_cpu_kernels_lrs(decay, seed, emulated, cpu):
+    """Every step of every decay, the device schedule gives the CPU op's doubles bit for bit (the same host
+    libm), a skipped step counting a skip, and WarmupSchedule.lr_at's values."""
+    milestones = (5, 9) if decay == "multistep" else ()
+    schedule = WarmupSchedule(
+        total_steps=12, warmup_steps=3, start_factor=0.1, decay=decay, milestones=milestones
+    )
+    row = torch.tensor(schedule.as_row(), dtype=torch.float64)
+    peaks = torch.tensor([0.4, 0.1], dtype=torch.float64)
+    states = [(torch.zeros(2, dtype=torch.float64), torch.tensor([0, 0])) for _ in range(2)]
+    for step in range(15):
+        applied = None if step % 4 else torch.tensor(step != 8)
+        for library, (lrs, position) in zip((cpu, emulated), states):
+            library.schedule_lrs(lrs, position, row, peaks, applied, step > 0)
+        assert torch.equal(states[1][0], states[0][0]) and torch.equal(states[1][1], states[0][1])
+    lrs, position = states[1]
+    assert position.tolist() == [13, 1]
+    assert lrs.tolist() == pytest.approx([schedule.lr_at(13, 0.4), schedule.lr_at(13, 0.1)], rel=1e-15)
+
+
+@pytest.mark.parametrize(
+    "hparams, dtype",
+    [
+        (dict(momentum=0.9, nesterov=True, weight_decay=1e-4), torch.float32),
+        (dict(momentum=0.9, master_weights=True), torch.bfloat16),
+        (dict(momentum=0.9, update_rounding="stochastic"), torch.bfloat16),
+        (dict(momentum=0.9, max_grad_value=0.01, capturable=True), torch.float32),
+    ],
+    ids=["nesterov", "bf16-masters", "bf16-stochastic", "value-clip-capturable"],
+)
+def test_a_plan_kept_in_cpp_runs_the_cuda_kernels(hparams, dtype, seed, capturing):
+    """FusedSGD(backend="cuda_emulated"): the whole step path, its later steps through a plan kept in C++
+    (CachedStep calling the emulated ops), equal to the compiled CPU kernel's steps bit for bit."""
+    runs = []
+    for backend in ("compiled", "cuda_emulated"):
+        params = make_params([(70_000,), (33, 17), (8,), (3, 5, 4, 4)], dtype=dtype)
+        optimizer = FusedSGD(params, lr=0.05, backend=backend, **hparams)
+        generator = torch.Generator().manual_seed(1)
+        for _ in range(4):
+            for p in params:
+                p.grad = torch.empty_like(p).copy_(torch.randn(p.shape, generator=generator))
+            optimizer.step()
+        runs.append([*params, *(value for p in params for _, value in sorted(optimizer.state[p].items()))])
+    assert set(optimizer.last_backends.values()) == {"cuda_emulated (kept plan)"}
+    _assert_same_bits(runs[1], runs[0])
+
+
+def test_lars_training_through_the_cuda_kernels_equals_the_cpu_kernels(seed):
+    """A LARS step path with norm clipping: the CUDA kernels' own norms, to rounding of the CPU kernel's."""
+    runs = []
+    for backend in ("compiled", "cuda_emulated"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(300, 200), nn.ReLU(), nn.Linear(200, 10))
+        optimizer = FusedSGD(
+            model.parameters(),
+            lr=0.5,
+            momentum=0.9,
+            weight_decay=1e-3,
+            lars=True,
+            max_grad_norm=1.0,
+            backend=backend,
+        )
+        generator = torch.Generator().manual_seed(2)
+        for _ in range(3):
+            data, target = (
+                torch.randn(64, 300, generator=generator),
+                torch.randint(0, 10, (64,), generator=generator),
+            )
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(data), target).backward()
+            optimizer.step()
+        runs.append(list(model.parameters()))
+    assert_close_rel(runs[1], runs[0], 1e-5)
