@@ -38,11 +38,13 @@ pytestmark = [
 # resumed half passes it.
 SHORT = [*SMALL_RUN, "schedule.milestones=[3]", "+trainer.enable_model_summary=false"]
 # Each variant's overrides and steps per epoch. bf16 on a CPU without native bf16 takes seconds a step
-# whatever the image size: that variant takes one step an epoch, on the digits at their own 8x8.
+# whatever the image size: that variant takes one step an epoch, at debug=tiny's 32x32 (smaller images give
+# ResNet-18 1x1 maps that PyTorch's bf16 convolution backward gets wrong: docs/upstream/, and the runner
+# refuses).
 VARIANTS = {
     "sgd": ([], STEPS_PER_EPOCH),
     "lars": (["optim=fused_lars"], STEPS_PER_EPOCH),
-    "bf16_true": (["trainer.precision=bf16-true", "data.image_size=8", "trainer.limit_train_batches=1"], 1),
+    "bf16_true": (["trainer.precision=bf16-true", "trainer.limit_train_batches=1"], 1),
 }
 HEAVY = {"bf16_true"}  # a minute of bf16 convolutions on a CPU without native bf16: make test-all
 
