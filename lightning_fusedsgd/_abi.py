@@ -6,7 +6,8 @@ order, checked when the library loads), each with the group key it encodes, how 
 numbers here, nowhere else), and which values the kernel accepts; a value one for the whole step
 (``STEP_HPARAMS``) is an argument of the ops instead. The schedule op reads a schedule as a row
 too (``SCHEDULE_HEADER`` then the milestones, decays numbered as ``DECAYS``); ``lars_sq_sums`` returns
-``LARS_SUMS`` sums per tensor.
+``LARS_SUM_NAMES`` sums per tensor. The C++ side exports its order of each (``KERNEL_TABLES``), compared when
+the library loads. The state keys are named here too.
 
 Adding a hyperparameter: its column here, its argument on ``FusedSGD``, its field and math in
 ``sgd_math.h``, its math in ``ops/reference.py``, and a row of the test table.
@@ -26,8 +27,14 @@ __all__ = [
     "DECAYS",
     "HPARAMS",
     "HPARAM_NAMES",
+    "KAHAN_COMPENSATION",
+    "KERNEL_TABLES",
     "LARS_DENOMINATORS",
     "LARS_SUMS",
+    "LARS_SUM_NAMES",
+    "MASTER_PARAM",
+    "MOMENTUM_BUFFER",
+    "ROUNDING_STEP",
     "LARS_ZERO_NORMS",
     "SCHEDULE_HEADER",
     "STEP_HPARAMS",
@@ -183,7 +190,28 @@ SCHEDULE_HEADER: tuple[str, ...] = (
     "power",
     "end_lr",
 )
-"""A schedule row's leading values (``ScheduleColumn`` in schedule.h); the milestones follow."""
+"""A schedule row's leading values, ``WarmupSchedule``'s fields of these names (the decay as its index in
+``DECAYS``), in the order of ``LFSGD_SCHEDULE_HEADER`` in ops/csrc/schedule.h; the milestones follow."""
 
-LARS_SUMS = 3
-"""Sums per tensor in a ``lars_sq_sums`` row: of w^2, of the LARS norm term squared, of w times it."""
+LARS_SUM_NAMES: tuple[str, ...] = ("w_sq", "term_sq", "w_term")
+"""A ``lars_sq_sums`` row, per tensor: the sums of w^2, of the LARS norm term squared and of w times it, in
+the order of ``kLarsSumNames`` in ops/csrc/sgd_math.h."""
+
+LARS_SUMS = len(LARS_SUM_NAMES)
+
+MOMENTUM_BUFFER = "momentum_buffer"
+MASTER_PARAM = "master_param"
+KAHAN_COMPENSATION = "kahan_compensation"
+ROUNDING_STEP = "rounding_step"
+"""The optimizer state keys of a param: its momentum buffer (as torch.optim.SGD names it), its fp32 master
+weight, its bf16 Kahan compensation, and its count of stochastic steps."""
+
+KERNEL_TABLES: tuple[tuple[str, tuple[str, ...], str], ...] = (
+    ("hparam_names", HPARAM_NAMES, "hyperparameter columns"),
+    ("decay_names", DECAYS, "decays"),
+    ("update_rounding_names", UPDATE_ROUNDINGS, "update roundings"),
+    ("schedule_header_names", SCHEDULE_HEADER, "schedule row"),
+    ("lars_sum_names", LARS_SUM_NAMES, "LARS sums"),
+)
+"""Every table the kernels read, as (the library op that exports the kernels' order, the order here, what it
+is): loading the library compares each."""

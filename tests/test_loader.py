@@ -6,6 +6,7 @@ behind an nvcc wrapper. The GPU-dependent paths run with the CUDA checks mocked.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -17,8 +18,8 @@ import torch
 from helpers import STEP_TWICE_ON_THE_REFERENCE
 from torch import nn
 
-from lightning_fusedsgd import FusedSGD, ops
-from lightning_fusedsgd.ops import _build, _loader
+from lightning_fusedsgd import FusedSGD, _abi, ops
+from lightning_fusedsgd.ops import KernelBuildError, _build, _loader, load
 from lightning_fusedsgd.optim import _backends
 
 
@@ -246,3 +247,23 @@ def test_the_toolkit_is_the_one_nvcc_belongs_to(monkeypatch, tmp_path):
     monkeypatch.delenv("CUDA_HOME")
     monkeypatch.setenv("PATH", str(tmp_path / "nothing"))
     assert _build.cuda_toolkit() == (None, "no nvcc on PATH and CUDA_HOME is not set")
+
+
+def test_every_kernel_table_is_read_in_the_abis_order_and_checked_at_load(monkeypatch):
+    """Each table the kernels read (hyperparameter columns, decays, update roundings, the schedule row, the
+    LARS sums) is exported by the library in its C++ order and compared with _abi's when it loads; a column
+    swapped on one side is an error that names both orders."""
+    ops = load("cpu")
+    for op, python, _ in _abi.KERNEL_TABLES:
+        assert tuple(getattr(ops, op)()) == python, op
+    library = _loader.OUTCOMES["cpu"]
+    for index, (op, python, what) in enumerate(_abi.KERNEL_TABLES):
+        swapped = (python[1], python[0], *python[2:])
+        tables = list(_abi.KERNEL_TABLES)
+        tables[index] = (op, swapped, what)
+        monkeypatch.setattr(_abi, "KERNEL_TABLES", tuple(tables))
+        with pytest.raises(
+            KernelBuildError, match=re.escape(f"reads the {what} as {python} ({op}), _abi.py says")
+        ):
+            _loader._registered("cpu", library)
+        monkeypatch.undo()

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_fusedsgd._abi import KAHAN_COMPENSATION, MASTER_PARAM
 from lightning_fusedsgd.checkpoint.errors import CheckpointError, CheckpointMismatchError
 from lightning_fusedsgd.checkpoint.files import check_optimizer_state_dict, read_checkpoint_file
 from lightning_fusedsgd.checkpoint.remap import group_names, listed, match_names, state_shapes
@@ -278,8 +279,8 @@ def seed_master_weights(
             if saved is None or saved.dtype != torch.float32:
                 continue
             if masters and param.dtype in _LOW_PRECISION:
-                optimizer.state[param]["master_param"] = saved.to(param.device, copy=True)
+                optimizer.state[param][MASTER_PARAM] = saved.to(param.device, copy=True)
             elif kahan and param.dtype == torch.bfloat16:
                 saved, value = saved.to(param.device), param.detach()
                 dropped = torch.where(value == saved.to(torch.bfloat16), saved - value.float(), 0.0)
-                optimizer.state[param]["kahan_compensation"] = dropped.to(torch.bfloat16)
+                optimizer.state[param][KAHAN_COMPENSATION] = dropped.to(torch.bfloat16)

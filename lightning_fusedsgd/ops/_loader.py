@@ -180,18 +180,15 @@ def _load(device_type: str, verbose: bool) -> Path:
 
 
 def _registered(device_type: str, library: Path) -> Path:
-    """Checks that the kernels read the hyperparameter table and number the decays as ``_abi`` says."""
+    """Checks that the kernels read every table as ``_abi`` says (``_abi.KERNEL_TABLES``)."""
     if device_type == "cpu":
         ops = torch.ops.lightning_fusedsgd
-        for kernel, python, what in (
-            (tuple(ops.hparam_names()), _abi.HPARAM_NAMES, "hyperparameter columns"),
-            (tuple(ops.decay_names()), _abi.DECAYS, "decays"),
-            (tuple(ops.update_rounding_names()), _abi.UPDATE_ROUNDINGS, "update roundings"),
-        ):
+        for op, python, what in _abi.KERNEL_TABLES:
+            kernel = tuple(getattr(ops, op)())
             if kernel != python:
                 raise KernelBuildError(
-                    f"the kernel in {library} reads the {what} as {kernel}, _abi.py says {python}: keep "
-                    "ops/csrc/sgd_math.h and schedule.h in the order of _abi.py"
+                    f"the kernel in {library} reads the {what} as {kernel} ({op}), _abi.py says {python}: "
+                    "keep ops/csrc/sgd_math.h and schedule.h in the order of _abi.py"
                 )
     return library
 

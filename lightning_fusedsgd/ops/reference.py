@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lightning_fusedsgd._abi import HPARAM_NAMES, UPDATE_ROUNDINGS
+from lightning_fusedsgd._abi import HPARAM_NAMES, LARS_SUMS, UPDATE_ROUNDINGS
 from lightning_fusedsgd.schedule.function import WarmupSchedule
 
 
@@ -321,15 +321,16 @@ def lars_sq_sums(
     tensor_group: list[int],
     grad_scale: Tensor | None,
 ) -> Tensor:
-    """Same contract as ``torch.ops.lightning_fusedsgd.lars_sq_sums``: float64 [n, 3], each LARS tensor's
-    sums of w^2, of its norm term squared and of w times that term, before norm clipping; zeros elsewhere."""
+    """Same contract as ``torch.ops.lightning_fusedsgd.lars_sq_sums``: float64 [n, LARS_SUMS], each LARS
+    tensor's sums of w^2, of its norm term squared and of w times that term, before norm clipping; zeros
+    elsewhere."""
     hparams = group_hparams.tolist()
     inv_scale = inverse_scale(grad_scale)
     rows = []
     for i, param in enumerate(params):
         h = dict(zip(HPARAM_NAMES, hparams[tensor_group[i]]))
         if not lars_adapts(h):
-            rows.append(torch.zeros(3, dtype=torch.float64, device=param.device))
+            rows.append(torch.zeros(LARS_SUMS, dtype=torch.float64, device=param.device))
             continue
         w = load_weight(param, master_params[i] if master_params else None)
         coeffs = make_coeffs(h, inv_scale, 1.0, False)  # the sums are taken before the norm clip
@@ -338,7 +339,7 @@ def lars_sq_sums(
         w, term = w.double(), term.double()
         rows.append(torch.stack([(w * w).sum(), (term * term).sum(), (w * term).sum()]))
     if not rows:
-        return torch.zeros(0, 3, dtype=torch.float64)
+        return torch.zeros(0, LARS_SUMS, dtype=torch.float64)
     return torch.stack(rows)
 
 

@@ -27,12 +27,11 @@ import torch
 from torch import Tensor
 
 from lightning_fusedsgd import ops
+from lightning_fusedsgd._abi import MOMENTUM_BUFFER, ROUNDING_STEP
 from lightning_fusedsgd.optim import _dtensor
 from lightning_fusedsgd.optim._plan import (
     MASTER_STATE,
-    MOMENTUM_BUFFER,
     NO_MASTERS,
-    ROUNDING_STEP,
     BucketKey,
     Plan,
     real_view,

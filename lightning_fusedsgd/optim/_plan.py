@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_fusedsgd._abi import KAHAN_COMPENSATION, MASTER_PARAM, MOMENTUM_BUFFER, ROUNDING_STEP
 from lightning_fusedsgd.optim import _dtensor
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -20,16 +21,12 @@ LOW_PRECISION = (torch.bfloat16, torch.float16)
 _SUPPORTED_DTYPES = (torch.float32, torch.float64, *LOW_PRECISION, torch.complex64, torch.complex128)
 _NO_STATE: dict[str, Any] = {}
 
-# The state keys, as torch.optim.SGD names its buffer: a param's momentum buffer, and the count of its
-# stochastic steps (update_rounding="stochastic").
-MOMENTUM_BUFFER, ROUNDING_STEP = "momentum_buffer", "rounding_step"
-
 # What a bucket's master_params hold (the ops' contract): nothing, fp32 master weights, or bf16 Kahan
 # compensations (update_rounding="kahan"); each kind with the state key that stores it and its dtype.
 NO_MASTERS, FP32_MASTERS, KAHAN_COMPENSATIONS = "", "fp32 master", "kahan compensation"
 MASTER_STATE = {
-    FP32_MASTERS: ("master_param", torch.float32),
-    KAHAN_COMPENSATIONS: ("kahan_compensation", torch.bfloat16),
+    FP32_MASTERS: (MASTER_PARAM, torch.float32),
+    KAHAN_COMPENSATIONS: (KAHAN_COMPENSATION, torch.bfloat16),
 }
 BucketKey = tuple[torch.device, torch.dtype, str]  # (device, param dtype, what master_params hold)
 

@@ -11,6 +11,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.sgd import sgd
 
+from lightning_fusedsgd._abi import MOMENTUM_BUFFER, ROUNDING_STEP
 from lightning_fusedsgd.checkpoint import (
     check_optimizer_state_dict,
     remap_optimizer_state_dict,
@@ -21,8 +22,6 @@ from lightning_fusedsgd.optim._plan import (
     FP32_MASTERS,
     LOW_PRECISION,
     MASTER_STATE,
-    MOMENTUM_BUFFER,
-    ROUNDING_STEP,
     Plan,
     bucket_name,
     check_state_shapes,

@@ -14,7 +14,7 @@ import operator
 from collections.abc import Sequence
 from typing import Any
 
-from lightning_fusedsgd._abi import DECAYS
+from lightning_fusedsgd._abi import DECAYS, SCHEDULE_HEADER
 
 __all__ = ["DECAYS", "WarmupSchedule", "scaled_lr"]
 
@@ -243,26 +243,22 @@ class WarmupSchedule:
         return found
 
     def as_row(self) -> list[float]:
-        """The schedule as the device op ``schedule_lrs`` reads it (csrc/schedule.h): ``total_steps``,
-        ``warmup_steps``, ``start_factor``, the decay's index in :data:`DECAYS`, ``gamma``, ``power``,
-        ``end_lr``, then the milestones."""
-        header = [self.total_steps, self.warmup_steps, self.start_factor, DECAYS.index(self.decay)]
-        return [float(v) for v in (*header, self.gamma, self.power, self.end_lr, *self.milestones)]
+        """The schedule as the device op ``schedule_lrs`` reads it (csrc/schedule.h): the fields named by
+        :data:`~lightning_fusedsgd._abi.SCHEDULE_HEADER` in its order (the decay as its index in
+        :data:`DECAYS`), then the milestones."""
+        header = [
+            DECAYS.index(self.decay) if name == "decay" else getattr(self, name) for name in SCHEDULE_HEADER
+        ]
+        return [float(value) for value in (*header, *self.milestones)]
 
     @classmethod
     def from_row(cls, row: Sequence[float]) -> WarmupSchedule:
         """The schedule :meth:`as_row` encoded."""
-        total, warmup, start_factor, decay, gamma, power, end_lr, *milestones = row
-        return cls(
-            total_steps=int(total),
-            warmup_steps=int(warmup),
-            start_factor=start_factor,
-            decay=DECAYS[int(decay)],
-            milestones=tuple(int(m) for m in milestones),
-            gamma=gamma,
-            power=power,
-            end_lr=end_lr,
-        )
+        fields = dict(zip(SCHEDULE_HEADER, row[: len(SCHEDULE_HEADER)], strict=True))
+        fields["decay"] = DECAYS[int(fields["decay"])]
+        for name in ("total_steps", "warmup_steps"):
+            fields[name] = int(fields[name])
+        return cls(**fields, milestones=tuple(int(m) for m in row[len(SCHEDULE_HEADER) :]))
 
     def curve(self, peak: float, num_steps: int | None = None) -> list[float]:
         """``[f(0), ..., f(num_steps - 1)]``: the lrs of a run, ``total_steps`` of them by default."""

@@ -443,10 +443,10 @@ void schedule_lrs_cpu(const at::Tensor& lrs, const at::Tensor& position, const a
                 advance);
 }
 
-std::vector<std::string> hparam_names() { return {std::begin(kHParamNames), std::end(kHParamNames)}; }
-std::vector<std::string> decay_names() { return {std::begin(kDecayNames), std::end(kDecayNames)}; }
-std::vector<std::string> update_rounding_names() {
-  return {std::begin(kUpdateRoundingNames), std::end(kUpdateRoundingNames)};
+// The kernels' order of each table they read (_abi.KERNEL_TABLES, compared when the library loads).
+template <size_t N>
+std::vector<std::string> names(const char* const (&table)[N]) {
+  return {std::begin(table), std::end(table)};
 }
 
 }  // namespace
@@ -456,9 +456,11 @@ std::vector<std::string> update_rounding_names() {
 // the ABI checks the loader compares with _abi.py, and the CachedStep class. The CUDA library
 // (fused_sgd_cuda.cu) adds the CUDA kernels.
 TORCH_LIBRARY_FRAGMENT(lightning_fusedsgd, m) {
-  m.def("hparam_names() -> str[]", &lfsgd::hparam_names);
-  m.def("decay_names() -> str[]", &lfsgd::decay_names);
-  m.def("update_rounding_names() -> str[]", &lfsgd::update_rounding_names);
+  m.def("hparam_names() -> str[]", [] { return lfsgd::names(lfsgd::kHParamNames); });
+  m.def("decay_names() -> str[]", [] { return lfsgd::names(lfsgd::kDecayNames); });
+  m.def("update_rounding_names() -> str[]", [] { return lfsgd::names(lfsgd::kUpdateRoundingNames); });
+  m.def("schedule_header_names() -> str[]", [] { return lfsgd::names(lfsgd::kScheduleHeaderNames); });
+  m.def("lars_sum_names() -> str[]", [] { return lfsgd::names(lfsgd::kLarsSumNames); });
   lfsgd::register_cached_step(m);
 }
 

@@ -15,10 +15,23 @@ namespace lfsgd {
 enum Decay : int { kCosine = 0, kMultistep, kPoly, kLinear, kConstant };
 constexpr const char* kDecayNames[] = {"cosine", "multistep", "poly", "linear", "constant"};
 
-// A schedule as a float64 row: these columns (_abi.SCHEDULE_HEADER), then the multistep milestones (global steps,
-// increasing).
-enum ScheduleColumn : int { kTotalSteps = 0, kWarmupSteps, kStartFactor, kDecayColumn, kGamma, kPower, kEndLr };
-constexpr int kScheduleHeader = 7;
+// A schedule as a float64 row: these columns (enum constant, name), in the order of _abi.SCHEDULE_HEADER (checked
+// when the library loads), then the multistep milestones (global steps, increasing).
+#define LFSGD_SCHEDULE_HEADER(X) \
+  X(kTotalSteps, total_steps)    \
+  X(kWarmupSteps, warmup_steps)  \
+  X(kStartFactor, start_factor)  \
+  X(kDecayColumn, decay)         \
+  X(kGamma, gamma)               \
+  X(kPower, power)               \
+  X(kEndLr, end_lr)
+
+#define LFSGD_COLUMN(constant, name) constant,
+enum ScheduleColumn : int { LFSGD_SCHEDULE_HEADER(LFSGD_COLUMN) kScheduleHeader };
+#undef LFSGD_COLUMN
+#define LFSGD_COLUMN(constant, name) #name,
+constexpr const char* kScheduleHeaderNames[] = {LFSGD_SCHEDULE_HEADER(LFSGD_COLUMN)};
+#undef LFSGD_COLUMN
 
 // f(step) for a group whose peak lr is `peak`; `length` is the row's length (header and milestones).
 LFSGD_HOST_DEVICE inline double scheduled_lr(const double* schedule, int64_t length, int64_t step, double peak) {

@@ -180,7 +180,10 @@ LFSGD_ELEMENT T lars_norm_term(T w, T g, const Coeffs<T>& c, T weight_decay, boo
   return decayed_grad ? mul_add(w, weight_decay, raw) : raw;
 }
 
-constexpr int kNumLarsSums = 3;  // a tensor's row of lars_sq_sums: sum_w, sum_t, sum_wt
+// A tensor's row of lars_sq_sums: the sums of w^2, of the LARS norm term squared and of w times it, in the order of
+// _abi.LARS_SUM_NAMES (checked when the library loads).
+constexpr const char* kLarsSumNames[] = {"w_sq", "term_sq", "w_term"};
+constexpr int kNumLarsSums = sizeof(kLarsSumNames) / sizeof(kLarsSumNames[0]);
 
 // The LARS norm term's sum of squares under norm clipping by c, from sums taken before that clip (the
 // lars_sq_sums op, whose partial sums are all-reduced under sharding: the clip coefficient needs the global
