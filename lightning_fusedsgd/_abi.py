@@ -1,16 +1,21 @@
-"""The kernel ABI: how a parameter group's hyperparameters reach the compiled kernels, in one place.
+"""The kernel ABI: how a parameter group's hyperparameters reach the compiled kernels, and which values they
+accept, in one place.
 
 Every op that takes hyperparameters reads them as a CPU float64 table with one row per group; ``HPARAMS``
 lists the columns in order (``LFSGD_HPARAMS`` in ``ops/csrc/sgd_math.h`` names the same fields in the same
 order, checked when the library loads), each with the group key it encodes, how (None and option names become
 numbers here, nowhere else), and which values the kernel accepts; a value one for the whole step
-(``STEP_HPARAMS``) is an argument of the ops instead. The schedule op reads a schedule as a row
-too (``SCHEDULE_HEADER`` then the milestones, decays numbered as ``DECAYS``); ``lars_sq_sums`` returns
+(``STEP_HPARAMS``) is an argument of the ops instead. The schedule op reads a schedule as a row too
+(``SCHEDULE_HEADER`` then the milestones, decays numbered as ``DECAYS``); ``lars_sq_sums`` returns
 ``LARS_SUM_NAMES`` sums per tensor. The C++ side exports its order of each (``KERNEL_TABLES``), compared when
 the library loads. The state keys are named here too.
 
-Adding a hyperparameter: its column here, its argument on ``FusedSGD``, its field and math in
-``sgd_math.h``, its math in ``ops/reference.py``, and a row of the test table.
+A group's values are checked here too, before anything is written: each column's own check
+(:func:`check_group`, whose refusals start with torch.optim.SGD's words where torch refuses the same value),
+the rules that relate two keys, and the step values every group must share (:func:`check_groups`).
+
+Adding a hyperparameter: its column here, its argument on ``FusedSGD``, its field and math in ``sgd_math.h``,
+its math in ``ops/reference.py``, and a row of the test table.
 
 Imports nothing of this package: every layer may use it.
 """
@@ -22,6 +27,9 @@ import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import torch
+from torch import Tensor
 
 __all__ = [
     "DECAYS",
@@ -39,8 +47,13 @@ __all__ = [
     "SCHEDULE_HEADER",
     "STEP_HPARAMS",
     "UPDATE_ROUNDINGS",
+    "TORCH_SWITCHES",
     "Column",
+    "check_group",
+    "check_groups",
     "encode_groups",
+    "step_hparams",
+    "table",
 ]
 
 
@@ -215,3 +228,80 @@ KERNEL_TABLES: tuple[tuple[str, tuple[str, ...], str], ...] = (
 )
 """Every table the kernels read, as (the library op that exports the kernels' order, the order here, what it
 is): loading the library compares each."""
+
+
+TORCH_SWITCHES = ("foreach", "fused", "differentiable")
+"""``torch.optim.SGD``'s implementation switches: accepted, so configs written for it work, and choosing
+nothing (every step runs the fused kernel); ``differentiable=True`` is refused."""
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, Tensor):
+        return str(value.item()) if value.numel() == 1 else f"a tensor of shape {tuple(value.shape)}"
+    return repr(value) if isinstance(value, str) else str(value)
+
+
+def check_group(group: dict[str, Any]) -> None:
+    """Raises ValueError, naming the value and the fix, for a hyperparameter the step cannot use. Where
+    ``torch.optim.SGD`` refuses the same value, the message starts with torch's words."""
+    lr = group["lr"]
+    if isinstance(lr, Tensor) and lr.numel() != 1:
+        raise ValueError(
+            f"Tensor lr must be 1-element, got shape {tuple(lr.shape)}: set a float or a 0-d tensor."
+        )
+    for column in (*HPARAMS, *STEP_HPARAMS):
+        value = group[column.key]
+        if column.check is None or (isinstance(value, Tensor) and torch.compiler.is_compiling()):
+            continue  # a traced step cannot branch on a tensor's value; eager steps check it
+        problem = column.check(value)
+        if problem is not None:
+            start = (column.refused or f"Invalid {column.key}: {{}}").format(_shown(value))
+            raise ValueError(f"{start}. {problem}")
+    if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
+        raise ValueError(
+            "Nesterov momentum requires a momentum and zero dampening "
+            f"(got momentum={group['momentum']}, dampening={group['dampening']}): "
+            "set nesterov=False or choose a momentum > 0 with dampening = 0."
+        )
+    if group["max_grad_norm"] is not None and group["max_grad_value"] is not None:
+        raise ValueError(
+            "max_grad_norm and max_grad_value are alternatives (as Lightning's gradient_clip_algorithm "
+            "'norm' and 'value'): set one of them, and None for the other."
+        )
+    for key in TORCH_SWITCHES:
+        if group[key] not in (None, False, True):
+            raise ValueError(f"Invalid {key}: {_shown(group[key])}. It must be None, True or False.")
+    if group["differentiable"]:
+        raise ValueError(
+            "FusedSGD(differentiable=True): the fused step is not differentiable (it writes the params in "
+            "place, outside autograd). Use torch.optim.SGD(differentiable=True) to differentiate through "
+            "optimizer steps."
+        )
+
+
+def check_groups(groups: Sequence[dict[str, Any]], label: str = "param_groups") -> None:
+    """Every group's check, naming the group, and the one global norm clipping takes."""
+    for index, group in enumerate(groups):
+        try:
+            check_group(group)
+        except ValueError as error:
+            raise ValueError(f"{label}[{index}]: {error}") from None
+    for column in STEP_HPARAMS:
+        values = {group[column.key] for group in groups}
+        if len(values) > 1:
+            raise ValueError(
+                f"{column.key} differs between parameter groups ({sorted(map(str, values))}), but it is one "
+                "value for the whole step (max_grad_norm clips the one global norm of every group's "
+                f"gradients): set it on the optimizer (FusedSGD(..., {column.key}=...)), not per group."
+            )
+
+
+def step_hparams(groups: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The values one for the whole step (``STEP_HPARAMS``, equal in every group: ``check_groups``), as
+    the ops take them."""
+    return {column.name: column.encode(groups[0][column.key]) for column in STEP_HPARAMS}
+
+
+def table(groups: Sequence[dict[str, Any]], lr_on_device: bool) -> Tensor:
+    """The hyperparameter table of these groups (``encode_groups``)."""
+    return torch.tensor(encode_groups(groups, lr_on_device), dtype=torch.float64)

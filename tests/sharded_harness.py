@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import lightning_fusedsgd.optim.sgd as optim
+import lightning_fusedsgd.optim._step as step_path
 from lightning_fusedsgd import FusedSGD
 from lightning_fusedsgd.optim import _dtensor as sharding
 
@@ -186,7 +186,7 @@ def _sharded_runs(out: dict[str, Any], checkpoint_dir: Path) -> None:
         optimizer = make_optimizer(model, kwargs)
         counts: list[int] = []
         # plan_step calls: the steps that planned from scratch rather than reusing the kept plan.
-        with _counting_calls(optim, "plan_step") as planned:
+        with _counting_calls(step_path, "plan_step") as planned:
             train(model, optimizer, batches(dtype), counts)
         out[name] = {
             **snapshot(model, optimizer),

@@ -388,7 +388,7 @@ def test_schedule_lrs_gives_the_cpu_kernels_lrs(decay, seed, emulated, cpu):
 )
 def test_a_plan_kept_in_cpp_runs_the_cuda_kernels(hparams, dtype, seed, capturing):
     """FusedSGD(backend="cuda_emulated"): the whole step path, its later steps through a plan kept in C++
-    (CachedStep calling the emulated ops), equal to the compiled CPU kernel's steps bit for bit."""
+    (KeptPlan calling the emulated ops), equal to the compiled CPU kernel's steps bit for bit."""
     runs = []
     for backend in ("compiled", "cuda_emulated"):
         params = make_params([(70_000,), (33, 17), (8,), (3, 5, 4, 4)], dtype=dtype)

@@ -31,7 +31,9 @@ def _sources() -> str:
 
 
 def test_the_sgd_step_signature_is_written_three_times():
-    """The schema, the one C++ entry of both kernels, and the reference: nothing else restates it."""
+    """The schema, the one C++ entry of both kernels, and the reference: nothing else restates it. The step
+    path hands a bucket the step's scalars as one object (``StepScalars``), which the two kinds of bucket
+    spell out once each, for the op and for the kept plan's C++ call."""
     text = _sources()
     written = {
         "schema": len(re.findall(r'"sgd_step\(Tensor\(a!\)\[\] params', text)),
@@ -39,8 +41,18 @@ def test_the_sgd_step_signature_is_written_three_times():
             re.findall(r"at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers", text)
         ),
         "Python": len(re.findall(r"def sgd_step\(\s*params", text)),
+        "a bucket's step, taking the scalars": len(
+            re.findall(r"def sgd_step\(\s*self,\s*scalars: StepScalars,\s*grad_sq_sum", text)
+        ),
+        "a bucket's step, restating the scalars": len(re.findall(r"def sgd_step\(\s*self,\s*table", text)),
     }
-    assert written == {"schema": 1, "C++": 1, "Python": 1}, written
+    assert written == {
+        "schema": 1,
+        "C++": 1,
+        "Python": 1,
+        "a bucket's step, taking the scalars": 3,  # the protocol, a planned bucket, a kept one
+        "a bucket's step, restating the scalars": 0,
+    }, written
 
 
 def test_the_library_needs_torch_and_lightning_only():

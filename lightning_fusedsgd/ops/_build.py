@@ -20,7 +20,7 @@ HEADERS = (
     "sgd_math.h",
     "schedule.h",
     "bucket.h",
-    "cached_step.h",
+    "kept_plan.h",
     "work_list.h",
     "device.h",
     "device_cuda.h",

@@ -12,7 +12,7 @@ The
    one: inline functions of the headers (ours and torch's) compiled with AVX-512 flags would otherwise be
    merged by the linker into code that the baseline path calls too. The CUDA library is there when the wheel
    was built with a CUDA toolkit, for the architectures in ``_lib/build.json``. The libraries link against one
-   torch's C++ API (the LibTorch stable ABI cannot express the ``CachedStep`` class or the dispatcher calls),
+   torch's C++ API (the LibTorch stable ABI cannot express the ``KeptPlan`` class or the dispatcher calls),
    so ``build.json`` records that torch, and a library is only loaded under it, and only where its size and
    SHA-256 are those recorded.
 2. **Built on first use** (editable installs, ``make install``; and the fallback where the wheel's library

@@ -174,11 +174,13 @@ def apply_lars(c: Coeffs, sum_w: Tensor, sum_g: Tensor, h: dict[str, float], opm
         c.wd_coupled = 0.0
 
 
-def lars_norm_sums(w: Tensor, g: Tensor, h: dict[str, float], c: Coeffs) -> tuple[Tensor, Tensor]:
-    """A tensor's float64 sums of squares of w and of its LARS norm term (the kernel's norm pass)."""
-    term = lars_norm_term(w, g, c, h["weight_decay"], bool(h["lars_decayed_grad"]))
+def lars_row(w: Tensor, g: Tensor, h: dict[str, float], inv_scale: float | Tensor) -> Tensor:
+    """A LARS tensor's float64 sums of w^2, of its norm term squared and of w times it, the term taken before
+    the norm clip (a row of ``lars_sq_sums``; the kernels' norm pass)."""
+    coeffs = make_coeffs(h, inv_scale, 1.0, False)
+    term = lars_norm_term(w, g.to(w.dtype), coeffs, h["weight_decay"], bool(h["lars_decayed_grad"]))
     w, term = w.double(), term.double()
-    return (w * w).sum(), (term * term).sum()
+    return torch.stack([(w * w).sum(), (term * term).sum(), (w * term).sum()])
 
 
 def clipped_term_sq_sum(sum_w: Tensor, sum_t: Tensor, sum_wt: Tensor, c: float | Tensor, h: dict) -> Tensor:
@@ -230,12 +232,10 @@ def sgd_step(
         if isinstance(coeffs.clip_coef, Tensor):
             coeffs.clip_coef = coeffs.clip_coef.to(opmath)
         if lars_adapts(h):
-            if lars_sq_sums is not None:  # sums reduced across shards replace the norm pass
-                sum_w, sum_t, sum_wt = lars_sq_sums[i]
-                sum_g = clipped_term_sq_sum(sum_w, sum_t, sum_wt, coeffs.clip_coef, h)
-            else:
-                sum_w, sum_g = lars_norm_sums(w, g, h, coeffs)
-            apply_lars(coeffs, sum_w, sum_g, h, opmath)
+            # Sums reduced across shards replace the norm pass; either is taken before the norm clip.
+            row = lars_sq_sums[i] if lars_sq_sums is not None else lars_row(w, g, h, inv_scale)
+            sum_w, sum_t, sum_wt = row
+            apply_lars(coeffs, sum_w, clipped_term_sq_sum(sum_w, sum_t, sum_wt, clip, h), h, opmath)
         w_new, b_new = sgd_element(w, g, None if b is None or coeffs.first else b.to(opmath), coeffs)
         if master is not None and master.dtype == torch.bfloat16:
             rounded = w_new.to(torch.bfloat16)
@@ -333,11 +333,7 @@ def lars_sq_sums(
             rows.append(torch.zeros(LARS_SUMS, dtype=torch.float64, device=param.device))
             continue
         w = load_weight(param, master_params[i] if master_params else None)
-        coeffs = make_coeffs(h, inv_scale, 1.0, False)  # the sums are taken before the norm clip
-        decayed = bool(h["lars_decayed_grad"])
-        term = lars_norm_term(w, grads[i].to(w.dtype), coeffs, h["weight_decay"], decayed)
-        w, term = w.double(), term.double()
-        rows.append(torch.stack([(w * w).sum(), (term * term).sum(), (w * term).sum()]))
+        rows.append(lars_row(w, grads[i], h, inv_scale))
     if not rows:
         return torch.zeros(0, LARS_SUMS, dtype=torch.float64)
     return torch.stack(rows)

@@ -1,10 +1,14 @@
-"""The optimizers: :class:`FusedSGD` and :class:`FusedLARS` (``sgd.py``), and how their step runs.
+"""The optimizers: :class:`FusedSGD` (``sgd.py``) and :class:`FusedLARS` (``lars.py``), and how a step runs.
 
-Inside, each module owns one part of a step: ``_hparams`` (checking and encoding the groups), ``_plan`` (the
-buckets, checked before anything is written), ``_dtensor`` (sharded params), ``_kept`` (a plan kept for the
-next steps), ``_backends`` (compiled or reference ops) and ``_step`` (the one path: norms, reduction, update).
+Inside, each module owns one part of a step: ``_step`` (the one path: which buckets run, norms, reduction,
+update), ``_kept`` (a plan kept for the next steps), ``_state_dict`` (loading state dicts), ``_sparse``
+(sparse gradients, through torch's own SGD), ``_lrs`` (the lrs as tensors: capturable steps), ``_plan`` (the
+buckets, checked before anything is written), ``_overlap`` (params that share memory), ``_backends``
+(compiled, reference or emulated CUDA ops) and ``_dtensor`` (sharded params). The hyperparameters' checks and
+encodings are the kernel ABI's (``lightning_fusedsgd._abi``).
 """
 
-from lightning_fusedsgd.optim.sgd import FusedLARS, FusedSGD
+from lightning_fusedsgd.optim.lars import FusedLARS
+from lightning_fusedsgd.optim.sgd import FusedSGD
 
 __all__ = ["FusedLARS", "FusedSGD"]

@@ -2,15 +2,17 @@
 
 Planning costs a few microseconds of Python per parameter, which on models with thousands of small tensors is
 as much as the update itself. A kept plan is checked in bulk instead: here, with C-level ``map`` only, the
-same params (by identity) and the switches that decide what the plan checks (momentum, master weights, Kahan
-compensations, LARS, clipping), the same state mapping (keys and per-param dicts by identity, in order) and
-the same state tensors (by identity); then, per kind of plan, that grads and params are laid out as recorded:
+same params (by identity) and the switches that decide what the plan checks (momentum, master weights, the
+rounding mode, LARS, clipping), the same state mapping (keys and per-param dicts by identity, in order) and
+the same state tensors (by identity); then, in C++ (``torch.classes.lightning_fusedsgd.KeptPlan``, the one
+place that checks layouts), that grads and params are laid out (and params located) as recorded, collecting
+this step's grads:
 
-* :class:`KeptSteps`: the bucket arguments held in C++ (``torch.classes.lightning_fusedsgd.CachedStep``),
-  whose ``gather()`` checks layouts and collects this step's grads, so a step converts no tensor lists from
-  Python;
-* :class:`KeptShardedPlan`: a plan of DTensor params (whose local shards the C++ class cannot take), checked
-  in Python, with this step's local gradient shards put into its buckets.
+* :class:`KeptPlan`: plain params, the buckets' op arguments held in C++, whose ``gather()`` reads each
+  param's grad, so a step converts no tensor lists from Python;
+* :class:`KeptShardedPlan`: DTensor params, whose grads are checked to be placed as their params here and
+  whose local shards the C++ class then takes; its buckets run the ops from Python (the sharded norms need an
+  all-reduce).
 
 Either gives the buckets that the one step path (``_step.run``) runs, or None where the plan no longer holds,
 in which case nothing changed and the step plans anew."""
@@ -20,7 +22,7 @@ from __future__ import annotations
 import itertools
 import operator
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,7 +36,7 @@ from lightning_fusedsgd.optim._plan import (
     NO_MASTERS,
     BucketKey,
     Plan,
-    real_view,
+    StepScalars,
 )
 
 _get_buffer = operator.methodcaller("get", MOMENTUM_BUFFER)
@@ -110,42 +112,50 @@ class _Record:
 
 @dataclass
 class KeptBucket:
-    """One bucket of a :class:`KeptSteps`: the ops called on the arguments the C++ class holds."""
+    """One bucket of a :class:`KeptPlan`: the ops called on the arguments the C++ class holds."""
 
-    step: Any  # torch.classes.lightning_fusedsgd.CachedStep
+    cpp: Any  # torch.classes.lightning_fusedsgd.KeptPlan
     index: int
     key: BucketKey
 
     def grad_sq_sum(self) -> Tensor:
-        return self.step.grad_sq_sum(self.index)
+        return self.cpp.grad_sq_sum(self.index)
 
-    def sgd_step(
-        self,
-        table: Tensor,
-        grad_scale: Tensor | None,
-        found_inf: Tensor | None,
-        grad_sq_sum: Tensor | None,
-        max_grad_norm: float | None,
-        lars_sq_sums: Tensor | None,
-        lrs: Tensor | None,
-    ) -> None:
-        del lars_sq_sums  # a kept C++ plan has no sharded params
-        self.step.sgd_step(self.index, table, grad_scale, found_inf, grad_sq_sum, max_grad_norm, lrs)
+    def sgd_step(self, scalars: StepScalars, grad_sq_sum: Tensor | None, lars_sq_sums: Tensor | None) -> None:
+        del lars_sq_sums  # a plan of plain params has no sharded norms
+        s = scalars
+        self.cpp.sgd_step(self.index, s.table, s.grad_scale, s.found_inf, grad_sq_sum, s.max_grad_norm, s.lrs)
 
 
-def _stepped_positions(params: list[Tensor]) -> tuple[list[Tensor], dict[int, int]]:
-    """The params with a grad, and each one's position among them."""
-    stepped = [p for p in params if p.grad is not None]
-    return stepped, {id(p): i for i, p in enumerate(stepped)}
+def _cpp_plan(record: _Record, plan: Plan, namespace: str, local: bool) -> Any:
+    """The plan in C++: the params (``local``: their local shards), whether each had a grad, the stepped ones'
+    layouts, and each bucket's arguments, its tensors placed among the stepped params."""
+    params = [_dtensor.local(p) if local else p for p in record.params]
+    stepped = [p for p, source in zip(params, record.params) if source.grad is not None]
+    position = {id(p): i for i, p in enumerate(p for p in record.params if p.grad is not None)}
+    ops.load("cpu")  # the class is in the CPU library
+    cpp = torch.classes.lightning_fusedsgd.KeptPlan(
+        params, [p.grad is not None for p in record.params], [p.detach() for p in stepped], namespace
+    )
+    for bucket in plan.buckets.values():
+        cpp.add_bucket(
+            bucket.params,
+            bucket.momentum_buffers,
+            bucket.master_params,
+            bucket.rounding_steps,
+            bucket.tensor_group,
+            [position[id(p)] for p in bucket.sources],
+        )
+    return cpp
 
 
 @dataclass
-class KeptSteps:
+class KeptPlan:
     """A plan of plain (not DTensor) params on one device, its bucket arguments held in C++, which calls the
     ops of the backend that ran the plan (``compiled``, or ``cuda_emulated``)."""
 
     record: _Record
-    step: Any  # torch.classes.lightning_fusedsgd.CachedStep
+    cpp: Any  # torch.classes.lightning_fusedsgd.KeptPlan
     keys: list[BucketKey]
     backend: str
 
@@ -157,70 +167,38 @@ class KeptSteps:
         plan: Plan,
         backend: str,
         namespace: str,
-    ) -> KeptSteps:
+    ) -> KeptPlan:
         record = _Record.of(groups, state, plan)
-        stepped, position = _stepped_positions(record.params)
-        ops.load("cpu")  # the class is in the CPU library
-        step = torch.classes.lightning_fusedsgd.CachedStep(
-            record.params,
-            [p.grad is not None for p in record.params],
-            [p.detach() for p in stepped],
-            namespace,
-        )
-        for bucket in plan.buckets.values():
-            step.add_bucket(
-                bucket.params,
-                bucket.momentum_buffers,
-                bucket.master_params,
-                bucket.rounding_steps,
-                bucket.tensor_group,
-                [position[id(p)] for p in bucket.sources],
-            )
-        return cls(record, step, list(plan.buckets), backend)
+        return cls(record, _cpp_plan(record, plan, namespace, local=False), list(plan.buckets), backend)
 
     def buckets_for(
         self, groups: Sequence[dict[str, Any]], state: Mapping[Tensor, dict[str, Any]]
     ) -> list[KeptBucket] | None:
         """This step's buckets, or None (nothing changed) where the plan no longer holds."""
-        if not self.record.matches(groups, state) or not self.step.gather():
+        if not self.record.matches(groups, state) or not self.cpp.gather():
             return None
-        return [KeptBucket(self.step, index, key) for index, key in enumerate(self.keys)]
-
-
-def _same_layout(tensor: Tensor, recorded: Tensor) -> bool:
-    return (
-        tensor.layout == torch.strided
-        and tensor.dtype == recorded.dtype
-        and tensor.device == recorded.device
-        and tensor.shape == recorded.shape
-        and tensor.stride() == recorded.stride()
-    )
+        return [KeptBucket(self.cpp, index, key) for index, key in enumerate(self.keys)]
 
 
 @dataclass
 class KeptShardedPlan:
-    """A plan of DTensor params, kept in Python: whether each param had a grad, the stepped params' local
-    shards as recorded, and each bucket's tensors as positions among the stepped params."""
+    """A plan of DTensor params: the plan made in Python, whose buckets get this step's local grad shards, and
+    the same plan in C++ on the local shards, which checks their layouts."""
 
     record: _Record
     plan: Plan
-    has_grad: list[bool] = field(default_factory=list)
-    shards: list[Tensor] = field(default_factory=list)
-    slots: list[list[int]] = field(default_factory=list)
+    cpp: Any  # torch.classes.lightning_fusedsgd.KeptPlan
 
     @classmethod
     def of(
-        cls, groups: Sequence[dict[str, Any]], state: Mapping[Tensor, dict[str, Any]], plan: Plan
+        cls,
+        groups: Sequence[dict[str, Any]],
+        state: Mapping[Tensor, dict[str, Any]],
+        plan: Plan,
+        namespace: str,
     ) -> KeptShardedPlan:
         record = _Record.of(groups, state, plan)
-        stepped, position = _stepped_positions(record.params)
-        return cls(
-            record,
-            plan,
-            has_grad=[p.grad is not None for p in record.params],
-            shards=[_dtensor.local(p).detach() for p in stepped],
-            slots=[[position[id(p)] for p in bucket.sources] for bucket in plan.buckets.values()],
-        )
+        return cls(record, plan, _cpp_plan(record, plan, namespace, local=True))
 
     def plan_for(
         self, groups: Sequence[dict[str, Any]], state: Mapping[Tensor, dict[str, Any]]
@@ -230,30 +208,22 @@ class KeptShardedPlan:
         as recorded."""
         if not self.record.matches(groups, state):
             return None
-        grads = []
-        shards = iter(self.shards)
-        for param, had_grad in zip(self.record.params, self.has_grad):
+        for param in self.record.params:
             grad = param.grad
-            if (grad is not None) != had_grad:
-                return None
-            if grad is None:
-                continue
-            shard = next(shards)
-            if _dtensor.is_sharded(grad) != _dtensor.is_sharded(param) or (
-                _dtensor.is_sharded(param)
-                and (grad.placements != param.placements or grad.device_mesh != param.device_mesh)
+            if grad is not None and (
+                _dtensor.is_sharded(grad) != _dtensor.is_sharded(param)
+                or (
+                    _dtensor.is_sharded(param)
+                    and (grad.placements != param.placements or grad.device_mesh != param.device_mesh)
+                )
             ):
                 return None
-            local_param, local_grad = _dtensor.local(param), _dtensor.local(grad)
-            if not (
-                _same_layout(local_param, shard)
-                and local_param.data_ptr() == shard.data_ptr()
-                and _same_layout(local_grad, shard)
-            ):
-                return None
-            grads.append(real_view(local_grad))
-        for bucket, slots in zip(self.plan.buckets.values(), self.slots):
-            bucket.grads[:] = [grads[i] for i in slots]
+        params = [_dtensor.local(p) for p in self.record.params]
+        grads = [None if p.grad is None else _dtensor.local(p.grad) for p in self.record.params]
+        if not self.cpp.take(params, grads):
+            return None
+        for index, bucket in enumerate(self.plan.buckets.values()):
+            bucket.grads[:] = self.cpp.grads(index)
         return self.plan
 
 
@@ -266,7 +236,7 @@ def keep(
     state: Mapping[Tensor, dict[str, Any]],
     plan: Plan,
     ran_by: tuple[str, Any] | None,
-) -> KeptSteps | KeptShardedPlan | None:
+) -> KeptPlan | KeptShardedPlan | None:
     """The step just run, kept for the next steps, where one backend of our kernels ran all its buckets
     (``ran_by``: its name and ops, None where several did) on one device, and it created or converted no
     state, staged no param and stepped no sparse gradient; else None."""
@@ -280,8 +250,7 @@ def keep(
         and not plan.sparse
     ):
         return None
-    # The C++ class reads p.grad, which would be a DTensor: sharded plans are kept in Python.
-    if plan.dtensors:
-        return KeptShardedPlan.of(groups, state, plan)
     backend, ops_namespace = ran_by
-    return KeptSteps.of(groups, state, plan, backend, ops_namespace.name)
+    if plan.dtensors:
+        return KeptShardedPlan.of(groups, state, plan, ops_namespace.name)
+    return KeptPlan.of(groups, state, plan, backend, ops_namespace.name)

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from lightning_fusedsgd._abi import KAHAN_COMPENSATION, MASTER_PARAM, MOMENTUM_BUFFER, ROUNDING_STEP
 from lightning_fusedsgd.optim import _dtensor
+from lightning_fusedsgd.optim._overlap import check_no_overlap, has_internal_overlap
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 # Complex params are stepped as their real views, as torch.optim.SGD does.
@@ -47,6 +48,23 @@ class Bucket:
     first_step: list[bool] = field(default_factory=list)
     # Per tensor: where its partial norms are all-reduced (_dtensor.reduce_key), None when not sharded.
     reduce_keys: list[_dtensor.ReduceKey | None] = field(default_factory=list)
+
+
+@dataclass
+class StepScalars:
+    """A step's inputs besides the buckets: the hyperparameter table, GradScaler's two tensors (or None), the
+    lrs read on the device (or None), and the threshold of clipping by global norm (or None)."""
+
+    table: Tensor
+    grad_scale: Tensor | None
+    found_inf: Tensor | None
+    lrs: Tensor | None
+    max_grad_norm: float | None
+
+    def on(self, device: torch.device) -> StepScalars:
+        """The same scalars, their tensors on ``device`` (the table stays on the CPU)."""
+        moved = [None if t is None else t.to(device) for t in (self.grad_scale, self.found_inf, self.lrs)]
+        return StepScalars(self.table, *moved[:2], moved[2], self.max_grad_norm)
 
 
 @dataclass
@@ -83,53 +101,8 @@ def param_label(group: dict[str, Any], group_index: int, param_index: int, param
     return f"parameter {param_index} of group {group_index} (shape {tuple(param.shape)})"
 
 
-def _has_internal_overlap(tensor: Tensor) -> bool:
-    """Whether elements of ``tensor`` share memory (an ``expand()``ed tensor): no step can write it."""
-    return any(stride == 0 and size > 1 for size, stride in zip(tensor.shape, tensor.stride()))
-
-
-def _element_offsets(tensor: Tensor) -> Tensor:
-    """The storage offset of every element of ``tensor``."""
-    offsets = torch.full((), tensor.storage_offset(), dtype=torch.int64)
-    for size, stride in zip(tensor.shape, tensor.stride()):
-        offsets = offsets.unsqueeze(-1) + torch.arange(size, dtype=torch.int64) * stride
-    return offsets.flatten()
-
-
-def _overlap(a: Tensor, b: Tensor) -> bool:
-    """Whether two tensors whose address ranges intersect share an element (exactly, for one dtype)."""
-    if a.dtype != b.dtype or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
-        return True
-    return bool(torch.isin(_element_offsets(a), _element_offsets(b)).any())
-
-
 # Where a param sits: (group, group index, index in the group), for error messages only.
 _Place = tuple[dict[str, Any], int, int]
-
-
-def _check_no_overlap(stepped: list[tuple[Tensor, _Place]]) -> None:
-    """Refuses params that are overlapping views of one storage: one fused call would update the shared
-    elements from two threads at once, where torch.optim.SGD updates them one param after the other."""
-    spans = []  # (device, first byte, end byte, index in stepped), sorted by device and first byte
-    for index, (param, _) in enumerate(stepped):
-        if param.numel():
-            extent = 1 + sum((size - 1) * stride for size, stride in zip(param.shape, param.stride()))
-            start = param.data_ptr()
-            spans.append((str(param.device), start, start + extent * param.element_size(), index))
-    spans.sort(key=lambda span: span[:2])
-    for i, (device, _, end, index) in enumerate(spans):
-        for next_device, next_start, _, next_index in spans[i + 1 :]:
-            if next_device != device or next_start >= end:
-                break
-            (param, place), (next_param, next_place) = stepped[index], stepped[next_index]
-            if not _overlap(param, next_param):
-                continue
-            label, next_label = param_label(*place, param), param_label(*next_place, next_param)
-            raise ValueError(
-                f"{label} and {next_label} are overlapping views of one tensor's memory, so one step would "
-                "update the shared elements twice: pass parameters that do not overlap (e.g. the base tensor "
-                "once, or views that split it), or use torch.optim.SGD for this case."
-            )
 
 
 def bucket_name(key: BucketKey) -> str:
@@ -178,7 +151,7 @@ def _check_steppable(param: Tensor, place: _Place) -> None:
             f"The gradient of {label} has shape {tuple(grad.shape)} but the parameter has shape "
             f"{tuple(param.shape)}: assign a gradient of the parameter's shape."
         )
-    if _has_internal_overlap(param):
+    if has_internal_overlap(param):
         label = param_label(*place, param)
         raise ValueError(
             f"FusedSGD cannot step {label}: it is an expand()ed view whose elements share memory "
@@ -244,7 +217,9 @@ def plan_step(
             stepped.append((_dtensor.local(param), place))
             _plan_param(plan, state.get(param, _NO_STATE), param, group, group_index, param_index, tracing)
     if not tracing:
-        _check_no_overlap(stepped)
+        check_no_overlap(
+            [(param, lambda place=place, param=param: param_label(*place, param)) for param, place in stepped]
+        )
     return plan
 
 

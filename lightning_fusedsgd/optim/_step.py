@@ -1,20 +1,22 @@
-"""The one step path: buckets -> norms -> reduce -> update, for every kind of step.
+"""The one step path, for every kind of step: which buckets run (a plan kept from an earlier step, or a new
+one), then norms -> reduce -> update, then what a new plan leaves behind.
 
 Eager, kept (C++), sharded, traced (torch.compile) and capturable steps differ only in where their buckets
 come from (a plan made now, or one kept from an earlier step) and what the step's scalars are (tensors on the
 device for capturable steps); :func:`run` is the same for all of them:
 
 1. norms: where a group clips by global norm, each bucket's ``grad_sq_sum``; under sharding, each bucket's
-   ``lars_sq_sums`` (LARS tensors) and the clip sums per process group;
-2. reduce: under sharding, one ``all_reduce`` per process group of every sum taken over it;
-3. update: each bucket's ``sgd_step`` with the total.
+   ``lars_sq_sums`` (LARS tensors) and the clip sums per process group; 2. reduce: under sharding, one
+   ``all_reduce`` per process group of every sum taken over it; 3. update: each bucket's ``sgd_step`` with the
+   total.
 
-Unsharded LARS needs no separate pass: ``sgd_step`` takes each tensor's norms itself, in cache-sized waves.
+Unsharded LARS needs no separate pass: ``sgd_step`` takes each tensor's norms itself. :class:`Steps` chooses
+the buckets and keeps plans.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -22,26 +24,21 @@ import torch
 from torch import Tensor
 
 from lightning_fusedsgd._abi import LARS_SUMS
+from lightning_fusedsgd.optim import _backends, _kept, _sparse
 from lightning_fusedsgd.optim._dtensor import ReduceKey
-from lightning_fusedsgd.optim._plan import Bucket, BucketKey
+from lightning_fusedsgd.optim._plan import Bucket, BucketKey, Plan, StepScalars, bucket_name, plan_step
 
 
 class BucketStep(Protocol):
-    """A bucket the path runs: one made now (:class:`PlannedBucket`) or kept in C++ (``_kept.KeptBucket``)."""
+    """A bucket the path runs: one made now (:class:`PlannedBucket`) or kept in C++ (``_kept.KeptBucket``).
+    ``sgd_step`` takes the step's scalars on the bucket's device."""
 
     key: BucketKey
 
     def grad_sq_sum(self) -> Tensor: ...
 
     def sgd_step(
-        self,
-        table: Tensor,
-        grad_scale: Tensor | None,
-        found_inf: Tensor | None,
-        grad_sq_sum: Tensor | None,
-        max_grad_norm: float | None,
-        lars_sq_sums: Tensor | None,
-        lrs: Tensor | None,
+        self, scalars: StepScalars, grad_sq_sum: Tensor | None, lars_sq_sums: Tensor | None
     ) -> None: ...
 
 
@@ -62,49 +59,24 @@ class PlannedBucket:
         b = self.bucket
         return self.ops.lars_sq_sums(b.params, b.grads, b.master_params, table, b.tensor_group, grad_scale)
 
-    def sgd_step(
-        self,
-        table: Tensor,
-        grad_scale: Tensor | None,
-        found_inf: Tensor | None,
-        grad_sq_sum: Tensor | None,
-        max_grad_norm: float | None,
-        lars_sq_sums: Tensor | None,
-        lrs: Tensor | None,
-    ) -> None:
-        b = self.bucket
+    def sgd_step(self, scalars: StepScalars, grad_sq_sum: Tensor | None, lars_sq_sums: Tensor | None) -> None:
+        b, s = self.bucket, scalars
         self.ops.sgd_step(
             b.params,
             b.grads,
             b.momentum_buffers,
             b.master_params,
             b.rounding_steps,
-            table,
+            s.table,
             b.tensor_group,
             b.first_step,
-            grad_scale,
-            found_inf,
+            s.grad_scale,
+            s.found_inf,
             grad_sq_sum,
-            max_grad_norm,
+            s.max_grad_norm,
             lars_sq_sums,
-            lrs,
+            s.lrs,
         )
-
-
-@dataclass
-class Scalars:
-    """A step's inputs besides the buckets: the hyperparameter table, GradScaler's two tensors, the lrs read
-    on the device (or None), and the threshold of clipping by global norm (or None)."""
-
-    table: Tensor
-    grad_scale: Tensor | None
-    found_inf: Tensor | None
-    lrs: Tensor | None
-    max_grad_norm: float | None
-
-
-def _on(tensor: Tensor | None, device: torch.device) -> Tensor | None:
-    return None if tensor is None else tensor.to(device)
 
 
 def _sum_on(sums: Sequence[Tensor], device: torch.device) -> Tensor:
@@ -114,7 +86,9 @@ def _sum_on(sums: Sequence[Tensor], device: torch.device) -> Tensor:
     )
 
 
-def run(buckets: Sequence[BucketStep], scalars: Scalars, sharded: bool, lars_groups: Sequence[bool]) -> None:
+def run(
+    buckets: Sequence[BucketStep], scalars: StepScalars, sharded: bool, lars_groups: Sequence[bool]
+) -> None:
     """One optimizer step over ``buckets``: norms, their reduction, then the update. ``sharded``: some
     tensor's norms must be summed over other ranks (then every bucket is a :class:`PlannedBucket`);
     ``lars_groups``: which groups use LARS."""
@@ -128,19 +102,104 @@ def run(buckets: Sequence[BucketStep], scalars: Scalars, sharded: bool, lars_gro
         grad_sq_sum = _sum_on([bucket.grad_sq_sum() for bucket in buckets], buckets[0].key[0])
     for bucket in buckets:
         device = bucket.key[0]
-        bucket.sgd_step(
-            scalars.table,
-            _on(scalars.grad_scale, device),
-            _on(scalars.found_inf, device),
-            _on(grad_sq_sum, device),
-            scalars.max_grad_norm,
-            lars_sums.get(bucket.key),
-            _on(scalars.lrs, device),
-        )
+        on_device = None if grad_sq_sum is None else grad_sq_sum.to(device)
+        bucket.sgd_step(scalars.on(device), on_device, lars_sums.get(bucket.key))
+
+
+class Steps:
+    """The steps of one optimizer: each runs the plan kept from an earlier step while it holds (checked in
+    bulk, its arguments in C++), else a new plan, kept for the next steps where it can be. ``last_backends``
+    says which implementation ran each bucket of the last step, by "device/dtype"."""
+
+    def __init__(self, backend: str) -> None:
+        self.backend = backend
+        self.kept: _kept.KeptPlan | _kept.KeptShardedPlan | None = None
+        #: Updated in place: dynamo replays in-place dict updates of a traced step, not attribute stores.
+        self.last_backends: dict[str, str] = {}
+
+    def step(
+        self, groups: Sequence[dict[str, Any]], state: Mapping[Tensor, dict[str, Any]], scalars: StepScalars
+    ) -> None:
+        """One step of ``groups``; a step a GradScaler skipped (``found_inf``) writes nothing where the host
+        can see it without a sync (on CUDA the kernels skip themselves), and stores no (uninitialized)
+        state."""
+        # Under torch.compile the step is traced from a new plan (no kept plan, no address checks).
+        tracing = torch.compiler.is_compiling()
+        kept = None if tracing or self.kept is None else self._kept_buckets(groups, state)
+        plan = None if kept is not None else plan_step(groups, state, tracing)
+        found_inf = scalars.found_inf
+        if (
+            not tracing
+            and found_inf is not None
+            and (found_inf.device.type == "cpu" or (plan is not None and (plan.new_state or plan.sparse)))
+            and bool(found_inf.item())
+        ):
+            return
+        if kept is not None:
+            buckets, sharded, names = kept
+        else:
+            buckets, names = self._planned_buckets(plan)
+            sharded = plan.sharded
+        run(buckets, scalars, sharded, [bool(group["lars"]) for group in groups])
+        self.last_backends.clear()
+        self.last_backends.update(names)
+        if plan is not None:
+            self._finish(groups, state, plan, scalars.grad_scale, tracing, buckets)
+
+    def _kept_buckets(
+        self, groups: Sequence[dict[str, Any]], state: Mapping[Tensor, dict[str, Any]]
+    ) -> tuple[list[Any], bool, dict[str, str]] | None:
+        """The buckets of the kept plan, if it still holds (else None, nothing changed)."""
+        kept = self.kept
+        if isinstance(kept, _kept.KeptPlan):
+            buckets = kept.buckets_for(groups, state)
+            if buckets is None:
+                return None
+            return buckets, False, {bucket_name(b.key): f"{kept.backend} (kept plan)" for b in buckets}
+        plan = kept.plan_for(groups, state)
+        if plan is None:
+            return None
+        buckets, names = self._planned_buckets(plan)
+        return buckets, plan.sharded, names
+
+    def _planned_buckets(self, plan: Plan) -> tuple[list[PlannedBucket], dict[str, str]]:
+        """The plan's buckets with the implementation that runs each, all resolved before any runs, so a
+        refusal leaves every bucket untouched."""
+        chosen = {key: _backends.implementation(self.backend, key[0]) for key in plan.buckets}
+        buckets = [
+            PlannedBucket(key, bucket, ops, name)
+            for key, bucket in plan.buckets.items()
+            for name, ops in [chosen[key]]
+        ]
+        return buckets, {bucket_name(key): name for key, (name, _) in chosen.items()}
+
+    def _finish(
+        self,
+        groups: Sequence[dict[str, Any]],
+        state: Mapping[Tensor, dict[str, Any]],
+        plan: Plan,
+        grad_scale: Tensor | None,
+        tracing: bool,
+        buckets: list[PlannedBucket],
+    ) -> None:
+        """What a new plan does after its buckets ran: sparse gradients, params updated through a copy, the
+        new state; and the plan kept for the next steps where it can be."""
+        if plan.sparse:
+            _sparse.step_sparse(plan.sparse, groups, state, grad_scale)
+        for param, dense in plan.staged:
+            param.copy_(dense)
+        for param, key, value in plan.new_state:
+            if value is None:
+                del state[param][key]
+            else:
+                state[param][key] = value
+        if not tracing:
+            ran_by = {(bucket.backend, bucket.ops) for bucket in buckets}
+            self.kept = _kept.keep(groups, state, plan, ran_by.pop() if len(ran_by) == 1 else None)
 
 
 def _global_norm_sums(
-    buckets: Sequence[PlannedBucket], scalars: Scalars, lars_groups: Sequence[bool]
+    buckets: Sequence[PlannedBucket], scalars: StepScalars, lars_groups: Sequence[bool]
 ) -> tuple[dict[BucketKey, Tensor], Tensor | None]:
     """The sums of squares a sharded step needs, made global: each bucket's ``lars_sq_sums`` (where it has
     LARS tensors) and, under norm clipping, the sum of squares of every stepped gradient.
@@ -159,7 +218,7 @@ def _global_norm_sums(
         key, bucket, device = planned.key, planned.bucket, planned.key[0]
         lars = [lars_groups[g] for g in bucket.tensor_group]
         if any(lars):
-            lars_sums[key] = planned.lars_sq_sums(scalars.table, _on(scalars.grad_scale, device))
+            lars_sums[key] = planned.lars_sq_sums(scalars.table, scalars.on(device).grad_scale)
         by_key: dict[ReduceKey | None, list[int]] = {}
         for i, reduce_key in enumerate(bucket.reduce_keys):
             by_key.setdefault(reduce_key, []).append(i)

@@ -9,18 +9,11 @@
 #include <type_traits>
 #include <vector>
 
+#include "elements.h"
 #include "schedule.h"
 #include "sgd_math.h"
 
 namespace lfsgd {
-
-// What a bucket's master_params hold: nothing; fp32 master weights of bf16/fp16 params, which hold their
-// rounding; or bf16 Kahan compensations of bf16 params, the weight being param + compensation (sgd_math.h).
-enum class Masters { kNone, kFp32, kCompensation };
-
-// The element type of a bucket's master_params.
-template <Masters kMasters>
-using MasterType = std::conditional_t<kMasters == Masters::kCompensation, c10::BFloat16, float>;
 
 // A validated bucket: each group's hyperparameters, each tensor's slot in momentum_buffers and in rounding_steps
 // (-1: none), and the step's clip_grad_norm_ coefficient's inputs.
@@ -205,7 +198,7 @@ void sgd_step_op(at::TensorList params, at::TensorList grads, at::TensorList mom
   Run(arguments, check_bucket(arguments));
 }
 
-// The op's function type, for typed calls through the dispatcher (CachedStep).
+// The op's function type, for typed calls through the dispatcher (KeptPlan).
 using SgdStepFunction = decltype(sgd_step_op<nullptr>);
 
 // What check_norm_inputs returns: the groups' hyperparameters and what master_params hold.

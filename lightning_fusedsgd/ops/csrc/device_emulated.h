@@ -393,12 +393,6 @@ inline T __shfl_down_sync(unsigned mask, T value, unsigned delta, int width = 32
   return ::lfsgd::emulation::shuffle_down(mask, value, delta, width);
 }
 
-inline unsigned __float_as_uint(float value) {
-  unsigned bits;
-  std::memcpy(&bits, &value, sizeof(bits));
-  return bits;
-}
-
 namespace lfsgd::device {
 
 constexpr const char* kName = "CPU (emulated CUDA)";

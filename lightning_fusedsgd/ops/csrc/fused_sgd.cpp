@@ -14,91 +14,14 @@
 #include <vector>
 
 #include "bucket.h"
-#include "cached_step.h"
+#include "elements.h"
+#include "kept_plan.h"
 #include "schedule.h"
 #include "sgd_math.h"
 #include "work_list.h"
 
 namespace lfsgd {
 namespace {
-
-// Loads and stores convert to and from opmath. The bf16 versions are bit operations the compiler vectorizes
-// (round to nearest even, NaN kept quiet), identical to c10::BFloat16's conversions.
-// A float's bits and back (memcpy: the defined way, compiled to nothing).
-inline uint32_t float_bits(float v) {
-  uint32_t bits;
-  std::memcpy(&bits, &v, sizeof(bits));
-  return bits;
-}
-inline float bits_float(uint32_t bits) {
-  float value;
-  std::memcpy(&value, &bits, sizeof(value));
-  return value;
-}
-
-inline float load(const float* p, int64_t i) { return p[i]; }
-inline double load(const double* p, int64_t i) { return p[i]; }
-inline float load(const c10::Half* p, int64_t i) { return static_cast<float>(p[i]); }
-inline float load(const c10::BFloat16* p, int64_t i) {
-  return bits_float(uint32_t{reinterpret_cast<const uint16_t*>(p)[i]} << 16);
-}
-
-// The high half of fp32 bits rounded to nearest even, NaN not treated apart (the callers decide).
-inline uint32_t nearest_even_high_bits(uint32_t bits) { return (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16; }
-
-// The bits of v rounded to bf16, and the bits a 16-bit param element holds. Integer operations only (the NaN
-// test too): a float comparison in the loop keeps the compiler from vectorizing the bf16 loops.
-inline uint16_t rounded_bits(float v) {
-  const uint32_t bits = float_bits(v);
-  return static_cast<uint16_t>(nan_bits(bits) ? 0x7FC0u : nearest_even_high_bits(bits));
-}
-template <typename P>
-inline uint16_t param_bits(const P* p, int64_t i) {
-  return reinterpret_cast<const uint16_t*>(p)[i];
-}
-
-inline void store(float* p, int64_t i, float v) { p[i] = v; }
-inline void store(double* p, int64_t i, double v) { p[i] = v; }
-inline void store(c10::Half* p, int64_t i, float v) { p[i] = c10::Half(v); }
-inline void store(c10::BFloat16* p, int64_t i, float v) {
-  reinterpret_cast<uint16_t*>(p)[i] = rounded_bits(v);
-}
-
-// The weight of element i in opmath: the param, its fp32 master re-synced with the param (synced_master in
-// sgd_math.h), or the param plus its Kahan compensation. The bf16 comparison is integer work the compiler
-// vectorizes (a NaN master may compare unequal and take the param's NaN: NaN either way).
-template <Masters kMasters, typename P, typename M>
-inline typename OpMath<P>::type load_weight(const P* w, const M* m, int64_t i) {
-  if constexpr (kMasters == Masters::kNone) {
-    return load(w, i);
-  } else if constexpr (kMasters == Masters::kCompensation) {
-    return load(w, i) + load(m, i);
-  } else if constexpr (std::is_same_v<P, c10::BFloat16>) {
-    const uint32_t master = float_bits(m[i]);
-    const uint32_t rounded = nearest_even_high_bits(master) & 0xFFFFu;
-    const uint32_t param = param_bits(w, i);
-    return bits_float(synced_master(master, rounded, param, param << 16));
-  } else {
-    return synced_master(m[i], c10::Half(m[i]).x, param_bits(w, i), load(w, i));
-  }
-}
-
-// A chunk's sums of squares of w and of the LARS gradient term (lars_norm_term), accumulated in S: the
-// opmath type, or double.
-template <typename S, bool kDecayed, bool kClipValue, Masters kMasters, typename P, typename M, typename O>
-void sum_squares(const P* w, const M* m, const P* gr, const Chunk& chunk, const Coeffs<O>& c, O weight_decay,
-                 double& sum_w, double& sum_g) {
-  S sw = 0, sg = 0;
-#pragma omp simd reduction(+ : sw, sg)
-  for (int64_t i = chunk.begin; i < chunk.end; ++i) {
-    const O wi = load_weight<kMasters>(w, m, i);
-    const S gi = lars_norm_term<kClipValue, O>(wi, load(gr, i), c, weight_decay, kDecayed);
-    sw += static_cast<S>(wi) * wi;
-    sg += gi * gi;
-  }
-  sum_w = sw;
-  sum_g = sg;
-}
 
 // fp32 sums are exact enough where they are normal numbers; squares of values below about 1e-19 underflow
 // and above about 1e19 overflow. A chunk whose sums leave that range (zero, tiny, inf, NaN) is summed again in
@@ -109,8 +32,8 @@ inline bool exact_in_opmath(double sum) {
   return sum >= kMinExact && sum <= 1e38;
 }
 
-// A chunk's sums for lars_sq_sums: of w^2, of the LARS term (lars_norm_term) squared and of w times it,
-// accumulated in S (the opmath type, or double where the sums leave exact_in_opmath's range, as the norm pass).
+// A chunk's LARS sums: of w^2, of the LARS term (lars_norm_term) squared and of w times it, accumulated in S (the
+// opmath type, or double where the sums leave exact_in_opmath's range).
 template <typename S, bool kDecayed, bool kClipValue, Masters kMasters, typename P, typename M, typename O>
 void lars_partial_sums(const P* w, const M* m, const P* gr, const Chunk& chunk, const Coeffs<O>& c,
                        O weight_decay, double* sums) {
@@ -126,6 +49,25 @@ void lars_partial_sums(const P* w, const M* m, const P* gr, const Chunk& chunk, 
   sums[0] = sw;
   sums[1] = st;
   sums[2] = swt;
+}
+
+// A chunk's LARS sums (lars_partial_sums) with coefficients `c` taken before the norm clip: in the opmath type,
+// and again in double where they leave its exact range (in range, |sum w t| <= sqrt(sum w^2 sum t^2) is too, by
+// Cauchy-Schwarz). The norm pass of the update and the lars_sq_sums op both take them.
+template <Masters kMasters, typename P, typename M, typename O>
+void chunk_lars_sums(const P* w, const M* m, const P* gr, const Chunk& chunk, const Coeffs<O>& c,
+                     const GroupHParams& h, double* sums) {
+  const bool clip_value = std::isfinite(c.clip_value);
+  const auto sum = [&](auto accumulator) {
+    using S = decltype(accumulator);
+    const auto run = h.lars_decayed_grad ? (clip_value ? lars_partial_sums<S, true, true, kMasters, P, M, O>
+                                                       : lars_partial_sums<S, true, false, kMasters, P, M, O>)
+                                         : (clip_value ? lars_partial_sums<S, false, true, kMasters, P, M, O>
+                                                       : lars_partial_sums<S, false, false, kMasters, P, M, O>);
+    run(w, m, gr, chunk, c, static_cast<O>(h.weight_decay), sums);
+  };
+  sum(O{});
+  if (!exact_in_opmath(sums[0]) || !exact_in_opmath(sums[1])) sum(double{});
 }
 
 // A chunk's sum of squares of the raw gradient (the global norm that clipping takes), in S. kLanes partial
@@ -155,13 +97,13 @@ double grad_sum_squares(const P* gr, const Chunk& chunk) {
 // One bucket's step on the CPU: each tensor's pointers and coefficients, the work list, and the LARS partial
 // sums that the norm pass writes and the update reads.
 template <typename P, typename B, Masters kMasters>
-class BucketStep {
+class CpuUpdate {
  public:
   using O = typename OpMath<P>::type;
   using M = MasterType<kMasters>;
 
-  BucketStep(const StepArgs& a, const BucketArgs& args, double inv_scale, double clip, const double* lars_sums)
-      : groups_(args.groups), tensor_group_(a.tensor_group) {
+  CpuUpdate(const StepArgs& a, const BucketArgs& args, double inv_scale, double clip, const double* lars_sums)
+      : groups_(args.groups), tensor_group_(a.tensor_group), clip_(clip) {
     const at::TensorList params = a.params;
     const size_t n = params.size();
     w_ptr_.resize(n);
@@ -183,12 +125,11 @@ class BucketStep {
       lars_[t] = lars_adapts(h) && lars_sums == nullptr;
       if (lars_adapts(h) && lars_sums != nullptr) {
         const double* row = lars_sums + kNumLarsSums * t;
-        apply_lars(coeffs_[t], row[0], clipped_term_sq_sum(row[0], row[1], row[2], coeffs_[t].clip_coef, h), h);
+        apply_lars(coeffs_[t], row[0], clipped_term_sq_sum(row[0], row[1], row[2], clip, h), h);
       }
     }
     work_ = make_work_list(params, lars_);
-    w_sq_.resize(work_.chunks.size());
-    g_sq_.resize(work_.chunks.size());
+    sums_.resize(kNumLarsSums * work_.chunks.size());
   }
 
   // One parallel region over the waves: a wave's LARS norms, then its update; then each stochastically
@@ -221,34 +162,26 @@ class BucketStep {
     }
   }
 
+  // A chunk's LARS sums, taken before the norm clip (as lars_sq_sums takes them), which lars_coeffs applies.
   void norm_chunk(const Chunk& chunk, int64_t c) {
     const int32_t t = chunk.tensor;
-    const bool decayed = groups_[tensor_group_[t]].lars_decayed_grad;
-    const bool clip_value = std::isfinite(coeffs_[t].clip_value);
-    const auto sum = [&](auto accumulator) {
-      using S = decltype(accumulator);
-      const O weight_decay = static_cast<O>(groups_[tensor_group_[t]].weight_decay);
-      const auto run = decayed ? (clip_value ? sum_squares<S, true, true, kMasters, P, M, O>
-                                             : sum_squares<S, true, false, kMasters, P, M, O>)
-                               : (clip_value ? sum_squares<S, false, true, kMasters, P, M, O>
-                                             : sum_squares<S, false, false, kMasters, P, M, O>);
-      run(w_ptr_[t], m_ptr_[t], g_ptr_[t], chunk, coeffs_[t], weight_decay, w_sq_[c], g_sq_[c]);
-    };
-    sum(O{});
-    if (!exact_in_opmath(w_sq_[c]) || !exact_in_opmath(g_sq_[c])) sum(double{});
+    Coeffs<O> unclipped = coeffs_[t];
+    unclipped.clip_coef = O(1);
+    chunk_lars_sums<kMasters>(w_ptr_[t], m_ptr_[t], g_ptr_[t], chunk, unclipped, groups_[tensor_group_[t]],
+                              &sums_[kNumLarsSums * c]);
   }
 
-  // The coefficients of a LARS tensor: its chunk partials summed in a fixed order (the ratio does not depend on
-  // the thread count), then apply_lars. Each thread computes them for the tensors its chunks belong to
-  // (update_chunk keeps the last one), which saves a barrier per wave.
+  // The coefficients of a LARS tensor: its chunks' sums added in a fixed order (the ratio does not depend on the
+  // thread count), clipped (clipped_term_sq_sum), then apply_lars. Each thread computes them for the tensors its
+  // chunks belong to (update_chunk keeps the last one), which saves a barrier per wave.
   Coeffs<O> lars_coeffs(int32_t t) const {
-    double sum_w = 0, sum_g = 0;
+    double row[kNumLarsSums] = {0, 0, 0};
     for (int64_t c = work_.tensor_first_chunk[t]; c < work_.tensor_first_chunk[t + 1]; ++c) {
-      sum_w += w_sq_[c];
-      sum_g += g_sq_[c];
+      for (int k = 0; k < kNumLarsSums; ++k) row[k] += sums_[kNumLarsSums * c + k];
     }
+    const GroupHParams& h = groups_[tensor_group_[t]];
     Coeffs<O> c = coeffs_[t];
-    apply_lars(c, sum_w, sum_g, groups_[tensor_group_[t]]);
+    apply_lars(c, row[0], clipped_term_sq_sum(row[0], row[1], row[2], clip_, h), h);
     return c;
   }
 
@@ -312,20 +245,7 @@ class BucketStep {
       O wi = load_weight<kMasters>(w, m, i);
       O bi = kMomentum && !kFirst ? static_cast<O>(load(b, i)) : O(0);
       sgd_element<kClipValue>(wi, static_cast<O>(load(gr, i)), bi, c);
-      if constexpr (kMasters == Masters::kFp32) m[i] = static_cast<float>(wi);
-      if constexpr (kStochastic) {
-        const uint32_t random = element_random_bits(key, i);
-        reinterpret_cast<uint16_t*>(w)[i] = stochastic_bf16_bits(float_bits(wi), random >> 16);
-        if (kMomentum) reinterpret_cast<uint16_t*>(b)[i] = stochastic_bf16_bits(float_bits(bi), random & 0xFFFFu);
-      } else if constexpr (kMasters == Masters::kCompensation) {
-        const uint16_t rounded = rounded_bits(wi);
-        reinterpret_cast<uint16_t*>(w)[i] = rounded;
-        store(m, i, kahan_compensation(wi, bits_float(uint32_t{rounded} << 16)));
-        if (kMomentum) store(b, i, bi);
-      } else {
-        store(w, i, wi);
-        if (kMomentum) store(b, i, bi);
-      }
+      store_update<kMasters>(w, b, m, i, wi, bi, kMomentum, kStochastic, key);
     }
   }
 
@@ -338,8 +258,9 @@ class BucketStep {
   std::vector<int64_t*> step_ptr_;
   std::vector<Coeffs<O>> coeffs_;
   std::vector<bool> lars_;
+  double clip_;  // the step's clip_grad_norm_ coefficient, 1 where it does not clip by norm
   WorkList work_;
-  std::vector<double> w_sq_, g_sq_;
+  std::vector<double> sums_;  // kNumLarsSums per chunk of a LARS tensor
 };
 
 // The CPU kernel of lightning_fusedsgd::sgd_step (the op: sgd_step_op in bucket.h). The grad scale, found_inf,
@@ -355,7 +276,7 @@ void run_cpu(const StepArgs& a, const BucketArgs& checked) {
       a.max_grad_norm.has_value() ? clip_coef(a.grad_sq_sum->item<double>(), *a.max_grad_norm, inv_scale) : 1.0;
   const double* lars_sums = a.lars_sq_sums.has_value() ? a.lars_sq_sums->data_ptr<double>() : nullptr;
   dispatch_bucket_types(a.params[0].scalar_type(), args.masters, [&](auto param, auto buffer, auto masters) {
-    BucketStep<decltype(param), decltype(buffer), decltype(masters)::value>(a, args, inv_scale, clip, lars_sums)
+    CpuUpdate<decltype(param), decltype(buffer), decltype(masters)::value>(a, args, inv_scale, clip, lars_sums)
         .run();
   });
 }
@@ -385,21 +306,9 @@ at::Tensor lars_sq_sums_cpu(at::TensorList params, at::TensorList grads, at::Ten
       const GroupHParams& h = groups[tensor_group[t]];
       if (!lars_adapts(h)) continue;
       const Coeffs<O> coeffs = make_coeffs<O>(h, inv_scale, /*clip=*/1.0, false);  // sums taken before the clip
-      const bool clip_value = std::isfinite(coeffs.clip_value);
-      double* sums = &partials[kNumLarsSums * c];
-      const auto sum = [&](auto accumulator) {
-        using S = decltype(accumulator);
-        const auto run =
-            h.lars_decayed_grad ? (clip_value ? lars_partial_sums<S, true, true, kMasters, P, M, O>
-                                              : lars_partial_sums<S, true, false, kMasters, P, M, O>)
-                                : (clip_value ? lars_partial_sums<S, false, true, kMasters, P, M, O>
-                                              : lars_partial_sums<S, false, false, kMasters, P, M, O>);
-        run(params[t].data_ptr<P>(), kMasters != Masters::kNone ? master_params[t].data_ptr<M>() : nullptr,
-            grads[t].data_ptr<P>(), chunk, coeffs, static_cast<O>(h.weight_decay), sums);
-      };
-      sum(O{});
-      // In range, |sum w t| <= sqrt(sum w^2 sum t^2) is too (Cauchy-Schwarz).
-      if (!exact_in_opmath(sums[0]) || !exact_in_opmath(sums[1])) sum(double{});
+      chunk_lars_sums<kMasters>(params[t].data_ptr<P>(),
+                                kMasters != Masters::kNone ? master_params[t].data_ptr<M>() : nullptr,
+                                grads[t].data_ptr<P>(), chunk, coeffs, h, &partials[kNumLarsSums * c]);
     }
   });
   double* rows = out.data_ptr<double>();
@@ -453,7 +362,7 @@ std::vector<std::string> names(const char* const (&table)[N]) {
 }  // namespace lfsgd
 
 // The ops are defined with their schemas in lightning_fusedsgd/ops/__init__.py; this library adds the CPU kernels,
-// the ABI checks the loader compares with _abi.py, and the CachedStep class. The CUDA library
+// the ABI checks the loader compares with _abi.py, and the KeptPlan class. The CUDA library
 // (fused_sgd_cuda.cu) adds the CUDA kernels.
 TORCH_LIBRARY_FRAGMENT(lightning_fusedsgd, m) {
   m.def("hparam_names() -> str[]", [] { return lfsgd::names(lfsgd::kHParamNames); });
@@ -461,7 +370,7 @@ TORCH_LIBRARY_FRAGMENT(lightning_fusedsgd, m) {
   m.def("update_rounding_names() -> str[]", [] { return lfsgd::names(lfsgd::kUpdateRoundingNames); });
   m.def("schedule_header_names() -> str[]", [] { return lfsgd::names(lfsgd::kScheduleHeaderNames); });
   m.def("lars_sum_names() -> str[]", [] { return lfsgd::names(lfsgd::kLarsSumNames); });
-  lfsgd::register_cached_step(m);
+  lfsgd::register_kept_plan(m);
 }
 
 TORCH_LIBRARY_IMPL(lightning_fusedsgd, CPU, m) {

@@ -20,8 +20,10 @@
 #include <vector>
 
 #include "bucket.h"
+#include "elements.h"
 #include "schedule.h"
 #include "sgd_math.h"
+#include "work_list.h"
 // Last: the emulation spells CUDA's keywords as macros.
 #include "device.h"
 
@@ -78,21 +80,6 @@ __device__ inline GroupHParams group_of(const GroupHParams* groups, int64_t grou
   return h;
 }
 
-// The weight of element i in opmath: the param, its fp32 master re-synced with the param, or the param plus its
-// Kahan compensation (sgd_math.h).
-template <Masters kMasters, typename P>
-__device__ inline typename OpMath<P>::type load_weight(const P* w, const void* masters, int64_t i) {
-  const MasterType<kMasters>* m = static_cast<const MasterType<kMasters>*>(masters);
-  if constexpr (kMasters == Masters::kFp32) {
-    const P param = w[i];
-    return synced_master(m[i], static_cast<P>(m[i]).x, param.x, static_cast<float>(param));
-  } else if constexpr (kMasters == Masters::kCompensation) {
-    return static_cast<float>(w[i]) + static_cast<float>(m[i]);
-  } else {
-    return static_cast<typename OpMath<P>::type>(w[i]);
-  }
-}
-
 // Block-wide sum in a fixed order (warp shuffles, then warp 0 over the warps), so results do not vary
 // from run to run. The total is returned to thread 0.
 __device__ inline double block_sum(double value, double* scratch) {
@@ -116,6 +103,7 @@ __global__ void __launch_bounds__(kThreads)
     lars_sums_kernel(const TensorArgs* tensors, const ChunkArgs* chunks, const GroupHParams* groups,
                      double* partials, const float* grad_scale) {
   using O = typename OpMath<P>::type;
+  using M = MasterType<kMasters>;
   const ChunkArgs chunk = chunks[blockIdx.x];
   const TensorArgs t = tensors[chunk.tensor];
   if (!t.lars) return;
@@ -124,10 +112,11 @@ __global__ void __launch_bounds__(kThreads)
   const O weight_decay = static_cast<O>(h.weight_decay);
   const P* w = static_cast<const P*>(t.param);
   const P* g = static_cast<const P*>(t.grad);
+  const M* m = static_cast<const M*>(t.master);
   double sum[kNumLarsSums] = {0, 0, 0};
   for (int64_t i = chunk.begin + threadIdx.x; i < chunk.end; i += kThreads) {
-    const O wi = load_weight<kMasters>(w, t.master, i);
-    const O ti = lars_norm_term<true, O>(wi, static_cast<O>(g[i]), c, weight_decay, h.lars_decayed_grad);
+    const O wi = load_weight<kMasters>(w, m, i);
+    const O ti = lars_norm_term<true, O>(wi, load(g, i), c, weight_decay, h.lars_decayed_grad);
     sum[0] += static_cast<double>(wi) * wi;
     sum[1] += static_cast<double>(ti) * ti;
     sum[2] += static_cast<double>(wi) * ti;
@@ -161,6 +150,7 @@ __global__ void __launch_bounds__(kThreads)
     update_kernel(const TensorArgs* tensors, const ChunkArgs* chunks, const GroupHParams* groups,
                   StepScalars scalars) {
   using O = typename OpMath<P>::type;
+  using M = MasterType<kMasters>;
   if (skipped(scalars.found_inf)) return;
   const ChunkArgs chunk = chunks[blockIdx.x];
   const TensorArgs t = tensors[chunk.tensor];
@@ -177,9 +167,9 @@ __global__ void __launch_bounds__(kThreads)
   P* w = static_cast<P*>(t.param);
   const P* g = static_cast<const P*>(t.grad);
   B* b = static_cast<B*>(t.buffer);
+  M* m = static_cast<M*>(t.master);
   // Stochastic rounding of the update: bf16 params without masters only (sgd_math.h), those with a count.
-  constexpr bool kMayRoundStochastically = std::is_same_v<P, c10::BFloat16> && kMasters == Masters::kNone;
-  const bool stochastic = kMayRoundStochastically && t.rounding_step != nullptr;
+  const bool stochastic = t.rounding_step != nullptr;
   const uint32_t key = stochastic ? rounding_key(h.rounding_seed, *t.rounding_step, chunk.tensor) : 0;
   for (int64_t base = chunk.begin + threadIdx.x; base < chunk.end; base += kThreads * kUnroll) {
     O wi[kUnroll], gi[kUnroll], bi[kUnroll];
@@ -187,9 +177,9 @@ __global__ void __launch_bounds__(kThreads)
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t i = base + u * kThreads;
       if (i < chunk.end) {
-        wi[u] = load_weight<kMasters>(w, t.master, i);
-        gi[u] = static_cast<O>(g[i]);
-        bi[u] = has_momentum && !c.first ? static_cast<O>(b[i]) : O(0);
+        wi[u] = load_weight<kMasters>(w, m, i);
+        gi[u] = load(g, i);
+        bi[u] = has_momentum && !c.first ? static_cast<O>(load(b, i)) : O(0);
       }
     }
 #pragma unroll
@@ -197,23 +187,7 @@ __global__ void __launch_bounds__(kThreads)
       const int64_t i = base + u * kThreads;
       if (i < chunk.end) {
         sgd_element(wi[u], gi[u], bi[u], c);
-        if constexpr (kMasters == Masters::kFp32) static_cast<float*>(t.master)[i] = wi[u];
-        if constexpr (kMasters == Masters::kCompensation) {
-          const P rounded = static_cast<P>(wi[u]);
-          w[i] = rounded;
-          static_cast<P*>(t.master)[i] =
-              static_cast<P>(kahan_compensation(wi[u], static_cast<float>(rounded)));
-          if (has_momentum) b[i] = static_cast<B>(bi[u]);
-        } else if (kMayRoundStochastically && stochastic) {
-          const uint32_t random = element_random_bits(key, i);
-          reinterpret_cast<uint16_t*>(w)[i] = stochastic_bf16_bits(__float_as_uint(wi[u]), random >> 16);
-          if (has_momentum) {
-            reinterpret_cast<uint16_t*>(b)[i] = stochastic_bf16_bits(__float_as_uint(bi[u]), random & 0xFFFFu);
-          }
-        } else {
-          w[i] = static_cast<P>(wi[u]);
-          if (has_momentum) b[i] = static_cast<B>(bi[u]);
-        }
+        store_update<kMasters>(w, b, m, i, wi[u], bi[u], has_momentum, stochastic, key);
       }
     }
   }
@@ -237,7 +211,7 @@ __global__ void __launch_bounds__(kThreads)
   const P* g = grads[chunk.tensor];
   double sum = 0;
   for (int64_t i = chunk.begin + threadIdx.x; i < chunk.end; i += kThreads) {
-    const double gi = static_cast<double>(g[i]);
+    const double gi = load(g, i);
     sum += gi * gi;
   }
   __shared__ double scratch[kThreads / 32];
@@ -262,13 +236,6 @@ __global__ void write_bytes_kernel(uint8_t* out, ParamBytes in, int64_t count) {
 
 // Host code.
 
-// Appends tensor t's chunks (kBlockChunkElems elements each) to the work list.
-inline void append_chunks(std::vector<ChunkArgs>& chunks, int64_t t, int64_t numel) {
-  for (int64_t begin = 0; begin < numel; begin += kBlockChunkElems) {
-    chunks.push_back({t, begin, std::min(begin + kBlockChunkElems, numel)});
-  }
-}
-
 // A bucket as the kernels see it: each tensor's arguments and the work list of their chunks. The update's own
 // arguments (buffers, first steps, rounding steps) are left empty for its caller.
 struct Work {
@@ -289,7 +256,7 @@ inline Work make_work(at::TensorList params, at::TensorList grads, at::TensorLis
     args.group = tensor_group[t];
     args.lars = lars_adapts(groups[tensor_group[t]]) ? 1 : 0;
     args.first_chunk = static_cast<int64_t>(work.chunks.size());
-    append_chunks(work.chunks, static_cast<int64_t>(t), params[t].numel());
+    append_chunks(work.chunks, static_cast<int64_t>(t), params[t].numel(), kBlockChunkElems);
     args.num_chunks = static_cast<int64_t>(work.chunks.size()) - args.first_chunk;
   }
   return work;
@@ -454,7 +421,7 @@ at::Tensor grad_sq_sum_device(at::TensorList grads) {
   std::vector<ChunkArgs> chunks;
   for (int64_t t = 0; t < static_cast<int64_t>(grads.size()); ++t) {
     pointers.push_back(grads[t].data_ptr());
-    append_chunks(chunks, t, grads[t].numel());
+    append_chunks(chunks, t, grads[t].numel(), kBlockChunkElems);
   }
   const auto options = at::TensorOptions().dtype(at::kDouble).device(device);
   if (chunks.empty()) return at::zeros({}, options);

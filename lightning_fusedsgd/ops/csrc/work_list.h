@@ -26,6 +26,15 @@ struct Chunk {
   int64_t end;
 };
 
+// Appends tensor `t`'s chunks of `chunk_elems` elements (the last one ragged) to a work list: the CPU kernel's
+// (Chunk) and the CUDA kernel's (a block per chunk) alike.
+template <typename ChunkType, typename Index>
+void append_chunks(std::vector<ChunkType>& chunks, Index t, int64_t numel, int64_t chunk_elems) {
+  for (int64_t begin = 0; begin < numel; begin += chunk_elems) {
+    chunks.push_back({t, begin, std::min(begin + chunk_elems, numel)});
+  }
+}
+
 // A run of consecutive tensors whose norms are reduced before any of them is updated.
 struct Wave {
   int64_t chunk_begin;
@@ -51,9 +60,7 @@ inline WorkList make_work_list(at::TensorList params, const std::vector<bool>& l
   for (int32_t t = 0; t < n; ++t) {
     const int64_t numel = params[t].numel();
     work.tensor_first_chunk.push_back(static_cast<int64_t>(work.chunks.size()));
-    for (int64_t begin = 0; begin < numel; begin += kChunkElems) {
-      work.chunks.push_back({t, begin, std::min(begin + kChunkElems, numel)});
-    }
+    append_chunks(work.chunks, t, numel, kChunkElems);
     work.total_elems += numel;
     wave.needs_norms = wave.needs_norms || lars[t];
     wave_elems += numel;

@@ -1,9 +1,11 @@
-// A step plan kept in C++ (torch.classes.lightning_fusedsgd.CachedStep): every param, whether it had a grad, views
+// A step plan kept in C++ (torch.classes.lightning_fusedsgd.KeptPlan): every param, whether it had a grad, views
 // of the stepped params taken when the plan was made (their layouts and addresses), and each bucket's op arguments
-// with views of its buffers and masters (their layouts). It holds the plan, not the step: gather() checks that
-// the plan still holds and collects this step's grads, and the optimizer's one step path (optim/_step.py) then
-// calls grad_sq_sum and sgd_step per bucket, as it calls the ops for a plan made in Python. A step so converts no
-// tensor lists from Python, which on models with thousands of tensors costs as much as the update.
+// with views of its buffers, masters and rounding steps (their layouts). It holds the plan, not the step: gather()
+// (plain params) or take() (a sharded plan's local shards) checks that the plan still holds and collects this
+// step's grads, and the optimizer's one step path (optim/_step.py) then calls grad_sq_sum and sgd_step per bucket,
+// as it calls the ops for a plan made in Python. A step so converts no tensor lists from Python, which on models
+// with thousands of tensors costs as much as the update. This is the one place that decides whether a kept plan
+// still holds, for both kinds of plan.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -21,11 +23,11 @@
 
 namespace lfsgd {
 
-class CachedStep : public torch::CustomClassHolder {
+class KeptPlan : public torch::CustomClassHolder {
  public:
   // `ops`: the namespace whose grad_sq_sum and sgd_step run the plan (the compiled kernels', or the emulated CUDA
   // kernels').
-  CachedStep(std::vector<at::Tensor> params, c10::List<bool> has_grad, std::vector<at::Tensor> layouts,
+  KeptPlan(std::vector<at::Tensor> params, c10::List<bool> has_grad, std::vector<at::Tensor> layouts,
              const std::string& ops)
       : params_(std::move(params)),
         has_grad_(has_grad.vec()),
@@ -36,7 +38,7 @@ class CachedStep : public torch::CustomClassHolder {
         sgd_step_(c10::Dispatcher::singleton()
                       .findSchemaOrThrow((ops + "::sgd_step").c_str(), "")
                       .typed<SgdStepFunction>()) {
-    TORCH_CHECK(params_.size() == has_grad_.size(), "CachedStep: one has_grad entry per param");
+    TORCH_CHECK(params_.size() == has_grad_.size(), "KeptPlan: one has_grad entry per param");
   }
 
   // `slots`: each tensor's position among the stepped params (the order of `layouts`).
@@ -56,36 +58,26 @@ class CachedStep : public torch::CustomClassHolder {
                         std::move(state_layouts), first_step, {}});
   }
 
-  // Collects this step's grads into the buckets and returns true, or returns false, having changed nothing, when
-  // the plan no longer holds: a param gained or lost its grad or moved to other memory, or a param, grad, momentum
-  // buffer or master is laid out differently from what was recorded.
+  // Collects this step's grads (each param's .grad) into the buckets and returns true, or returns false, having
+  // changed nothing, when the plan no longer holds: a param gained or lost its grad or moved to other memory, or a
+  // param, grad, momentum buffer, master or rounding step is laid out differently from what was recorded.
   bool gather() {
-    std::vector<at::Tensor> grads;
-    grads.reserve(layouts_.size());
-    for (size_t i = 0; i < params_.size(); ++i) {
-      const at::Tensor& grad = params_[i].grad();
-      if (grad.defined() != has_grad_[i]) return false;
-      if (!grad.defined()) continue;
-      if (grads.size() >= layouts_.size()) return false;
-      const at::Tensor& layout = layouts_[grads.size()];
-      // A param moved to other memory (`p.data = ...`) is planned again: its overlap check must rerun.
-      if (!same_layout(layout, params_[i]) || params_[i].data_ptr() != layout.data_ptr() ||
-          !same_layout(layout, grad)) {
-        return false;
-      }
-      // Complex params are stepped as their real views (as torch.optim.SGD does).
-      grads.push_back(grad.is_complex() ? at::view_as_real(grad) : grad);
-    }
-    if (grads.size() != layouts_.size()) return false;
-    for (const Bucket& bucket : buckets_) {
-      if (!state_unchanged(bucket)) return false;
-    }
-    for (Bucket& bucket : buckets_) {
-      bucket.grads.clear();
-      for (int64_t slot : bucket.slots) bucket.grads.push_back(grads[slot]);
-    }
-    return true;
+    return collect(params_, [this](size_t i) { return params_[i].grad(); });
   }
+
+  // As gather(), for the local shards of DTensor params (whose grads are DTensors): `params` are the params' local
+  // shards now, `grads` their grads' local shards (None where a param has no grad).
+  bool take(std::vector<at::Tensor> params, c10::List<std::optional<at::Tensor>> grads) {
+    TORCH_CHECK(params.size() == params_.size() && grads.size() == params_.size(),
+                "KeptPlan: one param and grad entry per param");
+    return collect(params, [&grads](size_t i) {
+      const std::optional<at::Tensor> grad = grads.get(i);
+      return grad.has_value() ? *grad : at::Tensor();
+    });
+  }
+
+  // Bucket `b`'s grads, as the last gather() or take() collected them.
+  std::vector<at::Tensor> grads(int64_t b) { return bucket(b).grads; }
 
   // lightning_fusedsgd::grad_sq_sum over bucket `b`'s grads (after gather()).
   at::Tensor grad_sq_sum(int64_t b) {
@@ -121,8 +113,37 @@ class CachedStep : public torch::CustomClassHolder {
   };
 
   Bucket& bucket(int64_t b) {
-    TORCH_CHECK(b >= 0 && b < static_cast<int64_t>(buckets_.size()), "CachedStep: no bucket ", b);
+    TORCH_CHECK(b >= 0 && b < static_cast<int64_t>(buckets_.size()), "KeptPlan: no bucket ", b);
     return buckets_[b];
+  }
+
+  template <typename GradOf>
+  bool collect(const std::vector<at::Tensor>& params, GradOf grad_of) {
+    std::vector<at::Tensor> grads;
+    grads.reserve(layouts_.size());
+    for (size_t i = 0; i < params.size(); ++i) {
+      const at::Tensor grad = grad_of(i);
+      if (grad.defined() != has_grad_[i]) return false;
+      if (!grad.defined()) continue;
+      if (grads.size() >= layouts_.size()) return false;
+      const at::Tensor& layout = layouts_[grads.size()];
+      // A param moved to other memory (`p.data = ...`) is planned again: its overlap check must rerun.
+      if (!same_layout(layout, params[i]) || params[i].data_ptr() != layout.data_ptr() ||
+          !same_layout(layout, grad)) {
+        return false;
+      }
+      // Complex params are stepped as their real views (as torch.optim.SGD does).
+      grads.push_back(grad.is_complex() ? at::view_as_real(grad) : grad);
+    }
+    if (grads.size() != layouts_.size()) return false;
+    for (const Bucket& bucket : buckets_) {
+      if (!state_unchanged(bucket)) return false;
+    }
+    for (Bucket& bucket : buckets_) {
+      bucket.grads.clear();
+      for (int64_t slot : bucket.slots) bucket.grads.push_back(grads[slot]);
+    }
+    return true;
   }
 
   static bool same_layout(const at::Tensor& a, const at::Tensor& b) {
@@ -148,13 +169,15 @@ class CachedStep : public torch::CustomClassHolder {
   std::vector<Bucket> buckets_;
 };
 
-inline void register_cached_step(torch::Library& m) {
-  m.class_<CachedStep>("CachedStep")
+inline void register_kept_plan(torch::Library& m) {
+  m.class_<KeptPlan>("KeptPlan")
       .def(torch::init<std::vector<at::Tensor>, c10::List<bool>, std::vector<at::Tensor>, std::string>())
-      .def("add_bucket", &CachedStep::add_bucket)
-      .def("gather", &CachedStep::gather)
-      .def("grad_sq_sum", &CachedStep::grad_sq_sum)
-      .def("sgd_step", &CachedStep::sgd_step);
+      .def("add_bucket", &KeptPlan::add_bucket)
+      .def("gather", &KeptPlan::gather)
+      .def("take", &KeptPlan::take)
+      .def("grads", &KeptPlan::grads)
+      .def("grad_sq_sum", &KeptPlan::grad_sq_sum)
+      .def("sgd_step", &KeptPlan::sgd_step);
 }
 
 }  // namespace lfsgd

@@ -1,0 +1,45 @@
+"""Params with sparse gradients (``nn.Embedding(sparse=True)``): stepped through torch.optim.SGD's own
+single-tensor path, with their group's hyperparameters and momentum buffers (the plan refuses, before anything
+is written, a group that asks for what only the fused kernel does)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from torch import Tensor
+from torch.optim.sgd import sgd
+
+from lightning_fusedsgd._abi import MOMENTUM_BUFFER
+
+
+def step_sparse(
+    sparse: Sequence[tuple[Tensor, int]],
+    groups: Sequence[dict[str, Any]],
+    state: Mapping[Tensor, dict[str, Any]],
+    grad_scale: Tensor | None,
+) -> None:
+    """Steps each (param, group index) of ``sparse``; under a GradScaler the gradients are unscaled first, as
+    GradScaler.unscale_ does."""
+    inv_scale = None if grad_scale is None else grad_scale.double().reciprocal().float()
+    for group_index in dict.fromkeys(index for _, index in sparse):
+        group = groups[group_index]
+        params = [param for param, index in sparse if index == group_index]
+        grads = [p.grad if inv_scale is None else p.grad * inv_scale.to(p.grad.device) for p in params]
+        buffers = [state.get(p, {}).get(MOMENTUM_BUFFER) for p in params]
+        sgd(
+            params,
+            grads,
+            buffers,
+            has_sparse_grad=True,
+            foreach=False,
+            weight_decay=group["weight_decay"],
+            momentum=group["momentum"],
+            lr=group["lr"],
+            dampening=group["dampening"],
+            nesterov=group["nesterov"],
+            maximize=group["maximize"],
+        )
+        if group["momentum"] != 0:
+            for param, buffer in zip(params, buffers):
+                state[param][MOMENTUM_BUFFER] = buffer

@@ -1,0 +1,128 @@
+"""Loading a FusedSGD state dict: checked before anything changes, remapped by parameter name where it is
+grouped differently, state dicts of earlier versions brought up to date, and the state kept in its own dtypes
+(torch's loader casts every state tensor to its param's)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_fusedsgd import _abi
+from lightning_fusedsgd._abi import MASTER_PARAM, MOMENTUM_BUFFER, ROUNDING_STEP
+from lightning_fusedsgd.checkpoint import (
+    check_optimizer_state_dict,
+    remap_optimizer_state_dict,
+    same_param_layout,
+)
+from lightning_fusedsgd.optim._plan import LOW_PRECISION, check_state_shapes
+
+
+def load(
+    optimizer: Optimizer, state_dict: dict[str, Any], torch_load: Callable[[dict[str, Any]], None]
+) -> None:
+    """Loads ``state_dict`` into ``optimizer`` through ``torch_load`` (torch.optim.Optimizer's loader), with
+    the optimizer's load hooks run around the whole (see ``FusedSGD.load_state_dict``)."""
+    state_dict = state_dict.copy()  # shallow, as torch: a pre-hook may edit it
+    for hook in optimizer._optimizer_load_state_dict_pre_hooks.values():
+        result = hook(optimizer, state_dict)
+        if result is not None:
+            state_dict = result
+    check_loadable(state_dict, optimizer.defaults)
+    state_dict = rounding_steps_in_state(state_dict)
+    if not same_param_layout(state_dict, optimizer.param_groups):
+        # A different grouping (e.g. torch.optim.SGD's one group for our two): move state by name.
+        state_dict = remap_optimizer_state_dict(state_dict, optimizer.param_groups, source="optimizer state")
+    kept_dtypes = state_in_its_dtypes(state_dict, optimizer.param_groups)
+    current = [dict(group) for group in optimizer.param_groups]
+    # torch's loader casts every state tensor to its param's dtype; the hooks ran above, and the post hooks
+    # run below, once the fp32 and int64 state is back.
+    pre_hooks = optimizer._optimizer_load_state_dict_pre_hooks
+    post_hooks = optimizer._optimizer_load_state_dict_post_hooks
+    optimizer._optimizer_load_state_dict_pre_hooks = type(pre_hooks)()
+    optimizer._optimizer_load_state_dict_post_hooks = type(post_hooks)()
+    try:
+        torch_load(state_dict)
+    finally:
+        optimizer._optimizer_load_state_dict_pre_hooks = pre_hooks
+        optimizer._optimizer_load_state_dict_post_hooks = post_hooks
+    for group, before in zip(optimizer.param_groups, current):
+        for key, value in before.items():
+            group.setdefault(key, value)
+    for param, values in kept_dtypes.items():
+        optimizer.state[param].update(values)
+    for hook in post_hooks.values():
+        hook(optimizer)
+
+
+def check_loadable(state_dict: Any, defaults: Mapping[str, Any]) -> None:
+    """Refuses, before anything changes, a state dict that is not an optimizer's, holds values that cannot be
+    optimizer state, or whose groups have hyperparameters FusedSGD refuses."""
+    check_optimizer_state_dict(state_dict)
+    for index, saved in enumerate(state_dict["param_groups"]):
+        group = {**defaults, **{k: v for k, v in saved.items() if k in defaults}}
+        try:
+            _abi.check_group(group)
+        except ValueError as error:
+            raise ValueError(f"saved param_groups[{index}]: {error}") from None
+
+
+def rounding_steps_in_state(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """A state dict with the counts of stochastic steps in each param's state, where a checkpoint of an
+    earlier version counts them per group (``group["rounding_step"]``, the same for each of its params). The
+    input is not modified."""
+    groups = state_dict["param_groups"]
+    if not any(ROUNDING_STEP in group for group in groups):
+        return state_dict
+    state = dict(state_dict["state"])
+    for group in groups:
+        count = group.get(ROUNDING_STEP, 0)
+        for index in group["params"]:
+            saved = state.get(index, {})
+            if count and ROUNDING_STEP not in saved:
+                state[index] = {**saved, ROUNDING_STEP: torch.tensor(count, dtype=torch.int64)}
+    return {
+        **state_dict,
+        "state": state,
+        "param_groups": [{k: v for k, v in group.items() if k != ROUNDING_STEP} for group in groups],
+    }
+
+
+def state_in_its_dtypes(
+    state_dict: dict[str, Any], groups: list[dict[str, Any]]
+) -> dict[Tensor, dict[str, Tensor]]:
+    """The state whose dtype is not its param's, as it will be stored: the fp32 momentum buffers and masters
+    of master-weighted bf16/fp16 params, and the int64 counts of stochastic steps; checks every state's shapes
+    first. Whether a group keeps masters is the group as loaded (the saved one, or the optimizer's where the
+    state was remapped by name), not as constructed."""
+    saved_groups = state_dict["param_groups"]
+    if len(groups) != len(saved_groups) or any(
+        len(g["params"]) != len(s["params"]) for g, s in zip(groups, saved_groups)
+    ):
+        return {}  # torch's loader refuses it
+    id_to_param = {
+        saved_id: (group_index, param_index, param)
+        for group_index, (group, saved) in enumerate(zip(groups, saved_groups))
+        for param_index, (saved_id, param) in enumerate(zip(saved["params"], group["params"]))
+    }
+    kept = {}
+    for saved_id, saved_state in state_dict["state"].items():
+        if saved_id not in id_to_param:
+            continue
+        group_index, param_index, param = id_to_param[saved_id]
+        check_state_shapes(saved_state, groups[group_index], group_index, param_index, param)
+        master_weights = saved_groups[group_index].get(
+            "master_weights", groups[group_index]["master_weights"]
+        )
+        dtypes = {ROUNDING_STEP: torch.int64}
+        if master_weights and param.dtype in LOW_PRECISION:
+            dtypes |= {MOMENTUM_BUFFER: torch.float32, MASTER_PARAM: torch.float32}
+        kept[param] = {
+            key: saved_state[key].to(device=param.device, dtype=dtype, copy=True)
+            for key, dtype in dtypes.items()
+            if isinstance(saved_state.get(key), Tensor)
+        }
+    return kept
