@@ -30,7 +30,7 @@ def main(cfg: DictConfig) -> None:
     # Heavy imports after Hydra has parsed the command line, so --help and --cfg stay instant.
     from lightning_fusedsgd.checkpoint import CheckpointError
     from lightning_fusedsgd.lightning import ConfigError
-    from lightning_fusedsgd.runner.run import train
+    from runner.run import train
 
     # `import lightning` gives its logger a console handler; Hydra's root handlers already print to the
     # console and to <run dir>/train.log, so without this every Lightning line would appear twice.

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # train.py's directory, as when it runs itself: the recipe runner is there
 
 
 def _pause(signal_file: str) -> None:
@@ -58,7 +59,7 @@ def _pause_in_checkpoint_write(number: int, signal_file: str) -> None:
 
 
 def _pause_before_step(number: int, signal_file: str) -> None:
-    from lightning_fusedsgd.runner.model import ImageClassifier
+    from runner.model import ImageClassifier
 
     real_training_step = ImageClassifier.training_step
 

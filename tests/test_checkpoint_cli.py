@@ -17,9 +17,9 @@ from lightning_helpers import SMALL_RUN, STEPS_PER_EPOCH, compose_train, last_ch
 
 from lightning_fusedsgd.checkpoint import CheckpointError, CheckpointMismatchError
 from lightning_fusedsgd.lightning import ConfigError
-from lightning_fusedsgd.runner.model import build_resnet
-from lightning_fusedsgd.runner.run import train
 from lightning_fusedsgd.schedule import scaled_lr
+from runner.model import build_resnet
+from runner.run import train
 
 pytestmark = [
     pytest.mark.slow,  # whole training runs: make test runs them, make test-fast not

@@ -12,8 +12,8 @@ from lightning.pytorch.cli import LightningCLI
 from lightning_helpers import UserModule, run_train_py
 
 from lightning_fusedsgd import FusedLARS, FusedSGD
-from lightning_fusedsgd.runner.data import DigitsDataModule
-from lightning_fusedsgd.runner.model import ImageClassifier
+from runner.data import DigitsDataModule
+from runner.model import ImageClassifier
 
 pytestmark = pytest.mark.slow  # whole runs in subprocesses: make test runs them, make test-fast not
 

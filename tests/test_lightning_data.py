@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lightning_fusedsgd.lightning import ConfigError
-from lightning_fusedsgd.runner.data import (
+from runner.data import (
     CIFAR10DataModule,
     DataNotFoundError,
     DigitsDataModule,

@@ -159,7 +159,7 @@ def test_schedule_errors_are_config_errors():
 
 def test_run_summary_records_the_lr_each_step_used(tmp_path):
     """RunSummary records f(0), f(1), ...: Lightning steps the scheduler before batch-end hooks."""
-    from lightning_fusedsgd.runner.summary import RunSummary
+    from runner.summary import RunSummary
 
     summary = RunSummary(str(tmp_path))
     model = TinyClassifier(base_lr=0.2, schedule=Schedule(warmup=3, unit="step", decay="linear"))

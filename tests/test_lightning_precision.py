@@ -16,7 +16,7 @@ from lightning_helpers import TinyClassifier, cpu_trainer
 
 from lightning_fusedsgd import FusedSGD, param_groups
 from lightning_fusedsgd.lightning import ClipInTheStep, Schedule, configure_fused_sgd
-from lightning_fusedsgd.runner.summary import RunSummary
+from runner.summary import RunSummary
 
 CONSTANT = Schedule(decay="constant")
 

@@ -14,9 +14,9 @@ from lightning_helpers import ROOT, compose_train
 from omegaconf import OmegaConf
 
 from lightning_fusedsgd.lightning import Schedule
-from lightning_fusedsgd.runner.model import ImageClassifier
-from lightning_fusedsgd.runner.run import train
-from lightning_fusedsgd.runner.simclr import SimCLR
+from runner.model import ImageClassifier
+from runner.run import train
+from runner.simclr import SimCLR
 
 RECIPES = sorted(path.stem for path in (ROOT / "recipes").glob("*.yaml"))
 

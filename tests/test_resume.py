@@ -23,8 +23,8 @@ from lightning_helpers import (
 )
 
 from lightning_fusedsgd.checkpoint import read_checkpoint_file
-from lightning_fusedsgd.runner.data import DigitsDataModule
-from lightning_fusedsgd.runner.run import train
+from runner.data import DigitsDataModule
+from runner.run import train
 
 pytestmark = [
     pytest.mark.slow,  # whole training runs: make test runs them, make test-fast not

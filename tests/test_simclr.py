@@ -7,9 +7,9 @@ import torch
 from lightly.transforms import SimCLRTransform
 
 from lightning_fusedsgd.lightning import ConfigError
-from lightning_fusedsgd.runner import simclr
-from lightning_fusedsgd.runner.data import DigitsDataModule, SyntheticDataModule
-from lightning_fusedsgd.runner.simclr import SimCLR
+from runner import simclr
+from runner.data import DigitsDataModule, SyntheticDataModule
+from runner.simclr import SimCLR
 
 
 def _views(size: int = 16) -> SimCLRTransform:

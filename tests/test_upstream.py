@@ -10,7 +10,7 @@ from hydra.utils import instantiate
 from lightning_helpers import compose_train, cpu_trainer, run_train_py
 
 from lightning_fusedsgd.lightning import ConfigError
-from lightning_fusedsgd.runner.cpu_bf16 import check_cpu_bf16_convolutions, narrow_convolutions
+from runner.cpu_bf16 import check_cpu_bf16_convolutions, narrow_convolutions
 
 
 @pytest.mark.xfail(

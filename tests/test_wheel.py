@@ -181,3 +181,39 @@ def test_each_cpu_library_keeps_to_its_instruction_set(site):
         check=True,
     ).stdout
     assert "%zmm" in code
+
+
+# Run in the fresh process: the whole library, imported and stepped, where the recipe runner's dependencies
+# cannot be imported at all.
+LIBRARY_WITHOUT_THE_RECIPE_EXTRAS = """
+import importlib.abc, sys
+from pathlib import Path
+EXTRAS = {"hydra", "omegaconf", "torchvision", "torchmetrics", "sklearn", "matplotlib", "lightly", "timm"}
+
+class Refuse(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in EXTRAS:
+            raise ImportError(f"{name} is not installed here")
+
+sys.meta_path.insert(0, Refuse())
+import torch
+import lightning_fusedsgd.checkpoint, lightning_fusedsgd.lightning, lightning_fusedsgd.schedule
+from lightning_fusedsgd import FusedSGD
+p = torch.nn.Parameter(torch.ones(4))
+optimizer = FusedSGD([p], lr=0.5, momentum=0.9)
+p.grad = torch.ones(4)
+optimizer.step()
+assert torch.equal(p.detach(), torch.full((4,), 0.5)), p
+assert optimizer.last_backends == {"cpu/float32": "compiled"}, optimizer.last_backends
+assert not (Path(sys.argv[1]) / "lightning_fusedsgd" / "runner").exists()
+print(sorted(path.name for path in Path(sys.argv[1]).iterdir()))
+"""
+
+
+def test_the_wheel_is_the_library_alone(site, tmp_path):
+    """The wheel ships the library, which needs torch and lightning only: no recipe runner (it stays beside
+    train.py in a checkout), and everything imports and steps where the recipe extras cannot be imported."""
+    result = run_isolated(site, tmp_path, LIBRARY_WITHOUT_THE_RECIPE_EXTRAS)
+    assert result.returncode == 0, result.stdout + result.stderr
+    installed = result.stdout.strip().splitlines()[-1]
+    assert "'lightning_fusedsgd'" in installed and "runner" not in installed, installed

@@ -14,9 +14,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_fusedsgd.checkpoint import CheckpointError, read_start_checkpoint
 from lightning_fusedsgd.lightning import ConfigError, InitFromCheckpoint
-from lightning_fusedsgd.runner.cpu_bf16 import check_cpu_bf16_convolutions
-from lightning_fusedsgd.runner.data import DataNotFoundError
-from lightning_fusedsgd.runner.summary import RunSummary
+from runner.cpu_bf16 import check_cpu_bf16_convolutions
+from runner.data import DataNotFoundError
+from runner.summary import RunSummary
 
 __all__ = ["train"]
 

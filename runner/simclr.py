@@ -20,7 +20,7 @@ from lightly.utils.benchmarking import knn_predict
 from torch import nn
 
 from lightning_fusedsgd.lightning import configure_fused_sgd
-from lightning_fusedsgd.runner.model import OptimizerFactory, build_resnet
+from runner.model import OptimizerFactory, build_resnet
 
 __all__ = ["SimCLR"]
 
@@ -43,19 +43,19 @@ class SimCLR(pl.LightningModule):
     training images without augmentation (the memory bank) first, then the validation images.
 
     Args:
-        arch: torchvision ResNet name (see :func:`~lightning_fusedsgd.runner.model.build_resnet`).
+        arch: torchvision ResNet name (see :func:`~runner.model.build_resnet`).
         num_classes: Labels of the data, for the kNN classifier only.
         in_channels: Input image channels.
-        small_input: CIFAR-style stem (see :func:`~lightning_fusedsgd.runner.model.build_resnet`).
+        small_input: CIFAR-style stem (see :func:`~runner.model.build_resnet`).
         hidden_dim: Width of the projection head's hidden layer; ``None``: the backbone's feature width.
         projection_dim: Output width of the projection head (128 in the paper).
         temperature: NT-Xent temperature (the paper: 0.1 on ImageNet, 0.5 on CIFAR-10).
         knn_k: Neighbours the kNN classifier weighs.
         knn_t: Temperature of the kNN weights ``exp(similarity / knn_t)``.
         channels_last: Keep the backbone and its inputs in channels-last memory format (see
-            :class:`~lightning_fusedsgd.runner.model.ImageClassifier`).
+            :class:`~runner.model.ImageClassifier`).
         optimizer: ``module -> configure_optimizers() result`` (see
-            :class:`~lightning_fusedsgd.runner.model.ImageClassifier`); ``None``:
+            :class:`~runner.model.ImageClassifier`); ``None``:
             :func:`configure_fused_sgd`'s defaults.
     """
 
