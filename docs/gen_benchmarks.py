@@ -1,5 +1,7 @@
-"""Writes the benchmark page (docs/benchmarks.md) and its plots (docs/img/) from bench/results/*.json, and the
-changelog page from CHANGELOG.md: ``python docs/gen_benchmarks.py`` (``make docs`` runs it before MkDocs).
+"""Writes the benchmark page (docs/benchmarks.md) and its plot (docs/img/step.png) from bench/results/*.json,
+and the changelog page from CHANGELOG.md: ``python docs/gen_benchmarks.py`` (``make docs`` runs it before
+MkDocs). The page and its plot are committed, so that the links to them hold outside a built site; ``python
+docs/gen_benchmarks.py --check`` fails where the committed page is not the one the results give.
 
 Every number on the page comes from a result file, with the machine, versions, commit and date it records.
 """
@@ -8,6 +10,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 DOCS = ROOT / "docs"
 IMAGES = DOCS / "img"
+PAGE = DOCS / "benchmarks.md"
 
 
 def _load(name: str) -> dict[str, Any] | None:
@@ -66,7 +71,7 @@ def _bars(path: Path, title: str, labels: list[str], series: dict[str, list[floa
     figure.savefig(path, dpi=110)
 
 
-def step_section(result: dict[str, Any]) -> str:
+def step_section(result: dict[str, Any], images: Path) -> str:
     cases = result["cases"]
     special = ("FusedSGD clipped", "FusedSGD stochastic")  # (e) and (f), shown after the table
     plain = {case: t for case, t in cases.items() if "floor" in t and not any(name in t for name in special)}
@@ -84,7 +89,7 @@ def step_section(result: dict[str, Any]) -> str:
     ]
     labels = [case.split(")")[0] + ")" for case in plain]
     _bars(
-        IMAGES / "step.png",
+        images / "step.png",
         "Step time / data-movement floor (lower is better)",
         labels,
         {
@@ -328,8 +333,9 @@ def verified_section(results: dict[str, dict[str, Any]]) -> str:
     return "\n".join(text)
 
 
-def main() -> None:
-    IMAGES.mkdir(exist_ok=True)
+def render(images: Path) -> str:
+    """The benchmark page, its plot written into ``images``."""
+    images.mkdir(exist_ok=True)
     names = ("step", "lars", "sharded", "bf16_rounding", "bf16_quickstart", "gpu")
     results = {name: result for name in names if (result := _load(name)) is not None}
     sections = [
@@ -340,7 +346,7 @@ def main() -> None:
         "",
     ]
     builders = {
-        "step": step_section,
+        "step": lambda result: step_section(result, images),
         "lars": lars_section,
         "sharded": sharded_section,
         "bf16_rounding": rounding_section,
@@ -348,9 +354,24 @@ def main() -> None:
     }
     sections += [builders[name](result) for name, result in results.items() if name in builders]
     sections.append(verified_section(results))
-    (DOCS / "benchmarks.md").write_text("\n".join(sections))
+    return "\n".join(sections)
+
+
+def main(argv: list[str]) -> int:
+    if argv == ["--check"]:
+        with tempfile.TemporaryDirectory() as images:  # the committed plot is left as it is
+            current = render(Path(images))
+        if PAGE.read_text() != current:
+            print(
+                f"{PAGE} is not the page bench/results gives: run python docs/gen_benchmarks.py",
+                file=sys.stderr,
+            )
+            return 1
+        return 0
+    PAGE.write_text(render(IMAGES))
     shutil.copyfile(ROOT / "CHANGELOG.md", DOCS / "changelog.md")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main(sys.argv[1:]))

@@ -81,3 +81,14 @@ def test_the_documentation_builds_in_strict_mode(tmp_path):
     assert "FusedSGD" in api and "max_grad_norm" in api  # the reference is generated from the docstrings
     benchmarks = (tmp_path / "site" / "benchmarks" / "index.html").read_text()
     assert "bench/results/step.json" in benchmarks
+
+
+def test_the_committed_benchmark_page_is_the_one_the_results_give():
+    """docs/benchmarks.md is committed (the README links it) and generated from bench/results: a result
+    changed without regenerating the page fails here."""
+    result = subprocess.run(
+        [sys.executable, "docs/gen_benchmarks.py", "--check"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+    for link in re.findall(r"\]\((img/[^)]+)\)", (ROOT / "docs" / "benchmarks.md").read_text()):
+        assert (ROOT / "docs" / link).is_file(), link

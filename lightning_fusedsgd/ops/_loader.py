@@ -1,12 +1,10 @@
-"""Loads the compiled kernels into ``torch.ops.lightning_fusedsgd``: the wheel's libraries, else the ones
-built on
-first use.
+"""Loads the compiled kernels into ``torch.ops.lightning_fusedsgd``: the wheel's libraries, else the ones built
+on first use.
 
 Where the libraries come from, in order:
 
-1. **The wheel** (``pip wheel --no-build-isolation .``, see setup.py): prebuilt libraries under ``ops/_lib/``.
-The
-   CPU library is built once per instruction set of ``_build.CPU_CAPABILITIES``, each a whole library, and the
+1. **The wheel** (``pip wheel --no-build-isolation .``, see setup.py): prebuilt libraries under
+   ``ops/_lib/``. The CPU library is built once per instruction set of ``_build.CPU_CAPABILITIES``, each a whole library, and the
    one torch's own CPU capability names is loaded (``ATEN_CPU_CAPABILITY`` lowers torch's, and so ours;
    ``LIGHTNING_FUSEDSGD_CPU_CAPABILITY`` lowers ours alone). Whole libraries rather than per-ISA namespaces in
    one: inline functions of the headers (ours and torch's) compiled with AVX-512 flags would otherwise be
@@ -16,8 +14,7 @@ The
    so ``build.json`` records that torch, and a library is only loaded under it, and only where its size and
    SHA-256 are those recorded.
 2. **Built on first use** (editable installs, ``make install``; and the fallback where the wheel's library
-cannot
-   be used, with one message saying why): with the same flags as the wheel's library of this capability,
+   cannot be used, with one message saying why): with the same flags as the wheel's library of this capability,
    through ``torch.utils.cpp_extension`` and ninja, cached under ``$LIGHTNING_FUSEDSGD_CACHE`` (default
    ``~/.cache/lightning_fusedsgd``) by a hash of sources, flags, torch, Python and the instruction set (CUDA:
    the toolkit and the GPUs' architectures). A build's record (size, SHA-256) is written last and checked
@@ -195,8 +192,8 @@ def _registered(device_type: str, library: Path) -> Path:
 
 def _cpp_extension() -> ModuleType:
     """torch.utils.cpp_extension, quiet, compiling CUDA with the toolkit nvcc belongs to
-    (``_build.cuda_toolkit``),
-    which torch's own guess (the parent of nvcc's folder) misses where nvcc is a wrapper script."""
+    (``_build.cuda_toolkit``), which torch's own guess (the parent of nvcc's folder) misses where nvcc is a
+    wrapper script."""
     # cpp_extension logs a CUDA_HOME notice at import on machines without CUDA; it is irrelevant here.
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     from torch.utils import cpp_extension
