@@ -4,7 +4,7 @@ Case (e) clips by global norm: FusedSGD(max_grad_norm=...) against its own plain
 ``torch.nn.utils.clip_grad_norm_(foreach=True)`` followed by torch's fused SGD. Case (f) steps bf16 params
 without master weights: rounded to nearest, stochastically or with Kahan compensation (``update_rounding``),
 against our step with master weights and torch's fused bf16 step, with each one's optimizer state per
-parameter.
+parameter. Cases (d) and (g) step bf16 and fp16 params with fp32 master weights.
 
 Usage: ``python bench/step.py [--repeats N] [--quick]``. Prints a markdown table and writes
 ``bench/results/step.json``. The floor is a kernel in our extension with the same reads and writes as
@@ -135,9 +135,11 @@ def main() -> None:
         ("(d) ResNet-50, bf16 + fp32 master weights", rn50, torch.bfloat16, True),
         (f"(e) ResNet-50, fp32, max_grad_norm={MAX_GRAD_NORM:g}", rn50, torch.float32, False),
         ("(f) ResNet-50, bf16, no master weights", rn50, torch.bfloat16, False),
+        ("(g) ResNet-50, fp16 + fp32 master weights", rn50, torch.float16, True),
     ]
     rows = []
     state_bytes = {}
+    master_over_fp32 = {}
     for name, shapes, dtype, master in cases:
         params = make_params(shapes, dtype)
         if name.startswith("(e)"):
@@ -146,22 +148,25 @@ def main() -> None:
             steps, state_bytes = rounding_contenders(params)
         else:
             steps = contenders(params, master)
-        if master:  # (d) is compared with (a)'s fp32 step in the same interleaved loop: the machine drifts
+        if master:  # (d), (g): against (a)'s fp32 step in the same interleaved loop: the machine drifts
             fp32 = FusedSGD(make_params(shapes, torch.float32), backend="compiled", **HPARAMS)
             steps["FusedSGD fp32 (a)"] = fp32.step
         times = time_interleaved(steps, repeats=repeats)
         if master:
-            bf16_over_fp32 = times["FusedSGD"] / times.pop("FusedSGD fp32 (a)")
+            master_over_fp32[str(dtype).removeprefix("torch.")] = times["FusedSGD"] / times.pop(
+                "FusedSGD fp32 (a)"
+            )
         rows.append((name, times))
         print(f"{name}: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in times.items()), flush=True)
         del params
     title = (
         f"Step time, median of {repeats} (momentum 0.9, Nesterov, wd 1e-4; {torch.get_num_threads()} threads)"
     )
-    print_table(title, rows[:4], "floor")
+    print_table(title, [*rows[:4], rows[6]], "floor")
     print_table(f"Norm clipping: {title}", rows[4:5], "floor")
-    print_table(f"bf16 without master weights: {title}", rows[5:], "floor")
-    print(f"\n(d) bf16 + master weights / fp32 FusedSGD step on (a)'s shapes: {bf16_over_fp32:.2f}")
+    print_table(f"bf16 without master weights: {title}", rows[5:6], "floor")
+    for dtype, ratio in master_over_fp32.items():
+        print(f"\n{dtype} + master weights / fp32 FusedSGD step on (a)'s shapes: {ratio:.2f}")
     bf16 = rows[5][1]
     print(
         f"(f) stochastic / nearest: {bf16['FusedSGD stochastic'] / bf16['FusedSGD']:.2f}; "
@@ -183,7 +188,7 @@ def main() -> None:
             "repeats": repeats,
             "hparams": HPARAMS,
             "cases": {n: t for n, t in rows},
-            "bf16_master_over_fp32": bf16_over_fp32,
+            "master_over_fp32": master_over_fp32,
             "max_grad_norm": MAX_GRAD_NORM,
             "state_bytes_per_param": state_bytes,
         },

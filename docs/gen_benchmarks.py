@@ -102,8 +102,9 @@ def step_section(result: dict[str, Any], images: Path) -> str:
         "## The optimizer step on the CPU",
         "",
         "`bench/step.py`: momentum 0.9, Nesterov, weight decay 1e-4, the median of interleaved steps of "
-        "every contender. The **floor** is a kernel built beside ours with the same reads and writes as a "
-        "momentum step and no arithmetic, over the same tensors and work list: 20 bytes per fp32 parameter. "
+        "every contender. The **floor** is a kernel built beside ours with the same reads, writes and "
+        "prefetches as a momentum step and no arithmetic, over the same tensors and work list: 20 bytes per "
+        "fp32 parameter. "
         "Times vary between runs on a shared machine; the ratios within one run are what carries over.",
         "",
         _table(
@@ -133,11 +134,11 @@ def step_section(result: dict[str, Any], images: Path) -> str:
             f"{clipped['torch clip_grad_norm_ + fused'] / clipped['FusedSGD clipped']:.2f}x ours.",
             "",
         ]
-    if "bf16_master_over_fp32" in result:
+    for dtype, ratio in result.get("master_over_fp32", {}).items():
         text += [
-            "bf16 params with fp32 master weights: "
-            f"{result['bf16_master_over_fp32']:.2f}x the fp32 step (22 bytes moved per parameter against "
-            "20). torch's fused bf16 step keeps bf16 momentum and no fp32 copy: it moves 10.",
+            f"{dtype} params with fp32 master weights: {ratio:.2f}x the fp32 step (22 bytes moved per "
+            f"parameter against 20). torch's fused {dtype} step keeps {dtype} momentum and no fp32 copy: it "
+            "moves 10.",
             "",
         ]
     rounding = next((t for t in cases.values() if "FusedSGD stochastic" in t), None)

@@ -28,6 +28,10 @@ assert torch.equal(p.detach(), torch.zeros(4))
 # spanning several kernel chunks and past the single-thread threshold, and a small conv weight.
 SHAPES = [(8, 3, 3, 3), (8,), (33, 17), (70_000,), (3, 5, 4, 4)]
 
+# Elements of a 16-bit param whose step runs on whole vectors then element by element: two vectors of the
+# widest build (AVX-512: 32 bf16/fp16 a vector) and a tail of 3.
+VECTORS_AND_TAIL = 67
+
 
 def make_params(
     shapes: Sequence[tuple[int, ...]] = SHAPES,

@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from helpers import make_params
+from helpers import VECTORS_AND_TAIL, make_params
 
 from lightning_fusedsgd import FusedSGD
 
@@ -233,7 +233,7 @@ def test_a_kahan_weight_that_overflows_stays_inf(backend, start, grad):
     """A weight rounded to inf keeps a compensation of 0, where the fp32 weight overflows too and where only
     its rounding to bf16 does (bf16's largest value plus 1e36): inf - inf, or inf - a finite weight, would
     make the next weight NaN."""
-    param = torch.nn.Parameter(torch.full((3,), start, dtype=torch.bfloat16))
+    param = torch.nn.Parameter(torch.full((VECTORS_AND_TAIL,), start, dtype=torch.bfloat16))
     optimizer = FusedSGD([param], lr=1.0, update_rounding="kahan", backend=backend)
     if grad == -1.0e36:  # the fp32 weight is finite: only its rounding overflows
         assert torch.isfinite(param.detach().float() - grad).all()

@@ -11,8 +11,8 @@
 namespace lfsgd {
 namespace {
 
-// The data-movement floor: the same work list, waves, parallel region and bytes read and written as sgd_step
-// with momentum, and no arithmetic (bit moves only). Benchmarks divide step time by this. With `lars`, each
+// The data-movement floor: the same work list, waves, parallel region, bytes read and written and prefetches as
+// sgd_step with momentum, and no arithmetic (bit moves only). Benchmarks divide step time by this. With `lars`, each
 // wave that has LARS tensors first reads their w and g, as the norm pass does, XOR-reduced into per-chunk
 // partials so the reads are kept (their XOR is returned); the values left behind are the plain floor's.
 // kCompensation: 16-bit params with Kahan compensations (master_params of their dtype), read and written too.
@@ -49,8 +49,7 @@ int64_t floor_bucket(at::TensorList params, at::TensorList grads, at::TensorList
     W* c = c_ptr[chunk.tensor];
     const G* g = g_ptr[chunk.tensor];
     G* p = p_ptr[chunk.tensor];
-#pragma omp simd
-    for (int64_t i = chunk.begin; i < chunk.end; ++i) {
+    const auto move = [&](int64_t i) __attribute__((always_inline)) {
       const W w_old = w[i];
       const G g_i = g[i];
       if (kCompensation) c[i] = c[i] ^ static_cast<W>(g_i);
@@ -61,7 +60,22 @@ int64_t floor_bucket(at::TensorList params, at::TensorList grads, at::TensorList
         w[i] = static_cast<W>(g_i);
       }
       b[i] = w_old ^ b[i];
+    };
+    // As the kernel's update loop: blocks of a cache line of params, each asking for the lines kPrefetchElems
+    // ahead in every stream, then the tail.
+    constexpr int64_t kBlock = 64 / static_cast<int64_t>(sizeof(G));
+    int64_t begin = chunk.begin;
+    for (; begin + kBlock <= chunk.end; begin += kBlock) {
+      prefetch_ahead<1>(w, begin, kBlock);
+      prefetch_ahead<0>(g, begin, kBlock);
+      prefetch_ahead<1>(b, begin, kBlock);
+      if (kMaster) prefetch_ahead<1>(p, begin, kBlock);
+      if (kCompensation) prefetch_ahead<1>(c, begin, kBlock);
+#pragma omp simd
+      for (int64_t i = begin; i < begin + kBlock; ++i) move(i);
     }
+#pragma omp simd
+    for (int64_t i = begin; i < chunk.end; ++i) move(i);
   };
 
 #pragma omp parallel num_threads(num_threads_for(work))

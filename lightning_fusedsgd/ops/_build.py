@@ -18,6 +18,9 @@ from pathlib import Path
 CSRC = Path(__file__).parent / "csrc"
 HEADERS = (
     "sgd_math.h",
+    "elements.h",
+    "vec_math.h",
+    "vec_elements.h",
     "schedule.h",
     "bucket.h",
     "kept_plan.h",
@@ -79,13 +82,14 @@ EXTENSIONS = {
 
 CPU_CAPABILITIES = {
     "default": (),
-    "avx2": ("-mavx2", "-mfma"),
-    "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"),
+    "avx2": ("-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2"),
+    "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-DCPU_CAPABILITY_AVX512"),
 }
 """The CPU library's builds, lowest first, with the flags of the features torch checks before it reports its
-AVX2 capability (AVX2, FMA) and its AVX512 one (AVX-512 F/BW/VL/DQ, FMA): each build runs where torch runs
-ATen's kernels of that capability, and rounds as they do (fused multiply-adds exactly where FMA is in the
-flags)."""
+AVX2 capability (AVX2, FMA; F16C, which every AVX2 CPU has) and its AVX512 one (AVX-512 F/BW/VL/DQ, FMA): each
+build runs where torch runs ATen's kernels of that capability, and rounds as they do (fused multiply-adds
+exactly where FMA is in the flags). ``CPU_CAPABILITY_*`` gives ATen's vectors (at::vec) the capability's
+instructions, on which the 16-bit loops run."""
 
 DEFAULT_CUDA_ARCH_LIST = "8.0;9.0+PTX"  # A100, H100/H200 machine code; PTX for later GPUs
 CACHE_ENV = "LIGHTNING_FUSEDSGD_CACHE"

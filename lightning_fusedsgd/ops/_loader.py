@@ -1,24 +1,24 @@
-"""Loads the compiled kernels into ``torch.ops.lightning_fusedsgd``: the wheel's libraries, else the ones built
-on first use.
+"""Loads the compiled kernels into ``torch.ops.lightning_fusedsgd``: the wheel's libraries, else the ones
+built on first use.
 
 Where the libraries come from, in order:
 
-1. **The wheel** (``pip wheel --no-build-isolation .``, see setup.py): prebuilt libraries under
-   ``ops/_lib/``. The CPU library is built once per instruction set of ``_build.CPU_CAPABILITIES``, each a whole library, and the
-   one torch's own CPU capability names is loaded (``ATEN_CPU_CAPABILITY`` lowers torch's, and so ours;
+1. **The wheel** (``pip wheel --no-build-isolation .``, see setup.py): prebuilt libraries under ``ops/_lib/``.
+   The CPU library is built once per instruction set of ``_build.CPU_CAPABILITIES``, each a whole library, and
+   the one torch's own CPU capability names is loaded (``ATEN_CPU_CAPABILITY`` lowers torch's, and so ours;
    ``LIGHTNING_FUSEDSGD_CPU_CAPABILITY`` lowers ours alone). Whole libraries rather than per-ISA namespaces in
    one: inline functions of the headers (ours and torch's) compiled with AVX-512 flags would otherwise be
    merged by the linker into code that the baseline path calls too. The CUDA library is there when the wheel
    was built with a CUDA toolkit, for the architectures in ``_lib/build.json``. The libraries link against one
-   torch's C++ API (the LibTorch stable ABI cannot express the ``KeptPlan`` class or the dispatcher calls),
-   so ``build.json`` records that torch, and a library is only loaded under it, and only where its size and
+   torch's C++ API (the LibTorch stable ABI cannot express the ``KeptPlan`` class or the dispatcher calls), so
+   ``build.json`` records that torch, and a library is only loaded under it, and only where its size and
    SHA-256 are those recorded.
 2. **Built on first use** (editable installs, ``make install``; and the fallback where the wheel's library
-   cannot be used, with one message saying why): with the same flags as the wheel's library of this capability,
-   through ``torch.utils.cpp_extension`` and ninja, cached under ``$LIGHTNING_FUSEDSGD_CACHE`` (default
-   ``~/.cache/lightning_fusedsgd``) by a hash of sources, flags, torch, Python and the instruction set (CUDA:
-   the toolkit and the GPUs' architectures). A build's record (size, SHA-256) is written last and checked
-   before every load, so a library cut short (a full disk) is rebuilt rather than mapped.
+   cannot be used, with one message saying why): with the same flags as the wheel's library of this
+   capability, through ``torch.utils.cpp_extension`` and ninja, cached under ``$LIGHTNING_FUSEDSGD_CACHE``
+   (default ``~/.cache/lightning_fusedsgd``) by a hash of sources, flags, torch, Python and the instruction
+   set (CUDA: the toolkit and the GPUs' architectures). A build's record (size, SHA-256) is written last and
+   checked before every load, so a library cut short (a full disk) is rebuilt rather than mapped.
 
 ``python -m lightning_fusedsgd`` loads (or builds) them and says which. Where nothing can be loaded,
 :class:`KernelBuildError` says why and how to fix it; the optimizer's backend policy falls back to the

@@ -300,10 +300,10 @@ def element_random_bits(key: int, param: Tensor) -> Tensor:
 
 def stochastic_bf16(value: Tensor, random16: Tensor) -> Tensor:
     """fp32 ``value`` rounded to bf16 with 16 random bits per element (``stochastic_bf16_bits`` in
-    sgd_math.h): rounded up with probability (dropped bits) / 2^16, so unbiased."""
+    sgd_math.h): rounded up with probability (dropped bits) / 2^16, so unbiased; a NaN as ``kBf16NanBits``."""
     bits = value.view(torch.int32).to(torch.int64) & _MASK32
     nan = (bits & 0x7FFFFFFF) > 0x7F800000
-    rounded = torch.where(nan, 0x7FC0, (bits + random16) >> 16)
+    rounded = torch.where(nan, 0xFFFF, (bits + random16) >> 16)
     return (rounded - (rounded >= 0x8000).long() * 0x10000).to(torch.int16).view(torch.bfloat16)
 
 

@@ -1,7 +1,7 @@
 // One element's memory, written once for the CPU kernel and (under nvcc) the CUDA kernel: what a bucket's
 // master_params hold, loads into opmath and stores back, the weight an element steps from (load_weight), and the
-// rounding of its update into the param, buffer, master or compensation (store_update). The bf16 conversions are
-// integer work the CPU compiler vectorizes (round to nearest even, NaN kept quiet), and give c10::BFloat16's bits.
+// rounding of its update into the param, buffer, master or compensation (store_update). The CPU kernel's AVX2 and
+// AVX-512 builds run the same on ATen's vectors for 16-bit params (vec_elements.h), which give the same bits.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -35,14 +35,28 @@ LFSGD_ELEMENT float bits_float(uint32_t bits) {
   return value;
 }
 
-// The high half of fp32 bits rounded to nearest even, NaN not treated apart (the callers decide).
-LFSGD_ELEMENT uint32_t nearest_even_high_bits(uint32_t bits) { return (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16; }
+// fp32 bits rounded to nearest even bf16, in their high half (the low half is what rounding drops), NaN not
+// treated apart (the callers keep it). `U`: uint32_t, or int32 lanes (vec_elements.h).
+template <typename U>
+LFSGD_ELEMENT U nearest_even_high_bits(U bits) {
+  return bits + U(0x7FFFu) + (shift_right_logical<16>(bits) & U(1u));
+}
 
-// The bits of v rounded to bf16. Integer operations only (the NaN test too): a float comparison in the loop keeps
-// the compiler from vectorizing the bf16 loops.
+// The bits of v rounded to nearest even bf16, a NaN as kBf16NanBits. Integer operations only (the NaN test too),
+// which the compiler vectorizes where the CPU kernel has no vector code.
 LFSGD_ELEMENT uint16_t rounded_bits(float v) {
   const uint32_t bits = float_bits(v);
-  return static_cast<uint16_t>(nan_bits(bits) ? 0x7FC0u : nearest_even_high_bits(bits));
+  return nan_bits(bits) ? kBf16NanBits : static_cast<uint16_t>(nearest_even_high_bits(bits) >> 16);
+}
+
+// The bits of v rounded to nearest in the 16-bit type P.
+template <typename P>
+LFSGD_ELEMENT uint16_t nearest_bits(float v) {
+  if constexpr (std::is_same_v<P, c10::BFloat16>) {
+    return rounded_bits(v);
+  } else {
+    return c10::Half(v).x;
+  }
 }
 
 // The bits a 16-bit element holds.
@@ -62,21 +76,15 @@ LFSGD_ELEMENT void store(c10::Half* p, int64_t i, float v) { p[i] = c10::Half(v)
 LFSGD_ELEMENT void store(c10::BFloat16* p, int64_t i, float v) { reinterpret_cast<uint16_t*>(p)[i] = rounded_bits(v); }
 
 // The weight of element i in opmath: the param, its fp32 master re-synced with the param (synced_master), or the
-// param plus its Kahan compensation. The bf16 comparison is integer work the compiler vectorizes (a NaN master may
-// compare unequal and take the param's NaN: NaN either way).
+// param plus its Kahan compensation.
 template <Masters kMasters, typename P, typename M>
 LFSGD_ELEMENT typename OpMath<P>::type load_weight(const P* w, const M* m, int64_t i) {
   if constexpr (kMasters == Masters::kNone) {
     return load(w, i);
   } else if constexpr (kMasters == Masters::kCompensation) {
     return load(w, i) + load(m, i);
-  } else if constexpr (std::is_same_v<P, c10::BFloat16>) {
-    const uint32_t master = float_bits(m[i]);
-    const uint32_t rounded = nearest_even_high_bits(master) & 0xFFFFu;
-    const uint32_t param = bits16(w, i);
-    return bits_float(synced_master(master, rounded, param, param << 16));
   } else {
-    return synced_master(m[i], c10::Half(m[i]).x, bits16(w, i), load(w, i));
+    return synced_master(m[i], nearest_bits<P>(m[i]), bits16(w, i), load(w, i));
   }
 }
 

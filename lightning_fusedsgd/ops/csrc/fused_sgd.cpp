@@ -13,12 +13,20 @@
 #include <type_traits>
 #include <vector>
 
+// The AVX2 and AVX-512 builds step 16-bit params on ATen's vectors (vec_elements.h).
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+#define LFSGD_CPU_VECTORS
+#endif
+
 #include "bucket.h"
 #include "elements.h"
 #include "kept_plan.h"
 #include "schedule.h"
 #include "sgd_math.h"
 #include "work_list.h"
+#ifdef LFSGD_CPU_VECTORS
+#include "vec_elements.h"
+#endif
 
 namespace lfsgd {
 namespace {
@@ -240,14 +248,57 @@ class CpuUpdate {
     M* m = m_ptr_[t];
     const GroupHParams& h = groups_[tensor_group_[t]];
     const uint32_t key = kStochastic ? rounding_key(h.rounding_seed, *step_ptr_[t], t) : 0;
-#pragma omp simd
-    for (int64_t i = chunk.begin; i < chunk.end; ++i) {
+    const auto element = [&](int64_t i) __attribute__((always_inline)) {
       O wi = load_weight<kMasters>(w, m, i);
       O bi = kMomentum && !kFirst ? static_cast<O>(load(b, i)) : O(0);
       sgd_element<kClipValue>(wi, static_cast<O>(load(gr, i)), bi, c);
       store_update<kMasters>(w, b, m, i, wi, bi, kMomentum, kStochastic, key);
+    };
+    // Blocks, each asking for the lines of the block kPrefetchElems ahead in every stream, then the tail element
+    // by element.
+    constexpr int64_t kBlock = block_elems();
+    static_assert(kChunkElems % kBlock == 0, "a chunk holds whole blocks");
+    const int64_t end = chunk.end;
+    int64_t begin = chunk.begin;
+    for (; begin + kBlock <= end; begin += kBlock) {
+      prefetch_ahead<1>(w, begin, kBlock);
+      prefetch_ahead<0>(gr, begin, kBlock);
+      if constexpr (kMomentum) prefetch_ahead<1>(b, begin, kBlock);
+      if constexpr (kMasters != Masters::kNone) prefetch_ahead<1>(m, begin, kBlock);
+#ifdef LFSGD_CPU_VECTORS
+      if constexpr (!std::is_same_v<P, O>) {
+        update_block<kClipValue, kMomentum, kFirst, kStochastic>(w, gr, b, m, begin, c, key);
+        continue;
+      }
+#endif
+#pragma omp simd
+      for (int64_t i = begin; i < begin + kBlock; ++i) element(i);
     }
+#pragma omp simd
+    for (int64_t i = begin; i < end; ++i) element(i);
   }
+
+  // A block: a vector of 16-bit params where the build runs them on vectors, else a cache line of params.
+  static constexpr int64_t block_elems() {
+#ifdef LFSGD_CPU_VECTORS
+    if constexpr (!std::is_same_v<P, O>) return kBlockElems<P>;
+#endif
+    return 64 / static_cast<int64_t>(sizeof(P));
+  }
+
+#ifdef LFSGD_CPU_VECTORS
+  // 16-bit params in the AVX2 and AVX-512 builds run on ATen's vectors (vec_elements.h): the compiler vectorizes
+  // neither c10::Half's conversions nor the bf16 roundings' selects well.
+  template <bool kClipValue, bool kMomentum, bool kFirst, bool kStochastic>
+  LFSGD_ELEMENT static void update_block(P* w, const P* gr, B* b, M* m, int64_t i, const Coeffs<O>& c, uint32_t key) {
+    FloatPair wi = load_weight_block<kMasters>(w, m, i);
+    FloatPair bi = kMomentum && !kFirst ? load_block<P>(b, i) : FloatPair{FloatVec(0.0f), FloatVec(0.0f)};
+    const FloatPair gi = load_block<P>(gr, i);
+    sgd_element<kClipValue>(wi.low, gi.low, bi.low, c);
+    sgd_element<kClipValue>(wi.high, gi.high, bi.high, c);
+    store_update_block<kMasters>(w, b, m, i, wi, bi, kMomentum, kStochastic, key);
+  }
+#endif
 
   const std::vector<GroupHParams>& groups_;
   at::IntArrayRef tensor_group_;

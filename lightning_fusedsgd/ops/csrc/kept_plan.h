@@ -93,9 +93,9 @@ class KeptPlan : public torch::CustomClassHolder {
     // (thousands of tensors on large models). The step runs under no_grad.
     const at::AutoDispatchBelowADInplaceOrView below_autograd;
     Bucket& kept = bucket(b);
-    sgd_step_.call(kept.params, kept.grads, kept.momentum_buffers, kept.master_params, kept.rounding_steps, group_hparams,
-            kept.tensor_group, kept.first_step, grad_scale, found_inf, grad_sq_sum, max_grad_norm,
-            std::nullopt /* sharded plans are kept in Python */, lrs);
+    sgd_step_.call(kept.params, kept.grads, kept.momentum_buffers, kept.master_params, kept.rounding_steps,
+                   group_hparams, kept.tensor_group, kept.first_step, grad_scale, found_inf, grad_sq_sum,
+                   max_grad_norm, std::nullopt /* sharded plans are kept in Python */, lrs);
     kept.grads.clear();  // the bucket's last use of them this step: the next backward may free them
   }
 

@@ -16,6 +16,13 @@
 #define LFSGD_ELEMENT inline __attribute__((always_inline))
 #endif
 
+// The CPU library's AVX2 and AVX-512 builds step 16-bit params on ATen's vectors: the element functions below are
+// templates, and vec_math.h gives the few operations that differ on a vector (declared first, as the templates'
+// lookup needs).
+#ifdef LFSGD_CPU_VECTORS
+#include "vec_math.h"
+#endif
+
 namespace lfsgd {
 
 // One parameter group's hyperparameters: (type, name) in the order of _abi.HPARAMS, the columns of the float64
@@ -137,39 +144,52 @@ LFSGD_HOST_DEVICE inline Coeffs<T> make_coeffs(const GroupHParams& h, double inv
                    h.nesterov};
 }
 
+// a where `condition`, else b, for a condition that holds for the whole loop (a coefficient's test).
+template <typename V>
+LFSGD_ELEMENT V pick(bool condition, V a, V b) {
+  return condition ? a : b;
+}
+
+// g clamped to [-bound, bound] as torch's clamp does it: a NaN stays NaN.
+template <typename T>
+LFSGD_ELEMENT T clamp_keep_nan(T g, T bound) {
+  return g < -bound ? -bound : (g > bound ? bound : g);
+}
+
+// The element functions below take one value `V` of the opmath type `S` (whose Coeffs they read), or a vector of
+// them (vec_math.h): V(s) broadcasts a coefficient, and a select on a coefficient picks a whole vector.
+
 // The gradient as clip_grad_value_ / clip_grad_norm_ leave it: unscaled and sign-corrected, then clipped
-// (only one clip is on). Comparisons keep NaN, as torch's clamp does. kClipValue = false leaves the clamp
-// out, for a clip_value of inf: the CPU kernel's loops vectorize only without it when they also re-sync
-// bf16 masters.
-template <bool kClipValue, typename T>
-LFSGD_ELEMENT T clipped_grad(T g, const Coeffs<T>& c) {
-  g = g * c.grad_mul;
-  if constexpr (kClipValue) g = g < -c.clip_value ? -c.clip_value : (g > c.clip_value ? c.clip_value : g);
-  return g * c.clip_coef;
+// (only one clip is on). kClipValue = false leaves the clamp out, for a clip_value of inf: a loop without
+// clip_grad_value_ does not pay for it.
+template <bool kClipValue, typename V, typename S>
+LFSGD_ELEMENT V clipped_grad(V g, const Coeffs<S>& c) {
+  g = g * V(c.grad_mul);
+  if constexpr (kClipValue) g = clamp_keep_nan(g, c.clip_value);
+  return g * V(c.clip_coef);
 }
 
 // One element's update, rounding as torch.optim.SGD's default path rounds (its single-tensor ops, each with
 // ATen's rounding): grad.add(param, alpha=wd), buf.mul_(momentum).add_(grad, alpha=1 - dampening),
 // grad.add(buf, alpha=momentum), param.add_(grad, alpha=-lr); a term whose coefficient is 0 is left out, as
 // torch leaves out its op (computed and selected away rather than branched around: a branch around a
-// multiply-add keeps the compiler from vectorizing the loop). The
-// plain path (no clipping, LARS, GradScaler or masters) therefore gives torch's bits; the trust ratio and
-// clipping multiply where torch has nothing.
-template <bool kClipValue = true, typename T>
-LFSGD_ELEMENT void sgd_element(T& w, T g, T& b, const Coeffs<T>& c) {
+// multiply-add keeps the compiler from vectorizing the loop). The plain path (no clipping, LARS, GradScaler or
+// masters) therefore gives torch's bits; the trust ratio and clipping multiply where torch has nothing.
+template <bool kClipValue = true, typename V, typename S>
+LFSGD_ELEMENT void sgd_element(V& w, V g, V& b, const Coeffs<S>& c) {
   g = clipped_grad<kClipValue>(g, c);
-  const T decayed = mul_add(w, c.wd_coupled, g);
-  g = c.wd_coupled != T(0) ? decayed : g;
-  g = g * c.trust;
-  const T averaged = mul_add(g, c.one_minus_dampening, b * c.momentum);
-  const T buffer = c.first ? g : averaged;
-  const T looked_ahead = mul_add(buffer, c.momentum, g);
-  const T direction = c.nesterov ? looked_ahead : buffer;
+  const V decayed = mul_add(w, V(c.wd_coupled), g);
+  g = pick(c.wd_coupled != S(0), decayed, g);
+  g = g * V(c.trust);
+  const V averaged = mul_add(g, V(c.one_minus_dampening), b * V(c.momentum));
+  const V buffer = c.first ? g : averaged;
+  const V looked_ahead = mul_add(buffer, V(c.momentum), g);
+  const V direction = c.nesterov ? looked_ahead : buffer;
   b = c.has_momentum ? buffer : b;
   g = c.has_momentum ? direction : g;
-  const T decayed_after = mul_add(w, c.wd_after, g);
-  g = c.wd_after != T(0) ? decayed_after : g;
-  w = mul_add(g, -c.lr, w);
+  const V decayed_after = mul_add(w, V(c.wd_after), g);
+  g = pick(c.wd_after != S(0), decayed_after, g);
+  w = mul_add(g, V(-c.lr), w);
 }
 
 // The gradient term whose squares the LARS norm pass sums: g_raw (clipped_grad) for the default
@@ -240,31 +260,43 @@ LFSGD_HOST_DEVICE inline void apply_lars(Coeffs<T>& c, double sum_w, double sum_
   if (h.lars_zero_plain_grad && (sum_w == 0.0 || sum_g == 0.0)) c.wd_coupled = T(0);
 }
 
+// x where it is finite, else 0, in float operations: x - x is 0 exactly where x is finite.
+template <typename V>
+LFSGD_ELEMENT V finite_or_zero(V x) {
+  return x - x == V(0) ? x : V(0);
+}
+
 // Kahan-compensated bf16 weights (update_rounding="kahan", bf16 params without masters): the weight is param +
 // compensation, added in fp32. After the update the param takes the fp32 result rounded to nearest, and the
 // compensation what that rounding dropped (the difference is exact in fp32), itself rounded to nearest bf16:
 // an update below half an ulp of the param accumulates there until it moves the param. The compensation of a
-// param rounded to inf or NaN is 0 (inf - inf would make the next weight NaN): the difference is then not
-// finite, which x - x == 0 tests (GCC vectorizes this float select in the bf16 loop, and no integer one).
-LFSGD_ELEMENT float kahan_compensation(float weight, float rounded) {
-  const float dropped = weight - rounded;
-  return dropped - dropped == 0.0f ? dropped : 0.0f;
+// param rounded to inf or NaN is 0 (inf - inf would make the next weight NaN).
+template <typename V>
+LFSGD_ELEMENT V kahan_compensation(V weight, V rounded) {
+  return finite_or_zero(weight - rounded);
 }
 
 // Stochastic rounding of the update to bf16 (update_rounding="stochastic", bf16 params without masters): the
 // fp32 result rounds up with probability (the dropped 16 bits) / 2^16, so E[rounded] is the fp32 value and small
 // updates are not lost. Each element draws 32 random bits, a pure function of (seed, the param's count of
-// stochastic steps, tensor, element index),
-// the same on any thread count and device: the high 16 round the weight, the low 16 the momentum buffer. The
-// draw is murmur3's 32-bit finalizer over a per-tensor key plus the index times the golden ratio (one finalizer
-// an element: three integer multiplies, which keeps the step near the memory floor).
-LFSGD_ELEMENT uint32_t mix32(uint32_t x) {
-  x ^= x >> 16;
-  x *= 0x85EBCA6Bu;
-  x ^= x >> 13;
-  x *= 0xC2B2AE35u;
-  x ^= x >> 16;
-  return x;
+// stochastic steps, tensor, element index), the same on any thread count and device: the high 16 round the
+// weight, the low 16 the momentum buffer. The draw is murmur3's 32-bit finalizer over a per-tensor key plus the
+// index times the golden ratio (one finalizer an element: three integer multiplies, which keeps the step near
+// the memory floor).
+//
+// `U` is uint32_t, or a vector of int32 lanes (vec_math.h), whose multiplies wrap alike.
+template <int kBits, typename U>
+LFSGD_ELEMENT U shift_right_logical(U x) {
+  return x >> kBits;
+}
+
+template <typename U>
+LFSGD_ELEMENT U mix32(U x) {
+  x = x ^ shift_right_logical<16>(x);
+  x = x * U(0x85EBCA6Bu);
+  x = x ^ shift_right_logical<13>(x);
+  x = x * U(0xC2B2AE35u);
+  return x ^ shift_right_logical<16>(x);
 }
 
 // The key of one tensor's draws at its step `step` (its rounding_steps entry): tensor is its index in the bucket.
@@ -278,19 +310,34 @@ LFSGD_HOST_DEVICE inline uint32_t rounding_key(double rounding_seed, int64_t rou
   return mix32(key ^ static_cast<uint32_t>(tensor));
 }
 
-// The 32 random bits of element i of the tensor with this key.
-LFSGD_ELEMENT uint32_t element_random_bits(uint32_t key, int64_t i) {
-  const uint64_t index = static_cast<uint64_t>(i);
-  return mix32(key + static_cast<uint32_t>(index) * 0x9E3779B9u + static_cast<uint32_t>(index >> 32));
+// The 32 random bits of the element with index (index_high << 32) + index_low of the tensor with this key.
+template <typename U>
+LFSGD_ELEMENT U random_bits(U key, U index_low, U index_high) {
+  return mix32(key + index_low * U(0x9E3779B9u) + index_high);
 }
 
-// Whether fp32 bits are a NaN, in integer operations (which vectorize where a float comparison may not).
+LFSGD_ELEMENT uint32_t element_random_bits(uint32_t key, int64_t i) {
+  const uint64_t index = static_cast<uint64_t>(i);
+  return random_bits(key, static_cast<uint32_t>(index), static_cast<uint32_t>(index >> 32));
+}
+
+// The bits a bf16 NaN is stored as, whatever the NaN: ATen's vector conversions' (all ones), which the CPU
+// kernel's vector loops take, so its scalar tail, and the CUDA kernel, take them too.
+constexpr uint16_t kBf16NanBits = 0xFFFFu;
+
+// Whether fp32 bits are a NaN, in integer operations.
 LFSGD_ELEMENT bool nan_bits(uint32_t bits) { return (bits & 0x7FFFFFFFu) > 0x7F800000u; }
 
-// The bf16 bits of the fp32 value with these bits, rounded stochastically with 16 random bits (added below the
-// kept bits, then the sum is truncated); NaN stays a quiet NaN, +-inf stays +-inf.
+// The fp32 bits rounded stochastically to their high half with 16 random bits: added below the kept bits, then
+// the sum is truncated (+-inf stays +-inf; a NaN's sum means nothing, the callers keep the NaN).
+template <typename U>
+LFSGD_ELEMENT U stochastic_high_bits(U bits, U random16) {
+  return (bits + random16) & U(0xFFFF0000u);
+}
+
+// The bf16 bits of the fp32 value with these bits, rounded stochastically (stochastic_high_bits).
 LFSGD_ELEMENT uint16_t stochastic_bf16_bits(uint32_t bits, uint32_t random16) {
-  return static_cast<uint16_t>(nan_bits(bits) ? 0x7FC0u : (bits + random16) >> 16);
+  return nan_bits(bits) ? kBf16NanBits : static_cast<uint16_t>(stochastic_high_bits(bits, random16) >> 16);
 }
 
 }  // namespace lfsgd

@@ -1,0 +1,163 @@
+// elements.h's loads and stores for a block of 16-bit params on ATen's vectors, for the CPU library's AVX2 and
+// AVX-512 builds: the elements of one at::vec::Vectorized<P> (16 or 32), in opmath as two float vectors. The same
+// bits as element by element: bf16 rounded to nearest even with NaN as kBf16NanBits, fp16 by F16C, which
+// c10::Half takes in these builds too.
+//
+// A bf16 block is read as 32-bit lanes of two elements each: its even elements are the lanes shifted up by 16
+// bits, its odd ones the lanes' high halves (an instruction each, where a conversion in order takes two and a
+// shuffle), and fp32 state is de-interleaved to match. The roundings work on the lanes' bits, and packing them
+// back is a shift and an or. An fp16 block takes ATen's conversions (F16C), in order.
+#pragma once
+
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "elements.h"
+#include "sgd_math.h"
+
+namespace lfsgd {
+
+template <typename P>
+constexpr int64_t kBlockElems = at::vec::Vectorized<P>::size();
+
+template <typename P>
+constexpr bool kEvenOdd = std::is_same_v<P, c10::BFloat16>;
+
+// A block in opmath: its first and second halves, or (bf16 params) its even and odd elements.
+struct FloatPair {
+  FloatVec low;
+  FloatVec high;
+};
+
+constexpr uint32_t kHighHalf = 0xFFFF0000u;
+
+LFSGD_ELEMENT IntVec bits_of(const FloatVec& v) { return at::vec::cast<int32_t>(v); }
+LFSGD_ELEMENT FloatVec float_of(const IntVec& bits) { return at::vec::cast<float>(bits); }
+
+// The block at i of a tensor of T that belongs to params of P.
+template <typename P, typename T>
+LFSGD_ELEMENT FloatPair load_block(const T* p, int64_t i) {
+  if constexpr (std::is_same_v<T, float>) {
+    const FloatVec first = FloatVec::loadu(p + i);
+    const FloatVec second = FloatVec::loadu(p + i + FloatVec::size());
+    if constexpr (kEvenOdd<P>) {
+      const auto [even, odd] = at::vec::deinterleave2(first, second);
+      return {even, odd};
+    } else {
+      return {first, second};
+    }
+  } else if constexpr (kEvenOdd<P>) {
+    const IntVec lanes = IntVec::loadu(p + i);
+    return {float_of(shift_left<16>(lanes)), float_of(lanes & IntVec(kHighHalf))};
+  } else {
+    const auto [low, high] = at::vec::convert_to_float<T>(at::vec::Vectorized<T>::loadu(p + i));
+    return {low, high};
+  }
+}
+
+// bf16 bits in the high halves of `v`'s lanes where v is not NaN, else kBf16NanBits.
+LFSGD_ELEMENT IntVec nan_as_bf16_nan(const IntVec& bits, const FloatVec& v) {
+  return bits_of(where_nan(v, FloatVec(bits_float(uint32_t{kBf16NanBits} << 16)), float_of(bits)));
+}
+
+// Each lane rounded to nearest even bf16 (rounded_bits), in the high half of its bits.
+LFSGD_ELEMENT IntVec nearest_bf16_bits(const FloatVec& v) {
+  return nan_as_bf16_nan(nearest_even_high_bits(bits_of(v)), v);
+}
+
+// Each lane rounded stochastically with its 16 random bits (stochastic_bf16_bits), in the high half of its bits.
+LFSGD_ELEMENT IntVec stochastic_bf16_bits(const FloatVec& v, const IntVec& random16) {
+  return nan_as_bf16_nan(stochastic_high_bits(bits_of(v), random16), v);
+}
+
+// The bf16 bits in the high halves of the even and odd lanes, packed back into elements and stored at i.
+LFSGD_ELEMENT void store_bf16_bits(c10::BFloat16* p, int64_t i, const IntVec& even, const IntVec& odd) {
+  (shift_right_logical<16>(even) | (odd & IntVec(kHighHalf))).store(p + i);
+}
+
+// The block, rounded to nearest in T, stored at i of a tensor of T that belongs to params of P.
+template <typename P, typename T>
+LFSGD_ELEMENT void store_block(T* p, int64_t i, const FloatPair& v) {
+  if constexpr (std::is_same_v<T, float>) {
+    FloatPair out = v;
+    if constexpr (kEvenOdd<P>) std::tie(out.low, out.high) = at::vec::interleave2(v.low, v.high);
+    out.low.store(p + i);
+    out.high.store(p + i + FloatVec::size());
+  } else if constexpr (kEvenOdd<P>) {
+    store_bf16_bits(p, i, nearest_bf16_bits(v.low), nearest_bf16_bits(v.high));
+  } else {
+    at::vec::convert_from_float<T>(v.low, v.high).store(p + i);
+  }
+}
+
+// The block rounded to nearest in P, as floats.
+template <typename P>
+LFSGD_ELEMENT FloatPair rounded_block(const FloatPair& v) {
+  if constexpr (kEvenOdd<P>) {
+    const IntVec mask(kHighHalf);
+    return {float_of(nearest_bf16_bits(v.low) & mask), float_of(nearest_bf16_bits(v.high) & mask)};
+  } else {
+    const auto [low, high] = at::vec::convert_to_float<P>(at::vec::convert_from_float<P>(v.low, v.high));
+    return {low, high};
+  }
+}
+
+// load_weight, for the block at i.
+template <Masters kMasters, typename P, typename M>
+LFSGD_ELEMENT FloatPair load_weight_block(const P* w, const M* m, int64_t i) {
+  const FloatPair param = load_block<P>(w, i);
+  if constexpr (kMasters == Masters::kNone) {
+    return param;
+  } else if constexpr (kMasters == Masters::kCompensation) {
+    const FloatPair compensation = load_block<P>(m, i);
+    return {param.low + compensation.low, param.high + compensation.high};
+  } else {
+    const FloatPair master = load_block<P>(m, i);
+    const FloatPair rounded = rounded_block<P>(master);
+    return {synced_master(master.low, bits_of(rounded.low), bits_of(param.low), param.low),
+            synced_master(master.high, bits_of(rounded.high), bits_of(param.high), param.high)};
+  }
+}
+
+// store_update, for the block at i. Its elements' random bits: element_random_bits over the block's indices
+// (which share their high 32 bits: a chunk holds whole blocks, and 2^32 whole chunks).
+template <Masters kMasters, typename P, typename B, typename M>
+LFSGD_ELEMENT void store_update_block(P* w, B* b, M* m, int64_t i, const FloatPair& wi, const FloatPair& bi,
+                                      bool momentum, bool stochastic, uint32_t key) {
+  if constexpr (kMasters == Masters::kFp32) store_block<P>(m, i, wi);
+  if constexpr (kMasters == Masters::kCompensation) {
+    const IntVec low = nearest_bf16_bits(wi.low);
+    const IntVec high = nearest_bf16_bits(wi.high);
+    store_bf16_bits(w, i, low, high);
+    const IntVec mask(kHighHalf);
+    store_block<P>(m, i, {kahan_compensation(wi.low, float_of(low & mask)),
+                          kahan_compensation(wi.high, float_of(high & mask))});
+    if (momentum) store_block<P>(b, i, bi);
+    return;
+  }
+  if constexpr (std::is_same_v<P, c10::BFloat16> && kMasters == Masters::kNone) {
+    if (stochastic) {
+      const uint64_t index = static_cast<uint64_t>(i);
+      const IntVec key_lanes(static_cast<int32_t>(key));
+      const IntVec high_index(static_cast<int32_t>(static_cast<uint32_t>(index >> 32)));
+      // The even and odd lanes' low index bits, added as vectors (which wrap as uint32_t does).
+      const IntVec base(static_cast<int32_t>(static_cast<uint32_t>(index)));
+      const IntVec even = random_bits(key_lanes, base + IntVec::arange(0, 2), high_index);
+      const IntVec odd = random_bits(key_lanes, base + IntVec::arange(1, 2), high_index);
+      store_bf16_bits(w, i, stochastic_bf16_bits(wi.low, shift_right_logical<16>(even)),
+                      stochastic_bf16_bits(wi.high, shift_right_logical<16>(odd)));
+      if (momentum) {
+        const IntVec low16(0xFFFF);
+        store_bf16_bits(b, i, stochastic_bf16_bits(bi.low, even & low16), stochastic_bf16_bits(bi.high, odd & low16));
+      }
+      return;
+    }
+  }
+  store_block<P>(w, i, wi);
+  if (momentum) store_block<P>(b, i, bi);
+}
+
+}  // namespace lfsgd
