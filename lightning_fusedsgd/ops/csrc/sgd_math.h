@@ -328,11 +328,14 @@ constexpr uint16_t kBf16NanBits = 0xFFFFu;
 // Whether fp32 bits are a NaN, in integer operations.
 LFSGD_ELEMENT bool nan_bits(uint32_t bits) { return (bits & 0x7FFFFFFFu) > 0x7F800000u; }
 
+// The high half of fp32 bits: where a bf16 value's bits sit.
+constexpr uint32_t kHighHalf = 0xFFFF0000u;
+
 // The fp32 bits rounded stochastically to their high half with 16 random bits: added below the kept bits, then
 // the sum is truncated (+-inf stays +-inf; a NaN's sum means nothing, the callers keep the NaN).
 template <typename U>
 LFSGD_ELEMENT U stochastic_high_bits(U bits, U random16) {
-  return (bits + random16) & U(0xFFFF0000u);
+  return (bits + random16) & U(kHighHalf);
 }
 
 // The bf16 bits of the fp32 value with these bits, rounded stochastically (stochastic_high_bits).

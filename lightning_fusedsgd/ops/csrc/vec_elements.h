@@ -32,10 +32,11 @@ struct FloatPair {
   FloatVec high;
 };
 
-constexpr uint32_t kHighHalf = 0xFFFF0000u;
-
 LFSGD_ELEMENT IntVec bits_of(const FloatVec& v) { return at::vec::cast<int32_t>(v); }
 LFSGD_ELEMENT FloatVec float_of(const IntVec& bits) { return at::vec::cast<float>(bits); }
+
+// The bf16 values whose bits are the high halves of the lanes' bits (the low halves dropped).
+LFSGD_ELEMENT FloatVec bf16_value(const IntVec& bits) { return float_of(bits & IntVec(kHighHalf)); }
 
 // The block at i of a tensor of T that belongs to params of P.
 template <typename P, typename T>
@@ -51,7 +52,7 @@ LFSGD_ELEMENT FloatPair load_block(const T* p, int64_t i) {
     }
   } else if constexpr (kEvenOdd<P>) {
     const IntVec lanes = IntVec::loadu(p + i);
-    return {float_of(shift_left<16>(lanes)), float_of(lanes & IntVec(kHighHalf))};
+    return {float_of(shift_left<16>(lanes)), bf16_value(lanes)};
   } else {
     const auto [low, high] = at::vec::convert_to_float<T>(at::vec::Vectorized<T>::loadu(p + i));
     return {low, high};
@@ -97,8 +98,7 @@ LFSGD_ELEMENT void store_block(T* p, int64_t i, const FloatPair& v) {
 template <typename P>
 LFSGD_ELEMENT FloatPair rounded_block(const FloatPair& v) {
   if constexpr (kEvenOdd<P>) {
-    const IntVec mask(kHighHalf);
-    return {float_of(nearest_bf16_bits(v.low) & mask), float_of(nearest_bf16_bits(v.high) & mask)};
+    return {bf16_value(nearest_bf16_bits(v.low)), bf16_value(nearest_bf16_bits(v.high))};
   } else {
     const auto [low, high] = at::vec::convert_to_float<P>(at::vec::convert_from_float<P>(v.low, v.high));
     return {low, high};
@@ -132,9 +132,7 @@ LFSGD_ELEMENT void store_update_block(P* w, B* b, M* m, int64_t i, const FloatPa
     const IntVec low = nearest_bf16_bits(wi.low);
     const IntVec high = nearest_bf16_bits(wi.high);
     store_bf16_bits(w, i, low, high);
-    const IntVec mask(kHighHalf);
-    store_block<P>(m, i, {kahan_compensation(wi.low, float_of(low & mask)),
-                          kahan_compensation(wi.high, float_of(high & mask))});
+    store_block<P>(m, i, {kahan_compensation(wi.low, bf16_value(low)), kahan_compensation(wi.high, bf16_value(high))});
     if (momentum) store_block<P>(b, i, bi);
     return;
   }

@@ -86,7 +86,9 @@ constexpr int64_t kPrefetchElems = 2048;
 template <int kWrite, typename T>
 inline void prefetch_ahead(const T* p, int64_t i, int64_t n) {
   const char* first = reinterpret_cast<const char*>(p + i + kPrefetchElems);
-  for (int64_t byte = 0; byte < n * static_cast<int64_t>(sizeof(T)); byte += 64) __builtin_prefetch(first + byte, kWrite);
+  for (int64_t byte = 0; byte < n * static_cast<int64_t>(sizeof(T)); byte += 64) {
+    __builtin_prefetch(first + byte, kWrite);
+  }
 }
 
 inline int num_threads_for(const WorkList& work) {
