@@ -4,8 +4,10 @@ refusal changed nothing."""
 from __future__ import annotations
 
 import copy
+import os
+import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
@@ -107,3 +109,14 @@ def assert_unchanged(optimizer: torch.optim.Optimizer, params: Sequence[torch.Te
         assert value.keys() == after["state"][key].keys()
         for name, tensor in value.items():
             assert torch.equal(after["state"][key][name], tensor)
+
+
+def end_worker_process() -> NoReturn:
+    """End a distributed worker whose work is done without finalizing its interpreter. Once DDP or FSDP2
+    ran, PyTorch 2.14 keeps a gloo process group's worker threads alive past ``destroy_process_group()``; one
+    of them can drop the last reference to a Python tensor of the final collective while the interpreter
+    finalizes, and the GIL it takes for that aborts the process ("terminate called without an active
+    exception", about one run in ten here; the race pytorch/pytorch#179291 describes)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
+from helpers import end_worker_process
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from torch.distributed.fsdp import fully_shard
@@ -103,3 +104,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    end_worker_process()

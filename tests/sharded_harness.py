@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from helpers import end_worker_process
 from torch import nn
 
 import lightning_fusedsgd.optim._step as step_path
@@ -335,6 +336,7 @@ def mesh_2d_worker(rank: int, port: int, result_path: str) -> None:
             torch.save(out, result_path)
     finally:
         dist.destroy_process_group()
+    end_worker_process()
 
 
 def _replicated_runs(out: dict[str, Any]) -> None:
@@ -371,3 +373,4 @@ def worker(rank: int, port: int, result_path: str, checkpoint_dir: str) -> None:
             torch.save(out, result_path)
     finally:
         dist.destroy_process_group()
+    end_worker_process()
