@@ -281,8 +281,8 @@ LFSGD_ELEMENT V kahan_compensation(V weight, V rounded) {
 // updates are not lost. Each element draws 32 random bits, a pure function of (seed, the param's count of
 // stochastic steps, tensor, element index), the same on any thread count and device: the high 16 round the
 // weight, the low 16 the momentum buffer. The draw is murmur3's 32-bit finalizer over a per-tensor key plus the
-// index times the golden ratio (one finalizer an element: three integer multiplies, which keeps the step near
-// the memory floor).
+// index times the golden ratio (one finalizer an element: two integer multiplies, which keeps the step near the
+// memory floor; the vector loops add the golden ratio where a third would multiply the index).
 //
 // `U` is uint32_t, or a vector of int32 lanes (vec_math.h), whose multiplies wrap alike.
 template <int kBits, typename U>
@@ -310,15 +310,19 @@ LFSGD_HOST_DEVICE inline uint32_t rounding_key(double rounding_seed, int64_t rou
   return mix32(key ^ static_cast<uint32_t>(tensor));
 }
 
-// The 32 random bits of the element with index (index_high << 32) + index_low of the tensor with this key.
-template <typename U>
-LFSGD_ELEMENT U random_bits(U key, U index_low, U index_high) {
-  return mix32(key + index_low * U(0x9E3779B9u) + index_high);
+// 2^32 over the golden ratio: consecutive indices times it spread over the 32 bits before the finalizer.
+constexpr uint32_t kGoldenStep = 0x9E3779B9u;
+
+// What the finalizer mixes into the 32 random bits of the element with index (index_high << 32) + index_low of
+// the tensor with this key. It wraps, so the element n places on has this plus n * kGoldenStep: the vector loops
+// add that to one element's counter instead of multiplying each lane's index.
+LFSGD_ELEMENT uint32_t draw_counter(uint32_t key, uint32_t index_low, uint32_t index_high) {
+  return key + index_low * kGoldenStep + index_high;
 }
 
 LFSGD_ELEMENT uint32_t element_random_bits(uint32_t key, int64_t i) {
   const uint64_t index = static_cast<uint64_t>(i);
-  return random_bits(key, static_cast<uint32_t>(index), static_cast<uint32_t>(index >> 32));
+  return mix32(draw_counter(key, static_cast<uint32_t>(index), static_cast<uint32_t>(index >> 32)));
 }
 
 // The bits a bf16 NaN is stored as, whatever the NaN: ATen's vector conversions' (all ones), which the CPU

@@ -139,12 +139,13 @@ LFSGD_ELEMENT void store_update_block(P* w, B* b, M* m, int64_t i, const FloatPa
   if constexpr (std::is_same_v<P, c10::BFloat16> && kMasters == Masters::kNone) {
     if (stochastic) {
       const uint64_t index = static_cast<uint64_t>(i);
-      const IntVec key_lanes(static_cast<int32_t>(key));
-      const IntVec high_index(static_cast<int32_t>(static_cast<uint32_t>(index >> 32)));
-      // The even and odd lanes' low index bits, added as vectors (which wrap as uint32_t does).
-      const IntVec base(static_cast<int32_t>(static_cast<uint32_t>(index)));
-      const IntVec even = random_bits(key_lanes, base + IntVec::arange(0, 2), high_index);
-      const IntVec odd = random_bits(key_lanes, base + IntVec::arange(1, 2), high_index);
+      const IntVec first(static_cast<int32_t>(
+          draw_counter(key, static_cast<uint32_t>(index), static_cast<uint32_t>(index >> 32))));
+      // The even and odd lanes' counters: the first element's plus n * kGoldenStep for the element n places on
+      // (vector adds wrap as uint32_t does; the steps are constants).
+      const IntVec golden(static_cast<int32_t>(kGoldenStep));
+      const IntVec even = mix32(first + IntVec::arange(0, 2) * golden);
+      const IntVec odd = mix32(first + IntVec::arange(1, 2) * golden);
       store_bf16_bits(w, i, stochastic_bf16_bits(wi.low, shift_right_logical<16>(even)),
                       stochastic_bf16_bits(wi.high, shift_right_logical<16>(odd)));
       if (momentum) {
