@@ -296,6 +296,20 @@ MESH_2D_SCENARIOS = ("plain", "lars", "lars_decayed_grad_max_grad_norm")
 HSDP_SCENARIO = "lars_max_grad_norm"
 
 
+@contextlib.contextmanager
+def gloo_worker(rank: int, port: int, world: int):
+    """This spawned process as rank ``rank`` of a gloo group of ``world`` (one thread each), torn down after
+    the body; a body that returns ends the process (end_worker_process), one that raises reaches mp.spawn."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+    end_worker_process()
+
+
 def mesh_2d_worker(rank: int, port: int, result_path: str) -> None:
     """Tensor parallelism on the mesh's "tp" dimension, then FSDP2 on its "dp" dimension: weights sharded on
     both (FSDP2 makes the TP-sharded dimension a _StridedShard), a bias sharded on "dp" and replicated on
@@ -304,10 +318,7 @@ def mesh_2d_worker(rank: int, port: int, result_path: str) -> None:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=MESH_2D_WORLD)
-    torch.set_num_threads(1)
-    try:
+    with gloo_worker(rank, port, MESH_2D_WORLD):
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         out: dict[str, Any] = {}
         for name in MESH_2D_SCENARIOS:
@@ -334,9 +345,6 @@ def mesh_2d_worker(rank: int, port: int, result_path: str) -> None:
         out["hsdp"] = {**snapshot(model, optimizer), "all_reduces": counts, "placements": placements}
         if rank == 0:
             torch.save(out, result_path)
-    finally:
-        dist.destroy_process_group()
-    end_worker_process()
 
 
 def _replicated_runs(out: dict[str, Any]) -> None:
@@ -354,10 +362,7 @@ def _replicated_runs(out: dict[str, Any]) -> None:
 
 
 def worker(rank: int, port: int, result_path: str, checkpoint_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    torch.set_num_threads(1)
-    try:
+    with gloo_worker(rank, port, WORLD):
         out: dict[str, Any] = {}
         _sharded_runs(out, Path(checkpoint_dir))
         _scaled_runs(out)
@@ -371,6 +376,3 @@ def worker(rank: int, port: int, result_path: str, checkpoint_dir: str) -> None:
         scaled["applied_per_rank"] = [o["applied"] for o in out_all]
         if rank == 0:
             torch.save(out, result_path)
-    finally:
-        dist.destroy_process_group()
-    end_worker_process()
