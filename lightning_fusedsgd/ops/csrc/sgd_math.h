@@ -281,8 +281,8 @@ LFSGD_ELEMENT V kahan_compensation(V weight, V rounded) {
 // updates are not lost. Each element draws 32 random bits, a pure function of (seed, the param's count of
 // stochastic steps, tensor, element index), the same on any thread count and device: the high 16 round the
 // weight, the low 16 the momentum buffer. The draw is murmur3's 32-bit finalizer over a per-tensor key plus the
-// index times the golden ratio (one finalizer an element: two integer multiplies, which keeps the step near the
-// memory floor; the vector loops add the golden ratio where a third would multiply the index).
+// index times the golden ratio (one finalizer an element, which keeps the step near the memory floor: its two
+// integer multiplies, and the index's, which the vector loops replace by an addition: draw_counter).
 //
 // `U` is uint32_t, or a vector of int32 lanes (vec_math.h), whose multiplies wrap alike.
 template <int kBits, typename U>
