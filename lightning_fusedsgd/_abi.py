@@ -49,6 +49,8 @@ __all__ = [
     "UPDATE_ROUNDINGS",
     "TORCH_SWITCHES",
     "Column",
+    "FLAGS",
+    "check_flag",
     "check_group",
     "check_groups",
     "encode_groups",
@@ -230,6 +232,10 @@ KERNEL_TABLES: tuple[tuple[str, tuple[str, ...], str], ...] = (
 is): loading the library compares each."""
 
 
+FLAGS: tuple[str, ...] = ("master_weights",)
+"""Boolean group keys that are no column (they decide what a step keeps, not the kernel's math), checked as
+the flag columns are."""
+
 TORCH_SWITCHES = ("foreach", "fused", "differentiable")
 """``torch.optim.SGD``'s implementation switches: accepted, so configs written for it work, and choosing
 nothing (every step runs the fused kernel); ``differentiable=True`` is refused."""
@@ -239,6 +245,15 @@ def _shown(value: Any) -> str:
     if isinstance(value, Tensor):
         return str(value.item()) if value.numel() == 1 else f"a tensor of shape {tuple(value.shape)}"
     return repr(value) if isinstance(value, str) else str(value)
+
+
+def check_flag(key: str, value: Any) -> None:
+    """Raises ValueError for a value of a boolean option that no step may take as True or False: a string
+    (a config's ``"false"``, which Python takes as true). Every boolean option is checked by this, wherever it
+    enters."""
+    problem = _bool(value)
+    if problem is not None:
+        raise ValueError(f"Invalid {key}: {_shown(value)}. {problem}")
 
 
 def check_group(group: dict[str, Any]) -> None:
@@ -257,6 +272,8 @@ def check_group(group: dict[str, Any]) -> None:
         if problem is not None:
             start = (column.refused or f"Invalid {column.key}: {{}}").format(_shown(value))
             raise ValueError(f"{start}. {problem}")
+    for key in FLAGS:
+        check_flag(key, group[key])
     if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
         raise ValueError(
             "Nesterov momentum requires a momentum and zero dampening "

@@ -20,6 +20,8 @@ from typing import Any
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 
+from lightning_fusedsgd._abi import check_flag
+
 __all__ = ["NORM_MODULE_TYPES", "param_groups"]
 
 logger = logging.getLogger(__name__)
@@ -207,7 +209,8 @@ def param_groups(
     Raises:
         TypeError: If ``model`` is not an ``nn.Module`` or ``extra_no_decay`` is not a collection
             of strings.
-        ValueError: If ``weight_decay`` is negative or not finite, the model has no trainable
+        ValueError: If ``weight_decay`` is negative or not finite, a switch is a string (a config's
+            ``"false"``), the model has no trainable
             parameters, or it still holds uninitialized lazy parameters.
     """
     if not isinstance(model, nn.Module):
@@ -215,6 +218,14 @@ def param_groups(
     is_number = isinstance(weight_decay, numbers.Real) and not isinstance(weight_decay, bool)
     if not (is_number and math.isfinite(weight_decay) and weight_decay >= 0):
         raise ValueError(f"weight_decay must be a finite number >= 0, got {weight_decay!r}")
+    switches = dict(
+        no_decay_bias=no_decay_bias,
+        no_decay_norm=no_decay_norm,
+        no_lars_bias=no_lars_bias,
+        no_lars_norm=no_lars_norm,
+    )
+    for key, value in switches.items():
+        check_flag(key, value)
     patterns = _validate_patterns(extra_no_decay)
 
     declared = _declared_no_decay(model)

@@ -22,6 +22,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
+from lightning_fusedsgd._abi import check_flag
 from lightning_fusedsgd.lightning.clipping import clip_in_the_step
 from lightning_fusedsgd.lightning.errors import ConfigError
 from lightning_fusedsgd.optim import FusedSGD
@@ -174,9 +175,17 @@ def configure_fused_sgd(
         ``{"optimizer": ..., "lr_scheduler": {"scheduler": ..., "interval": "step"}}``.
 
     Raises:
-        ConfigError: If the module has no trainer, the run length or batch size cannot be found,
-            or the schedule does not fit the run.
+        ConfigError: If a switch is a string (a config's ``"false"``, which Python takes as true), the
+            optimizer refuses a value, the module has no trainer, the run length or batch size cannot be
+            found, or the schedule does not fit the run.
     """
+    switches = dict(lars=lars, master_weights=master_weights, no_decay_bias=no_decay_bias)
+    switches |= dict(no_decay_norm=no_decay_norm, no_lars_bias=no_lars_bias, no_lars_norm=no_lars_norm)
+    try:
+        for key, value in switches.items():
+            check_flag(key, value)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
     try:
         trainer = module.trainer
     except RuntimeError:
@@ -220,15 +229,18 @@ def configure_fused_sgd(
             p.dtype in (torch.float16, torch.bfloat16) for p in module.parameters()
         )
 
-    optimizer = FusedSGD(
-        groups,
-        lr=peak_lr,
-        momentum=momentum,
-        weight_decay=weight_decay,
-        master_weights=master_weights,
-        lars=lars,
-        **optimizer_kwargs,
-    )
+    try:
+        optimizer = FusedSGD(
+            groups,
+            lr=peak_lr,
+            momentum=momentum,
+            weight_decay=weight_decay,
+            master_weights=master_weights,
+            lars=lars,
+            **optimizer_kwargs,
+        )
+    except ValueError as error:  # a value the optimizer refuses: the user's to fix, in one line
+        raise ConfigError(f"optimizer: {error}") from None
     scheduler = schedule.build(
         optimizer, total_steps=total_steps, steps_per_epoch=steps_per_epoch, peak_lr=peak_lr
     )

@@ -142,6 +142,8 @@ class FusedSGD(Optimizer):
         fused: bool | None = None,
         differentiable: bool = False,
     ) -> None:
+        _abi.check_flag("set_grad_none", set_grad_none)
+        _abi.check_flag("capturable", capturable)
         if backend not in _backends.BACKENDS:
             raise ValueError(f"Unknown backend {backend!r}; choose one of {_backends.BACKENDS}.")
         if isinstance(params, Tensor):
