@@ -13,7 +13,7 @@ from torch import nn
 
 from lightning_fusedsgd.lightning import ConfigError
 
-__all__ = ["check_cpu_bf16_convolutions", "narrow_convolutions"]
+__all__ = ["check_cpu_bf16_convolutions", "narrow_convolutions", "onednn_runs_bf16_convolutions"]
 
 # Instruction sets at which oneDNN leaves bf16 convolutions to PyTorch's own kernels (ONEDNN_MAX_CPU_ISA).
 _ONEDNN_WITHOUT_BF16 = ("SSE41", "AVX", "AVX2", "AVX2_VNNI")
@@ -48,11 +48,24 @@ def narrow_convolutions(model: nn.Module, images: torch.Tensor) -> list[tuple[st
     return found
 
 
+def onednn_runs_bf16_convolutions() -> bool:
+    """Whether PyTorch hands bf16 convolutions on the CPU to oneDNN, whose backward has the fault: oneDNN
+    enabled, a CPU PyTorch deems bf16-capable for it (AVX-512; without it PyTorch keeps bf16 convolutions in
+    its own kernels), and no ``ONEDNN_MAX_CPU_ISA`` below oneDNN's bf16 instruction sets."""
+    return (
+        torch.backends.mkldnn.is_available()
+        and torch.backends.mkldnn.enabled
+        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        and os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper() not in _ONEDNN_WITHOUT_BF16
+    )
+
+
 def check_cpu_bf16_convolutions(
     trainer: pl.Trainer, model: pl.LightningModule, in_channels: int, image_size: int
 ) -> None:
     """Refuses a bf16 run on the CPU (``bf16-true``; ``bf16-mixed``, which ``16-mixed`` becomes there) whose
-    model has a convolution oneDNN would give wrong weight gradients, where oneDNN runs bf16 convolutions.
+    model has a convolution oneDNN would give wrong weight gradients, where oneDNN runs bf16 convolutions
+    (:func:`onednn_runs_bf16_convolutions`); elsewhere PyTorch's own kernels compute them right.
 
     Raises:
         ConfigError: Naming the convolution and the fixes.
@@ -60,9 +73,7 @@ def check_cpu_bf16_convolutions(
     if not (
         isinstance(trainer.accelerator, CPUAccelerator)
         and trainer.precision in ("bf16-true", "bf16-mixed")
-        and torch.backends.mkldnn.is_available()
-        and torch.backends.mkldnn.enabled
-        and os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper() not in _ONEDNN_WITHOUT_BF16
+        and onednn_runs_bf16_convolutions()
     ):
         return
     narrow = narrow_convolutions(model, torch.zeros(1, in_channels, image_size, image_size))
@@ -70,10 +81,11 @@ def check_cpu_bf16_convolutions(
         return
     seen = ", ".join(f"{name} ({h}x{w} with stride {stride})" for name, (h, w), stride in narrow)
     raise ConfigError(
-        f"trainer.precision={trainer.precision} on the CPU would train into garbage: PyTorch's bf16 "
-        "convolution backward (oneDNN) writes wrong weight gradients where a padded convolution's input is "
-        f"narrower than its stride, as here at data.image_size={image_size}: {seen}. Use larger images "
-        "(data.image_size), trainer.precision=32, or set ONEDNN_MAX_CPU_ISA=AVX2 in the environment (oneDNN "
-        "then leaves bf16 convolutions to PyTorch's slower kernels). See "
+        f"trainer.precision={trainer.precision} on the CPU would train into garbage: oneDNN's bf16 "
+        "convolution backward-weights kernels (jit avx512_core_bf16 / avx512_core, AMX brgconv), which "
+        "PyTorch uses on this AVX-512 CPU, write wrong weight gradients where a padded convolution's input "
+        f"is narrower than its stride, as here at data.image_size={image_size}: {seen}. Use larger images "
+        "(data.image_size), trainer.precision=32, or opt out of those kernels with ONEDNN_MAX_CPU_ISA=AVX2 "
+        "in the environment (oneDNN then leaves bf16 convolutions to PyTorch's slower kernels). See "
         "docs/upstream/onednn-bf16-conv-backward.md."
     )

@@ -65,6 +65,23 @@ def test_the_runner_refuses_bf16_on_the_cpu_where_it_would_meet_the_fault(precis
     check_cpu_bf16_convolutions(trainer, model, channels, 8)
 
 
+def test_a_cpu_whose_bf16_convolutions_stay_out_of_onednn_is_not_refused(tmp_path, monkeypatch):
+    """Without AVX-512, PyTorch keeps bf16 convolutions out of oneDNN (``_is_mkldnn_bf16_supported()`` is
+    False), and its own kernels give 0 of 20 wrong gradients in the repro above: the guard lets such a run
+    train."""
+    model, channels = _quickstart(tmp_path, 8)
+    trainer = cpu_trainer(precision="bf16-true")
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    check_cpu_bf16_convolutions(trainer, model, channels, 8)
+
+
+def test_without_onednn_the_repro_gives_right_gradients():
+    """The oracle behind the guard's rule: the same repro, with oneDNN's kernels out of the way (as they are
+    on a CPU where PyTorch does not hand bf16 convolutions to oneDNN), computes every gradient right."""
+    with torch.backends.mkldnn.flags(enabled=False):
+        test_bf16_conv_weight_gradient_where_the_input_is_narrower_than_the_stride()
+
+
 @pytest.mark.slow
 def test_the_reported_command_stops_with_the_fix_before_training(tmp_path):
     result = run_train_py(
