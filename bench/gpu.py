@@ -183,7 +183,7 @@ def main() -> None:
         "torch foreach": torch.optim.SGD(model_groups(torch.float32), foreach=True, **HPARAMS).step,
         "FusedSGD+LARS": FusedSGD(model_groups(torch.float32), lars=True, backend="compiled", **HPARAMS).step,
         "LARS, reference backend": FusedSGD(
-            model_groups(torch.float32), lars=True, backend="torch", **HPARAMS
+            model_groups(torch.float32), lars=True, backend="reference", **HPARAMS
         ).step,
         "FusedSGD bf16+master": FusedSGD(
             model_groups(torch.bfloat16), backend="compiled", master_weights=True, **HPARAMS

@@ -1,6 +1,6 @@
 """Optimizer step time on ResNet-50 under FSDP2 (2 ranks, gloo, CPU): FusedSGD plain, FusedSGD + LARS,
-the reference backend's LARS (``backend="torch"``) and torch.optim.SGD (foreach), with the all-reduce calls
-each makes per step.
+the reference backend's LARS (``backend="reference"``) and torch.optim.SGD (foreach), with the all-reduce
+calls each makes per step.
 
 Usage: ``python bench/sharded.py [--repeats N]``. Each rank runs one thread; every bottleneck block and the
 root are ``fully_shard``ed, the groups come from ``param_groups`` (LARS and decay on the 54 weight tensors),
@@ -31,7 +31,7 @@ WORLD = 2
 OPTIMIZERS = {
     "FusedSGD": lambda groups: FusedSGD(groups, **HPARAMS),
     "FusedSGD LARS": lambda groups: FusedSGD(groups, **HPARAMS, lars=True),
-    "torch-backend LARS": lambda groups: FusedSGD(groups, **HPARAMS, lars=True, backend="torch"),
+    "reference-backend LARS": lambda groups: FusedSGD(groups, **HPARAMS, lars=True, backend="reference"),
     "torch.optim.SGD foreach": lambda groups: torch.optim.SGD(groups, **HPARAMS, foreach=True),
 }
 

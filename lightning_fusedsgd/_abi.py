@@ -1,21 +1,30 @@
-"""The kernel ABI: how a parameter group's hyperparameters reach the compiled kernels, and which values they
-accept, in one place.
+"""The kernel ABI: everything a step hands the compiled kernels, declared once, and the checks of the values
+they accept.
 
-Every op that takes hyperparameters reads them as a CPU float64 table with one row per group; ``HPARAMS``
-lists the columns in order (``LFSGD_HPARAMS`` in ``ops/csrc/sgd_math.h`` names the same fields in the same
-order, checked when the library loads), each with the group key it encodes, how (None and option names become
-numbers here, nowhere else), and which values the kernel accepts; a value one for the whole step
-(``STEP_HPARAMS``) is an argument of the ops instead. The schedule op reads a schedule as a row too
-(``SCHEDULE_HEADER`` then the milestones, decays numbered as ``DECAYS``); ``lars_sq_sums`` returns
-``LARS_SUM_NAMES`` sums per tensor. The C++ side exports its order of each (``KERNEL_TABLES``), compared when
-the library loads. The state keys are named here too.
+* **Options** (:class:`Option`): every parameter-group key of the optimizer, with its check and whether it
+  decides a step's plan (what a kept plan is compared on). The keys the kernels read are **columns**
+  (:class:`Column`, ``HPARAMS``) of a CPU float64 table with one row per group, named and ordered as the
+  kernels' ``LFSGD_HPARAMS`` (ops/csrc/sgd_math.h); options and names become numbers in ``encode``, nowhere
+  else.
+* **Slots** (:class:`Slot`, ``SLOTS``): every kind of per-parameter optimizer state: its state key (also its
+  kernel name, ``LFSGD_SLOTS``), which params hold it, its dtype, how a new one is seeded and whether it goes
+  stale while its param steps without it. The plan, the kept plan, the state dicts and the checkpoint package
+  derive their state handling from these.
+* **The step row** (:class:`StepValue`, ``STEP_ROW``): the values that belong to a step rather than a group
+  (GradScaler's scale and found-inf, the clip threshold and the gradients' sum of squares, the LARS sums
+  reduced across shards, the lrs on the device), handed to the ops as one list (``LFSGD_STEP_ROW``).
 
-A group's values are checked here too, before anything is written: each column's own check
+The schedule op reads a schedule as a row (``SCHEDULE_HEADER`` then the milestones, decays numbered as
+``DECAYS``); ``lars_sq_sums`` returns ``LARS_SUM_NAMES`` sums per tensor. The C++ side exports its order of
+every table (``kernel_tables``), compared when the library loads.
+
+A group's values are checked here too, before anything is written: each option's own check
 (:func:`check_group`, whose refusals start with torch.optim.SGD's words where torch refuses the same value),
-the rules that relate two keys, and the step values every group must share (:func:`check_groups`).
+the rules that relate two keys, and the values one for the whole step (:func:`check_groups`).
 
 Adding a hyperparameter: its column here, its argument on ``FusedSGD``, its field and math in ``sgd_math.h``,
-its math in ``ops/reference.py``, and a row of the test table.
+its math in ``ops/reference.py``, and a row of the test table. Adding a kind of state: its slot here and in
+``LFSGD_SLOTS``, and its element math.
 
 Imports nothing of this package: every layer may use it.
 """
@@ -24,7 +33,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,28 +42,37 @@ from torch import Tensor
 
 __all__ = [
     "DECAYS",
+    "GROUP_OPTIONS",
     "HPARAMS",
-    "HPARAM_NAMES",
-    "KAHAN_COMPENSATION",
-    "KERNEL_TABLES",
     "LARS_DENOMINATORS",
     "LARS_SUMS",
     "LARS_SUM_NAMES",
-    "MASTER_PARAM",
-    "MOMENTUM_BUFFER",
-    "ROUNDING_STEP",
     "LARS_ZERO_NORMS",
+    "LOW_PRECISION",
     "SCHEDULE_HEADER",
-    "STEP_HPARAMS",
+    "SLOTS",
+    "STEP_ROW",
     "UPDATE_ROUNDINGS",
-    "TORCH_SWITCHES",
     "Column",
-    "FLAGS",
+    "Option",
+    "Slot",
+    "StepRow",
+    "StepValue",
     "check_flag",
     "check_group",
     "check_groups",
-    "encode_groups",
-    "step_hparams",
+    "hparam_names",
+    "kernel_tables",
+    "options",
+    "plan_key",
+    "seeded",
+    "slot",
+    "slot_keys",
+    "slots_in",
+    "state_slots",
+    "step_row",
+    "step_row_names",
+    "stored_weight",
     "table",
 ]
 
@@ -100,17 +118,8 @@ def _bool(value: Any) -> str | None:
     return f"It must be True or False, got a {type(value).__name__}." if isinstance(value, str) else None
 
 
-LARS_DENOMINATORS = ("grad_plus_decay", "decayed_grad")
-"""LARS denominators: ``||g|| + lambda ||w||`` (You et al., MLPerf) or ``||g + lambda w||``."""
-
-LARS_ZERO_NORMS = ("unit_ratio", "plain_grad")
-"""What LARS does where a norm is 0: a ratio of 1 with the decay applied, or the plain gradient."""
-
-
-UPDATE_ROUNDINGS = ("nearest", "stochastic", "kahan")
-"""How a bf16 param without master weights takes its update: rounded to nearest, stochastically, or to nearest
-with a Kahan compensation (the bucket's ``master_params``); numbered as ``kUpdateRoundingNames`` in
-ops/csrc/sgd_math.h."""
+def _switch(value: Any) -> str | None:
+    return None if value in (None, False, True) else "It must be None, True or False."
 
 
 def _seed(value: Any) -> str | None:
@@ -122,75 +131,329 @@ def _one_of(choices: tuple[str, ...]) -> Callable[[Any], str | None]:
     return lambda value: None if value in choices else f"Choose one of {choices}."
 
 
-@dataclass(frozen=True)
-class Column:
-    """One column of the hyperparameter table.
+def _is_set(value: Any) -> bool:
+    return value is not None
+
+
+LARS_DENOMINATORS = ("grad_plus_decay", "decayed_grad")
+"""LARS denominators: ``||g|| + lambda ||w||`` (You et al., MLPerf) or ``||g + lambda w||``; numbered as
+``kLarsDenominatorNames`` in ops/csrc/sgd_math.h."""
+
+LARS_ZERO_NORMS = ("unit_ratio", "plain_grad")
+"""What LARS does where a norm is 0: a ratio of 1 with the decay applied, or the plain gradient; numbered as
+``kLarsZeroNormNames`` in ops/csrc/sgd_math.h."""
+
+UPDATE_ROUNDINGS = ("nearest", "stochastic", "kahan")
+"""How a bf16 param without master weights takes its update: rounded to nearest, stochastically, or to nearest
+with a Kahan compensation; numbered as ``kUpdateRoundingNames`` in ops/csrc/sgd_math.h."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Option:
+    """One parameter-group key of the optimizer.
 
     Attributes:
-        name: The kernel's field (``GroupHParams`` in sgd_math.h).
-        key: The parameter-group key it encodes.
-        encode: The group value as the kernel reads it (a float64).
+        key: The group key.
         check: Why a value is refused (a sentence naming the valid ones), or None where it is valid. Checks
-            that relate two keys live with the optimizer's other checks.
+            that relate two keys live in :func:`check_group`.
         refused: How a refusal starts, where ``torch.optim.SGD`` words it (its ``{}`` is the value), so that
             code matching torch's messages keeps working; else ``Invalid <key>: <value>``.
+        plan: What of the value decides a step's plan (which state its params hold, what it refuses), or None
+            where the value only enters the math: a kept plan is made anew when this changes.
+        step_wide: One value for the whole step (every group must hold the same): a value of the step row of
+            the same name, not a column.
     """
 
-    name: str
     key: str
-    encode: Callable[[Any], float] = _number
     check: Callable[[Any], str | None] | None = None
     refused: str | None = None
+    plan: Callable[[Any], Hashable] | None = None
+    step_wide: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class Column(Option):
+    """An option the kernels read: a column of the hyperparameter table (``GroupHParams`` in sgd_math.h has a
+    field of its key's name), ``encode`` giving the value as the kernel reads it (a float64)."""
+
+    encode: Callable[[Any], float] = _number
 
 
 HPARAMS: tuple[Column, ...] = (
-    # lr: NaN where the op reads the lrs from a tensor instead
-    Column("lr", "lr", check=_non_negative, refused="Invalid learning rate: {}"),
-    Column("momentum", "momentum", check=_non_negative, refused="Invalid momentum value: {}"),
-    Column("dampening", "dampening", check=_finite),
-    Column("weight_decay", "weight_decay", check=_non_negative, refused="Invalid weight_decay value: {}"),
-    Column("nesterov", "nesterov", _flag, _bool),
-    Column("maximize", "maximize", _flag, _bool),
-    Column("wd_after_momentum", "wd_after_momentum", _flag, _bool),
-    Column("lars", "lars", _flag, _bool),
-    Column("trust_coefficient", "trust_coefficient", check=_positive),
-    Column("lars_eps", "lars_eps", check=_non_negative),
-    Column("trust_clip", "trust_clip", _flag, _bool),
+    # lr: NaN where the op reads the lrs from the step row instead
+    Column(key="lr", check=_non_negative, refused="Invalid learning rate: {}"),
+    Column(key="momentum", check=_non_negative, refused="Invalid momentum value: {}", plan=lambda v: v != 0),
+    Column(key="dampening", check=_finite),
+    Column(key="weight_decay", check=_non_negative, refused="Invalid weight_decay value: {}"),
+    Column(key="nesterov", encode=_flag, check=_bool),
+    Column(key="maximize", encode=_flag, check=_bool),
+    Column(key="wd_after_momentum", encode=_flag, check=_bool),
+    Column(key="lars", encode=_flag, check=_bool, plan=bool),
+    Column(key="trust_coefficient", check=_positive),
+    Column(key="lars_eps", check=_non_negative),
+    Column(key="trust_clip", encode=_flag, check=_bool),
+    Column(key="lars_denominator", encode=LARS_DENOMINATORS.index, check=_one_of(LARS_DENOMINATORS)),
     Column(
-        "lars_decayed_grad",
-        "lars_denominator",
-        lambda v: _flag(v == "decayed_grad"),
-        _one_of(LARS_DENOMINATORS),
+        key="max_grad_value",
+        encode=lambda v: math.inf if v is None else float(v),
+        check=_threshold,
+        plan=_is_set,
     ),
-    Column("max_grad_value", "max_grad_value", lambda v: math.inf if v is None else float(v), _threshold),
-    Column("always_adapt", "always_adapt", _flag, _bool),
+    Column(key="always_adapt", encode=_flag, check=_bool),
+    Column(key="lars_zero_norm", encode=LARS_ZERO_NORMS.index, check=_one_of(LARS_ZERO_NORMS)),
     Column(
-        "lars_zero_plain_grad", "lars_zero_norm", lambda v: _flag(v == "plain_grad"), _one_of(LARS_ZERO_NORMS)
+        key="update_rounding",
+        encode=UPDATE_ROUNDINGS.index,
+        check=_one_of(UPDATE_ROUNDINGS),
+        plan=lambda v: v,
     ),
-    Column("update_rounding", "update_rounding", UPDATE_ROUNDINGS.index, _one_of(UPDATE_ROUNDINGS)),
-    Column("rounding_seed", "rounding_seed", check=_seed),
+    Column(key="rounding_seed", check=_seed),
 )
 """The table's columns, in the kernel's order."""
 
-HPARAM_NAMES: tuple[str, ...] = tuple(column.name for column in HPARAMS)
 
-STEP_HPARAMS: tuple[Column, ...] = (
-    Column("max_grad_norm", "max_grad_norm", lambda v: v if v is None else float(v), _threshold),
+def hparam_names() -> tuple[str, ...]:
+    """The table's column names, in order."""
+    return tuple(column.key for column in HPARAMS)
+
+
+GROUP_OPTIONS: tuple[Option, ...] = (
+    Option(key="master_weights", check=_bool, plan=bool),
+    # Clips the one global norm of every group's gradients: one value for the step.
+    Option(key="max_grad_norm", check=_threshold, plan=_is_set, step_wide=True),
+    # torch.optim.SGD's implementation switches: accepted, so configs written for it work, and choosing
+    # nothing (every step runs the fused kernel); differentiable=True is refused (check_group).
+    Option(key="foreach", check=_switch),
+    Option(key="fused", check=_switch),
+    Option(key="differentiable", check=_switch),
 )
-"""Group keys whose value is one for the whole step (every group holds the same): the ops take each as an
-argument of its name, encoded as here, not as a column."""
+"""The group keys the kernels do not read as columns."""
 
 
-def encode_groups(groups: Sequence[dict[str, Any]], lr_on_device: bool) -> list[list[float]]:
-    """The table's rows for these parameter groups. ``lr_on_device``: the op reads the lrs from a tensor, and
-    the lr column holds NaN, so that any other use of it shows."""
-    return [
+def options() -> tuple[Option, ...]:
+    """Every group option: the columns, then the others."""
+    return (*HPARAMS, *GROUP_OPTIONS)
+
+
+def plan_key(group: Mapping[str, Any]) -> tuple[Hashable, ...]:
+    """What of a group decides a step's plan: its number of params and each deciding option's decision."""
+    return (len(group["params"]), *(o.plan(group[o.key]) for o in options() if o.plan is not None))
+
+
+def table(groups: Sequence[Mapping[str, Any]], lr_on_device: bool) -> Tensor:
+    """The hyperparameter table of these groups: a row per group, ``HPARAMS``'s encodings. ``lr_on_device``:
+    the op reads the lrs from the step row, and the lr column holds NaN, so that any other use of it shows."""
+    rows = [
         [
             math.nan if lr_on_device and column.key == "lr" else column.encode(group[column.key])
             for column in HPARAMS
         ]
         for group in groups
     ]
+    return torch.tensor(rows, dtype=torch.float64)
+
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Slot:
+    """One kind of per-parameter optimizer state.
+
+    Attributes:
+        key: The state key (``state[p][key]``), and its name in the kernels' ``LFSGD_SLOTS``.
+        held: Whether a param of this dtype in this group holds it. It may read plan options only.
+        dtype: Its dtype for a param of this dtype in this group.
+        seed: How a new one starts: ``"gradient"`` (the kernel seeds it from the first step's gradient: the
+            op's ``first_step``), ``"weight"`` (the param's weight, as :func:`stored_weight` gives it),
+            ``"residual"`` (what rounding the weight to the param dropped) or ``"zeros"``.
+        weight: What it is of the weight: ``"whole"`` (the param holds its rounding) or ``"residual"`` (the
+            weight is param + it), or None where it is no part of the weight.
+        count: A one-element int64 count on the param's device (0-d), not a tensor laid out as the param.
+        stale_unheld: It goes stale while its param steps without it: dropped then, and seeded anew when its
+            group holds it again.
+    """
+
+    key: str
+    held: Callable[[Mapping[str, Any], torch.dtype], bool]
+    dtype: Callable[[Mapping[str, Any], torch.dtype], torch.dtype]
+    seed: str
+    weight: str | None = None
+    count: bool = False
+    stale_unheld: bool = False
+
+
+def _masters(group: Mapping[str, Any], dtype: torch.dtype) -> bool:
+    return bool(group["master_weights"]) and dtype in LOW_PRECISION
+
+
+def _rounds(rounding: str) -> Callable[[Mapping[str, Any], torch.dtype], bool]:
+    """Whether a bf16 param without master weights rounds its update this way."""
+    return lambda group, dtype: (
+        dtype == torch.bfloat16 and not _masters(group, dtype) and group["update_rounding"] == rounding
+    )
+
+
+SLOTS: tuple[Slot, ...] = (
+    # As torch.optim.SGD keeps it (none when momentum is 0); fp32 beside fp32 master weights.
+    Slot(
+        key="momentum_buffer",
+        held=lambda group, dtype: group["momentum"] != 0,
+        dtype=lambda group, dtype: torch.float32 if _masters(group, dtype) else dtype,
+        seed="gradient",
+    ),
+    # fp32 master weights of bf16/fp16 params; each param holds its master's rounding.
+    Slot(
+        key="master_param",
+        held=_masters,
+        dtype=lambda group, dtype: torch.float32,
+        seed="weight",
+        weight="whole",
+        stale_unheld=True,
+    ),
+    # update_rounding="kahan": the weight is param + compensation, the param its rounding to nearest.
+    Slot(
+        key="kahan_compensation",
+        held=_rounds("kahan"),
+        dtype=lambda group, dtype: torch.bfloat16,
+        seed="residual",
+        weight="residual",
+        stale_unheld=True,
+    ),
+    # update_rounding="stochastic": the param's count of stochastic steps, the step of its random bits.
+    Slot(
+        key="rounding_step",
+        held=_rounds("stochastic"),
+        dtype=lambda group, dtype: torch.int64,
+        seed="zeros",
+        count=True,
+    ),
+)
+"""Every kind of per-parameter state, in the kernels' order (``LFSGD_SLOTS``): the op's ``state`` holds each
+param's slots in this order."""
+
+
+def slot_keys() -> tuple[str, ...]:
+    """The slots' state keys, in order."""
+    return tuple(s.key for s in SLOTS)
+
+
+def state_slots(held: Sequence[bool], fresh: Sequence[bool]) -> int:
+    """A tensor's entry of the ops' ``state_slots``: bit ``s`` where it holds ``SLOTS[s]`` (its state entries
+    follow in that order), bit ``len(SLOTS) + s`` where the kernel seeds that slot this step (``"gradient"``
+    slots on the param's first step)."""
+    return sum(1 << s for s, h in enumerate(held) if h) | sum(
+        1 << (len(SLOTS) + s) for s, f in enumerate(fresh) if f
+    )
+
+
+def slots_in(mask: int) -> tuple[list[bool], list[bool]]:
+    """Which slots a ``state_slots`` entry holds, and which the kernel seeds this step."""
+    return [bool(mask >> s & 1) for s in range(len(SLOTS))], [
+        bool(mask >> (len(SLOTS) + s) & 1) for s in range(len(SLOTS))
+    ]
+
+
+def slot(key: str) -> Slot:
+    """The slot of a state key."""
+    return SLOTS[slot_keys().index(key)]
+
+
+def stored_weight(param: Tensor, state: Mapping[str, Any]) -> Tensor:
+    """The weight a param's state holds, in fp32 (or the param's float64): a whole-weight slot's value where
+    one is stored (a master), else the param plus a stored residual (a compensation), else the param."""
+    stored = {
+        s.weight: state[s.key] for s in SLOTS if s.weight is not None and isinstance(state.get(s.key), Tensor)
+    }
+    if "whole" in stored:
+        return stored["whole"].to(param.device).float()
+    weight = param if param.dtype == torch.float64 else param.float()
+    if "residual" in stored:
+        weight = weight + stored["residual"].to(param.device).float()
+    return weight
+
+
+def seeded(slot: Slot, param: Tensor, weight: Tensor, dtype: torch.dtype, zeros: bool = False) -> Tensor:
+    """The values a new state tensor of ``slot`` starts from, for the dense (local) ``param`` whose weight is
+    ``weight`` (:func:`stored_weight`), in ``dtype`` and the param's layout (a 0-d count on its device).
+    ``"gradient"`` slots are left for the kernel to seed (uninitialized; ``zeros`` under tracing, where a
+    skipped first step cannot be seen)."""
+    if slot.count:
+        return torch.zeros((), dtype=dtype, device=param.device)
+    if slot.seed == "gradient":
+        return (torch.zeros_like if zeros else torch.empty_like)(param, dtype=dtype)
+    if slot.seed == "weight":
+        return torch.empty_like(param, dtype=dtype).copy_(weight)
+    if slot.seed == "residual":
+        residual = torch.where(param == weight.to(param.dtype), weight - param.float(), 0.0)
+        return torch.empty_like(param, dtype=dtype).copy_(residual)
+    return torch.zeros_like(param, dtype=dtype)
+
+
+@dataclass(frozen=True)
+class StepValue:
+    """One value of the step row: its name, dtype and shape (``"one"`` element, one per ``"groups"``, or a
+    ``"lars_sums"`` row per tensor of the bucket), on the params' device; ``paired_with``: a value it comes
+    with (both or neither), which a step computes where the other is given."""
+
+    name: str
+    dtype: torch.dtype
+    shape: str = "one"
+    paired_with: str | None = None
+
+
+STEP_ROW: tuple[StepValue, ...] = (
+    StepValue("grad_scale", torch.float32),  # GradScaler's scale: gradients are unscaled in the kernel
+    StepValue("found_inf", torch.float32),  # GradScaler's flag: a step with found_inf != 0 changes nothing
+    # Clipping by the global norm: the step's one threshold, and every stepped gradient's sum of squares.
+    StepValue("grad_sq_sum", torch.float64, paired_with="max_grad_norm"),
+    StepValue("max_grad_norm", torch.float64, paired_with="grad_sq_sum"),
+    StepValue("lars_sq_sums", torch.float64, "lars_sums"),  # LARS sums reduced across shards
+    StepValue("lrs", torch.float64, "groups"),  # the lrs on the device, in place of the table's lr column
+)
+"""The step row, in the kernels' order (``LFSGD_STEP_ROW``)."""
+
+
+def step_row_names() -> tuple[str, ...]:
+    """The step row's value names, in order."""
+    return tuple(value.name for value in STEP_ROW)
+
+
+class StepRow:
+    """A step's row: each ``STEP_ROW`` value by name (a tensor, a number, or None where absent), starting
+    from the step-wide options of the groups."""
+
+    def __init__(self, values: Mapping[str, Any]) -> None:
+        unknown = set(values) - set(step_row_names())
+        if unknown:
+            raise KeyError(f"not values of the step row: {sorted(unknown)}")
+        self.values = dict.fromkeys(step_row_names()) | dict(values)
+
+    def __getitem__(self, name: str) -> Any:
+        return self.values[name]
+
+    def with_values(self, **values: Any) -> StepRow:
+        return StepRow(self.values | values)
+
+    def wants(self, name: str) -> bool:
+        """Whether the step must compute ``name``: absent, and the value it is paired with given."""
+        pair = next(value.paired_with for value in STEP_ROW if value.name == name)
+        return self.values[name] is None and pair is not None and self.values[pair] is not None
+
+    def on(self, device: torch.device) -> list[Tensor | None]:
+        """The row as the ops take it: every value a tensor of its declared dtype on ``device``, in order."""
+        return [
+            None
+            if (v := self.values[value.name]) is None
+            else torch.as_tensor(v, dtype=value.dtype).to(device)
+            for value in STEP_ROW
+        ]
+
+
+def step_row(groups: Sequence[Mapping[str, Any]], **values: Any) -> StepRow:
+    """The row of a step of these groups: their step-wide options (equal in every group: ``check_groups``)
+    and ``values``."""
+    return StepRow({o.key: groups[0][o.key] for o in GROUP_OPTIONS if o.step_wide} | values)
 
 
 DECAYS: tuple[str, ...] = ("cosine", "multistep", "poly", "linear", "constant")
@@ -214,31 +477,21 @@ the order of ``kLarsSumNames`` in ops/csrc/sgd_math.h."""
 
 LARS_SUMS = len(LARS_SUM_NAMES)
 
-MOMENTUM_BUFFER = "momentum_buffer"
-MASTER_PARAM = "master_param"
-KAHAN_COMPENSATION = "kahan_compensation"
-ROUNDING_STEP = "rounding_step"
-"""The optimizer state keys of a param: its momentum buffer (as torch.optim.SGD names it), its fp32 master
-weight, its bf16 Kahan compensation, and its count of stochastic steps."""
 
-KERNEL_TABLES: tuple[tuple[str, tuple[str, ...], str], ...] = (
-    ("hparam_names", HPARAM_NAMES, "hyperparameter columns"),
-    ("decay_names", DECAYS, "decays"),
-    ("update_rounding_names", UPDATE_ROUNDINGS, "update roundings"),
-    ("schedule_header_names", SCHEDULE_HEADER, "schedule row"),
-    ("lars_sum_names", LARS_SUM_NAMES, "LARS sums"),
-)
-"""Every table the kernels read, as (the library op that exports the kernels' order, the order here, what it
-is): loading the library compares each."""
-
-
-FLAGS: tuple[str, ...] = ("master_weights",)
-"""Boolean group keys that are no column (they decide what a step keeps, not the kernel's math), checked as
-the flag columns are."""
-
-TORCH_SWITCHES = ("foreach", "fused", "differentiable")
-"""``torch.optim.SGD``'s implementation switches: accepted, so configs written for it work, and choosing
-nothing (every step runs the fused kernel); ``differentiable=True`` is refused."""
+def kernel_tables() -> tuple[tuple[str, tuple[str, ...], str], ...]:
+    """Every table the kernels read, as (the library op that exports the kernels' order, the order here, what
+    it is): loading the library compares each."""
+    return (
+        ("hparam_names", hparam_names(), "hyperparameter columns"),
+        ("slot_names", slot_keys(), "state slots"),
+        ("step_row_names", step_row_names(), "step row"),
+        ("decay_names", DECAYS, "decays"),
+        ("update_rounding_names", UPDATE_ROUNDINGS, "update roundings"),
+        ("lars_denominator_names", LARS_DENOMINATORS, "LARS denominators"),
+        ("lars_zero_norm_names", LARS_ZERO_NORMS, "LARS zero-norm rules"),
+        ("schedule_header_names", SCHEDULE_HEADER, "schedule row"),
+        ("lars_sum_names", LARS_SUM_NAMES, "LARS sums"),
+    )
 
 
 def _shown(value: Any) -> str:
@@ -256,7 +509,7 @@ def check_flag(key: str, value: Any) -> None:
         raise ValueError(f"Invalid {key}: {_shown(value)}. {problem}")
 
 
-def check_group(group: dict[str, Any]) -> None:
+def check_group(group: Mapping[str, Any]) -> None:
     """Raises ValueError, naming the value and the fix, for a hyperparameter the step cannot use. Where
     ``torch.optim.SGD`` refuses the same value, the message starts with torch's words."""
     lr = group["lr"]
@@ -264,16 +517,16 @@ def check_group(group: dict[str, Any]) -> None:
         raise ValueError(
             f"Tensor lr must be 1-element, got shape {tuple(lr.shape)}: set a float or a 0-d tensor."
         )
-    for column in (*HPARAMS, *STEP_HPARAMS):
-        value = group[column.key]
-        if column.check is None or (isinstance(value, Tensor) and torch.compiler.is_compiling()):
+    for option in options():
+        value = group.get(option.key)
+        if option.check is None or option.key not in group:
+            continue  # a key the group lacks is no value to check (the table refuses a missing column)
+        if isinstance(value, Tensor) and torch.compiler.is_compiling():
             continue  # a traced step cannot branch on a tensor's value; eager steps check it
-        problem = column.check(value)
+        problem = option.check(value)
         if problem is not None:
-            start = (column.refused or f"Invalid {column.key}: {{}}").format(_shown(value))
+            start = (option.refused or f"Invalid {option.key}: {{}}").format(_shown(value))
             raise ValueError(f"{start}. {problem}")
-    for key in FLAGS:
-        check_flag(key, group[key])
     if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
         raise ValueError(
             "Nesterov momentum requires a momentum and zero dampening "
@@ -285,9 +538,6 @@ def check_group(group: dict[str, Any]) -> None:
             "max_grad_norm and max_grad_value are alternatives (as Lightning's gradient_clip_algorithm "
             "'norm' and 'value'): set one of them, and None for the other."
         )
-    for key in TORCH_SWITCHES:
-        if group[key] not in (None, False, True):
-            raise ValueError(f"Invalid {key}: {_shown(group[key])}. It must be None, True or False.")
     if group["differentiable"]:
         raise ValueError(
             "FusedSGD(differentiable=True): the fused step is not differentiable (it writes the params in "
@@ -296,29 +546,18 @@ def check_group(group: dict[str, Any]) -> None:
         )
 
 
-def check_groups(groups: Sequence[dict[str, Any]], label: str = "param_groups") -> None:
-    """Every group's check, naming the group, and the one global norm clipping takes."""
+def check_groups(groups: Sequence[Mapping[str, Any]], label: str = "param_groups") -> None:
+    """Every group's check, naming the group, and the values one for the whole step."""
     for index, group in enumerate(groups):
         try:
             check_group(group)
         except ValueError as error:
             raise ValueError(f"{label}[{index}]: {error}") from None
-    for column in STEP_HPARAMS:
-        values = {group[column.key] for group in groups}
+    for option in options():
+        values = {group.get(option.key) for group in groups} if option.step_wide else ()
         if len(values) > 1:
             raise ValueError(
-                f"{column.key} differs between parameter groups ({sorted(map(str, values))}), but it is one "
+                f"{option.key} differs between parameter groups ({sorted(map(str, values))}), but it is one "
                 "value for the whole step (max_grad_norm clips the one global norm of every group's "
-                f"gradients): set it on the optimizer (FusedSGD(..., {column.key}=...)), not per group."
+                f"gradients): set it on the optimizer (FusedSGD(..., {option.key}=...)), not per group."
             )
-
-
-def step_hparams(groups: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """The values one for the whole step (``STEP_HPARAMS``, equal in every group: ``check_groups``), as
-    the ops take them."""
-    return {column.name: column.encode(groups[0][column.key]) for column in STEP_HPARAMS}
-
-
-def table(groups: Sequence[dict[str, Any]], lr_on_device: bool) -> Tensor:
-    """The hyperparameter table of these groups (``encode_groups``)."""
-    return torch.tensor(encode_groups(groups, lr_on_device), dtype=torch.float64)

@@ -22,7 +22,7 @@ optimizer = FusedSGD([p], lr=0.5)
 for _ in range(2):
     p.grad = torch.ones(4)
     optimizer.step()
-assert optimizer.last_backends == {"cpu/float32": "torch"}, optimizer.last_backends
+assert optimizer.last_backends == {"cpu/float32": "reference"}, optimizer.last_backends
 assert torch.equal(p.detach(), torch.zeros(4))
 """
 
@@ -120,3 +120,34 @@ def end_worker_process() -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def op_state(
+    count: int, first_step: Sequence[bool] = (), **slots: Sequence[torch.Tensor]
+) -> tuple[list[torch.Tensor], list[int]]:
+    """The ops' ``state`` and ``state_slots`` for ``count`` tensors from each slot's list
+    (``momentum_buffer=[...]``, ...: one per tensor, or none), and which buffers the kernel seeds this
+    step."""
+    from lightning_fusedsgd._abi import slot_keys, state_slots
+
+    keys = slot_keys()
+    unknown = set(slots) - set(keys)
+    assert not unknown, unknown
+    state, masks = [], []
+    for t in range(count):
+        held = [bool(slots.get(key)) for key in keys]
+        fresh = [
+            holds and bool(first_step) and first_step[t] and key == "momentum_buffer"
+            for key, holds in zip(keys, held)
+        ]
+        state += [slots[key][t] for key, holds in zip(keys, held) if holds]
+        masks.append(state_slots(held, fresh))
+    return state, masks
+
+
+def op_row(device: torch.device | str = "cpu", **values: Any) -> list[torch.Tensor | None]:
+    """The ops' step row from its values by name (``grad_scale=..., max_grad_norm=0.5``), numbers as tensors
+    of their declared dtype on ``device``."""
+    from lightning_fusedsgd._abi import StepRow
+
+    return StepRow(values).on(torch.device(device))

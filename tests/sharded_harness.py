@@ -43,7 +43,7 @@ SCENARIOS: dict[str, tuple[torch.dtype, dict[str, Any]]] = {
     # The reference backend's lars_sq_sums and given-sums sgd_step, under the same all-reduce.
     "reference_backend_lars_decayed_grad_max_grad_norm": (
         torch.float32,
-        {**_LARS, "lars_denominator": "decayed_grad", "max_grad_norm": 0.05, "backend": "torch"},
+        {**_LARS, "lars_denominator": "decayed_grad", "max_grad_norm": 0.05, "backend": "reference"},
     ),
     # Biases in a group without LARS and decay: the all-reduced vector holds only the weights' rows.
     "lars_weights_only_max_grad_norm": (torch.float32, {**_LARS, "max_grad_norm": 0.05, "split_bias": True}),

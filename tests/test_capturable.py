@@ -50,7 +50,7 @@ def _loss(model: nn.Module, step: int, device: torch.device) -> torch.Tensor:
     return nn.functional.mse_loss(model(data), target)
 
 
-@pytest.mark.parametrize("backend", ["auto", "torch"])
+@pytest.mark.parametrize("backend", ["auto", "reference"])
 @pytest.mark.parametrize("name", list(SCHEDULES))
 def test_device_schedule_gives_the_host_schedules_lrs(name, backend, device):
     """Every step's lrs, read from the device, are WarmupSchedule.lr_at's doubles: bit for bit on the CPU;

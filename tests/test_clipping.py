@@ -43,7 +43,7 @@ def clip_kwargs(algorithm, threshold):
     return {"max_grad_norm": threshold} if algorithm == "norm" else {"max_grad_value": threshold}
 
 
-@pytest.mark.parametrize("backend", ["compiled", "torch"])
+@pytest.mark.parametrize("backend", ["compiled", "reference"])
 @pytest.mark.parametrize("clip", CLIPS, ids=lambda c: f"{c[0]}-{c[1]:g}")
 def test_clipping_comes_before_lars(clip, backend, device):
     """LARS sees the clipped gradient: the float64 formula applied to torch's clipped gradients."""
@@ -88,7 +88,7 @@ class Model(nn.Module):
         return self.body(x)
 
 
-@pytest.mark.parametrize("backend", ["compiled", "torch"])
+@pytest.mark.parametrize("backend", ["compiled", "reference"])
 @pytest.mark.parametrize("clip", [("norm", 0.05), ("value", 0.002)], ids=["norm", "value"])
 def test_clipping_under_grad_scaler_sees_unscaled_gradients_and_skips_overflow(clip, backend):
     """A real GradScaler: ours clips inside the step on unscaled gradients; torch's loop unscales, clips and

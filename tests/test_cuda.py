@@ -39,7 +39,7 @@ def clone(params):
 
 def set_grads(params_sets, generator, scale=1.0, step=None):
     """Same gradients on every copy, laid out like their params (channels_last too, so steps after the
-    first reuse the cached plan). With `step`, some params get no grad on some steps."""
+    first reuse the kept plan). With `step`, some params get no grad on some steps."""
     for i, p in enumerate(params_sets[0]):
         grad = None
         if step is None or (step + i) % 7 != 3:
@@ -75,7 +75,7 @@ def test_options_match_the_reference_backend(hparams):
     theirs = clone(ours)
     settings = dict(lr=0.05, momentum=0.9, weight_decay=1e-3) | hparams
     opt = FusedSGD(ours, backend="compiled", **settings)
-    ref = FusedSGD(theirs, backend="torch", **settings)
+    ref = FusedSGD(theirs, backend="reference", **settings)
     generator = torch.Generator().manual_seed(6)
     for step in range(20):
         set_grads([ours, theirs], generator, step=step)
@@ -92,7 +92,7 @@ def test_dtypes_match_the_reference_backend(dtype, master_weights, lars):
     theirs = clone(ours)
     hparams = dict(lr=0.05, momentum=0.9, weight_decay=1e-3, master_weights=master_weights, lars=lars)
     opt = FusedSGD(ours, backend="compiled", **hparams)
-    ref = FusedSGD(theirs, backend="torch", **hparams)
+    ref = FusedSGD(theirs, backend="reference", **hparams)
     generator = torch.Generator().manual_seed(2)
     for _ in range(10):
         set_grads([ours, theirs], generator, scale=0.1)
@@ -129,7 +129,7 @@ def test_grad_scaler_contract_without_host_syncs(lars):
             opt.step()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        if step >= 2:  # from here on every step runs the plan cached at step 1, in C++
+        if step >= 2:  # from here on every step runs the plan kept at step 1, in C++
             assert opt.last_backends == {"cuda:0/float32": "compiled (kept plan)"}
         if step == 4:
             assert all(torch.equal(p, b) for p, b in zip(scaled, before))

@@ -16,13 +16,22 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import make_params
+from helpers import make_params, op_row
 from oracles import assert_close_rel
 from torch import nn
 
 from lightning_fusedsgd import FusedSGD, ops
-from lightning_fusedsgd._abi import DECAYS, HPARAM_NAMES, LARS_DENOMINATORS, UPDATE_ROUNDINGS
+from lightning_fusedsgd._abi import (
+    DECAYS,
+    LARS_DENOMINATORS,
+    UPDATE_ROUNDINGS,
+    hparam_names,
+    slot_keys,
+    state_slots,
+)
 from lightning_fusedsgd.schedule import WarmupSchedule
+
+HPARAM_NAMES, SLOT_KEYS = hparam_names(), slot_keys()
 
 pytestmark = [pytest.mark.cuda_emulated, pytest.mark.slow]  # slow: it builds a library (once, cached)
 
@@ -78,9 +87,7 @@ def table(groups: list[dict[str, Any]]) -> torch.Tensor:
         }
         row |= hparams
         row["update_rounding"] = UPDATE_ROUNDINGS.index(row["update_rounding"])
-        row["lars_decayed_grad"] = float(
-            row.pop("lars_denominator", "grad_plus_decay") == LARS_DENOMINATORS[1]
-        )
+        row["lars_denominator"] = LARS_DENOMINATORS.index(row.get("lars_denominator") or "grad_plus_decay")
         rows.append([float(row[name]) for name in HPARAM_NAMES])
     return torch.tensor(rows, dtype=torch.float64)
 
@@ -92,7 +99,7 @@ SHAPES = [(33, 17), (0,), (2 * CHUNK + 1001,), (5,), (3, 5, 4, 4)]
 
 @dataclass(frozen=True)
 class Case:
-    """One bucket: its param dtype, what its master_params hold, two groups' hyperparameters (the second group
+    """One bucket: its param dtype, how its weights are stored, two groups' hyperparameters (the second group
     takes every other tensor), GradScaler and clipping."""
 
     id: str
@@ -148,7 +155,7 @@ CASES = [
     Case(
         "lars-not-always-adapt-zero-norm-plain-grad",
         groups=(
-            dict(momentum=0.9, weight_decay=5e-3, lars=1.0, lars_zero_plain_grad=1.0),
+            dict(momentum=0.9, weight_decay=5e-3, lars=1.0, lars_zero_norm=1.0),
             dict(momentum=0.9, lars=1.0, always_adapt=0.0),
         ),
     ),
@@ -181,11 +188,13 @@ CASES = [
 
 
 def bucket(case: Case) -> dict[str, Any]:
-    """The case's op arguments (fresh tensors), in sgd_step's order and by name."""
+    """The case's op arguments (fresh tensors), by name; its state by slot key, a list with None where a
+    tensor holds no such state."""
     generator = torch.Generator().manual_seed(0)
     groups = len(case.groups)
     tensor_group = [i % groups for i in range(len(case.shapes))]
-    params, grads, buffers, masters, steps = [], [], [], [], []
+    params, grads = [], []
+    slots: dict[str, list[torch.Tensor | None]] = {key: [None] * len(case.shapes) for key in SLOT_KEYS}
     scale = case.scale or 1.0
     for i, shape in enumerate(case.shapes):
         weight = torch.randn(shape, generator=generator)
@@ -196,52 +205,66 @@ def bucket(case: Case) -> dict[str, Any]:
         hparams = case.groups[tensor_group[i]]
         if hparams.get("momentum", 0.0) != 0.0:
             buffer_dtype = torch.float32 if case.masters == "fp32" else case.dtype
-            buffers.append(torch.randn(shape, generator=generator).to(buffer_dtype))
+            slots["momentum_buffer"][i] = torch.randn(shape, generator=generator).to(buffer_dtype)
         if case.masters == "fp32":
-            masters.append(params[-1].float())
+            slots["master_param"][i] = params[-1].float()
         elif case.masters == "kahan":
-            masters.append((1e-3 * torch.randn(shape, generator=generator)).to(torch.bfloat16))
+            slots["kahan_compensation"][i] = (1e-3 * torch.randn(shape, generator=generator)).to(
+                torch.bfloat16
+            )
         elif case.dtype == torch.bfloat16 and hparams.get("update_rounding") == "stochastic":
-            steps.append(torch.tensor(5 + i))
-    first = list(case.first_step) or [False] * len(case.shapes)
+            slots["rounding_step"][i] = torch.tensor(5 + i)
     return dict(
         params=params,
         grads=grads,
-        momentum_buffers=buffers,
-        master_params=masters,
-        rounding_steps=steps,
+        slots=slots,
         group_hparams=table(list(case.groups)),
         tensor_group=tensor_group,
-        first_step=first,
+        first_step=list(case.first_step) or [False] * len(case.shapes),
         grad_scale=None if case.scale is None else torch.tensor([case.scale]),
         found_inf=None if case.scale is None else torch.tensor([float(case.found_inf)]),
     )
 
 
-def _written(arguments: dict[str, Any]) -> list[torch.Tensor]:
-    return [
-        tensor
-        for key in ("params", "momentum_buffers", "master_params", "rounding_steps")
-        for tensor in arguments[key]
-    ]
+def _state(a: dict[str, Any]) -> tuple[list[torch.Tensor], list[int]]:
+    """The op's ``state`` and ``state_slots`` of a bucket."""
+    state, masks = [], []
+    for t in range(len(a["params"])):
+        held = [a["slots"][key][t] is not None for key in SLOT_KEYS]
+        fresh = [h and key == "momentum_buffer" and a["first_step"][t] for key, h in zip(SLOT_KEYS, held)]
+        state += [a["slots"][key][t] for key, h in zip(SLOT_KEYS, held) if h]
+        masks.append(state_slots(held, fresh))
+    return state, masks
 
 
-def _step(op_library, arguments, grad_sq_sum, max_grad_norm, lars_sq_sums=None):
-    a = arguments
+def _row(a: dict[str, Any], **values: Any) -> list[torch.Tensor | None]:
+    return op_row(grad_scale=a["grad_scale"], found_inf=a["found_inf"], **values)
+
+
+def _companions(a: dict[str, Any]) -> list[torch.Tensor]:
+    """The bucket's fp32 masters or Kahan compensations, one per tensor."""
+    return [m for key in ("master_param", "kahan_compensation") for m in a["slots"][key] if m is not None]
+
+
+def _written(a: dict[str, Any]) -> list[torch.Tensor]:
+    return [*a["params"], *(t for key in SLOT_KEYS for t in a["slots"][key] if t is not None)]
+
+
+def _lars_sq_sums(op_library, a: dict[str, Any]) -> torch.Tensor:
+    return op_library.lars_sq_sums(
+        a["params"], a["grads"], *_state(a), a["group_hparams"], a["tensor_group"], _row(a)
+    )
+
+
+def _step(op_library, a, grad_sq_sum=None, max_grad_norm=None, lars_sq_sums=None):
+    clip = dict(grad_sq_sum=grad_sq_sum, max_grad_norm=max_grad_norm) if max_grad_norm else {}
     op_library.sgd_step(
         a["params"],
         a["grads"],
-        a["momentum_buffers"],
-        a["master_params"],
-        a["rounding_steps"],
+        *_state(a),
         a["group_hparams"],
         a["tensor_group"],
-        a["first_step"],
-        a["grad_scale"],
-        a["found_inf"],
-        grad_sq_sum,
-        max_grad_norm,
-        lars_sq_sums,
+        _row(a, lars_sq_sums=lars_sq_sums, **clip),
     )
 
 
@@ -261,17 +284,7 @@ def test_sgd_step_gives_the_cpu_kernels_bits(case, seed, capturing, emulated, cp
     step hands them reduced), so the two take the same trust ratios."""
     expected, actual, initial = bucket(case), bucket(case), bucket(case)
     clip = (cpu.grad_sq_sum(expected["grads"]), case.max_grad_norm) if case.max_grad_norm else (None, None)
-    sums = None
-    if case.lars:
-        a = expected
-        sums = cpu.lars_sq_sums(
-            a["params"],
-            a["grads"],
-            a["master_params"],
-            a["group_hparams"],
-            a["tensor_group"],
-            a["grad_scale"],
-        )
+    sums = _lars_sq_sums(cpu, expected) if case.lars else None
     launches = emulated.stats()[0]
     _step(cpu, expected, *clip, sums)
     _step(emulated, actual, *clip, sums)
@@ -282,7 +295,7 @@ def test_sgd_step_gives_the_cpu_kernels_bits(case, seed, capturing, emulated, cp
         assert any(not torch.equal(p, q) for p, q in zip(actual["params"], initial["params"]) if p.numel())
     # The launches: the update, the rounding steps' advance, and under capture the kernels writing the tables
     # (several where they fill more than one kernel parameter).
-    pieces = emulated.stats()[0] - launches - 1 - bool(actual["rounding_steps"])
+    pieces = emulated.stats()[0] - launches - 1 - any(t is not None for t in actual["slots"]["rounding_step"])
     if not capturing:
         assert pieces == 0
     else:
@@ -299,13 +312,13 @@ def test_lars_norms_of_the_cuda_kernels(case, seed, capturing, emulated, cpu):
     _step(emulated, actual, *clip)
     # 16-bit values one rounding apart at most, where the trust ratios differ by rounding; a Kahan
     # compensation (what rounding the weight dropped) through the weight, param + compensation.
-    compensations = actual["master_params"] + expected["master_params"] if case.masters == "kahan" else []
+    compensations = _companions(actual) + _companions(expected) if case.masters == "kahan" else []
     for a, e in zip(_written(actual), _written(expected), strict=True):
         if e.numel() and not any(e is c for c in compensations):
             assert_close_rel([a], [e], {torch.bfloat16: 2**-7, torch.float16: 2**-10}.get(e.dtype, 1e-6))
     if compensations:
         weights = [
-            [p.float() + m.float() for p, m in zip(b["params"], b["master_params"]) if p.numel()]
+            [p.float() + m.float() for p, m in zip(b["params"], _companions(b)) if p.numel()]
             for b in (actual, expected)
         ]
         assert_close_rel(*weights, 1e-6)
@@ -320,9 +333,7 @@ def test_lars_sq_sums_within_the_float64_oracles_bound(case, seed, capturing, em
     """Each row is the float64 sum of w^2, t^2 and w t (t the LARS norm term, before the clip), within the
     rounding of a double sum (n eps relative to the sum of magnitudes); zeros for tensors without LARS."""
     a = bucket(case)
-    rows = emulated.lars_sq_sums(
-        a["params"], a["grads"], a["master_params"], a["group_hparams"], a["tensor_group"], a["grad_scale"]
-    )
+    rows = _lars_sq_sums(emulated, a)
     inv_scale = 1.0 if case.scale is None else 1.0 / case.scale
     for i, (param, grad) in enumerate(zip(a["params"], a["grads"])):
         hparams = case.groups[a["tensor_group"][i]]
@@ -334,9 +345,9 @@ def test_lars_sq_sums_within_the_float64_oracles_bound(case, seed, capturing, em
             continue
         w = param.double()
         if case.masters == "fp32":
-            w = a["master_params"][i].double()
+            w = _companions(a)[i].double()
         elif case.masters == "kahan":
-            w = (param.float() + a["master_params"][i].float()).double()
+            w = (param.float() + _companions(a)[i].float()).double()
         g = grad.double() * float(torch.tensor(inv_scale, dtype=torch.float32))
         g = -g if hparams.get("maximize") else g
         decay = hparams.get("weight_decay", 0.0)

@@ -14,7 +14,7 @@ from torch import nn
 
 from lightning_fusedsgd import FusedSGD, ops
 
-BACKENDS = ["compiled", "torch"]
+BACKENDS = ["compiled", "reference"]
 
 
 def test_wd_after_momentum_keeps_decay_out_of_the_buffer():
@@ -33,7 +33,7 @@ def test_wd_after_momentum_keeps_decay_out_of_the_buffer():
     torch.testing.assert_close(opt.state[p]["momentum_buffer"], b, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("backend", ["compiled", "torch"])
+@pytest.mark.parametrize("backend", ["compiled", "reference"])
 def test_bf16_master_weights_track_fp32(backend):
     fp32, bf16 = make_params(dtype=torch.float32), make_params(dtype=torch.float32)
     bf16 = [nn.Parameter(p.detach().to(torch.bfloat16)) for p in bf16]
@@ -361,11 +361,11 @@ def test_deepcopy_and_pickle_keep_settings_and_state():
     import pickle
 
     params = make_params()
-    opt = FusedSGD(params, lr=0.05, momentum=0.9, set_grad_none=False, backend="torch")
+    opt = FusedSGD(params, lr=0.05, momentum=0.9, set_grad_none=False, backend="reference")
     set_grads([params], 0, torch.Generator().manual_seed(8))
     opt.step()
     for copied in (copy.deepcopy(opt), pickle.loads(pickle.dumps(opt))):
-        assert copied.backend == "torch" and copied.set_grad_none is False
+        assert copied.backend == "reference" and copied.set_grad_none is False
         copied_params = [p for g in copied.param_groups for p in g["params"]]
         for p, q in zip(copied_params, params):
             assert copied.state[p].keys() == opt.state[q].keys()
@@ -382,7 +382,7 @@ def test_groups_given_as_generators_keep_their_params():
     assert [len(g["params"]) for g in opt.param_groups] == [2, 2]
 
 
-def test_layout_change_after_a_cached_step_is_handled_like_torch():
+def test_layout_change_after_a_kept_plan_is_handled_like_torch():
     """A param re-laid out in place (p.data = ...) must not reach the kernel with its old buffer."""
     ours = [nn.Parameter(torch.randn(4, 3, 5, 5)), nn.Parameter(torch.randn(70_000, dtype=torch.float64))]
     theirs = [nn.Parameter(p.detach().clone()) for p in ours]
@@ -404,12 +404,12 @@ def test_layout_change_after_a_cached_step_is_handled_like_torch():
     assert_close_rel(ours, theirs, 1e-6)
 
 
-def test_a_cached_plan_does_not_keep_gradients_alive():
+def test_a_kept_plan_does_not_keep_gradients_alive():
     import weakref
 
     params = make_params()
     opt = FusedSGD(params, lr=0.05, momentum=0.9)
-    for _ in range(3):  # the second step onwards reuses the cached plan
+    for _ in range(3):  # the second step onwards reuses the kept plan
         for p in params:
             p.grad = torch.randn_like(p)
         opt.step()
@@ -437,7 +437,7 @@ def _outside_write(kind, param, model_state=None):
             param.copy_(torch.full_like(param, 7.0))
 
 
-@pytest.mark.parametrize("backend", ["compiled", "torch"])
+@pytest.mark.parametrize("backend", ["compiled", "reference"])
 @pytest.mark.parametrize("kind", ["fill_", "data", "partial", "load_state_dict"])
 def test_master_weights_follow_writes_from_outside_the_optimizer(backend, kind):
     """A write to a master-weighted param (EMA swap, load_state_dict, p.data) is what the next step starts
@@ -449,7 +449,7 @@ def test_master_weights_follow_writes_from_outside_the_optimizer(backend, kind):
     ref = torch.optim.SGD(fp32, lr=0.1, momentum=0.9)
     generator = torch.Generator().manual_seed(0)
     for step in range(6):
-        if step == 3:  # after the cached step took over
+        if step == 3:  # after the kept plan took over
             if kind == "load_state_dict":
                 model = nn.ParameterList(bf16)
                 model.load_state_dict({str(i): torch.full_like(p, 7.0) for i, p in enumerate(bf16)})
@@ -484,9 +484,9 @@ def test_master_weights_turned_off_and_on_again_start_from_the_param():
     torch.testing.assert_close(opt.state[p]["master_param"], expected, rtol=1e-6, atol=1e-6)
 
 
-def test_buffer_dtype_changed_behind_the_cached_step_steps_like_torch():
+def test_buffer_dtype_changed_behind_the_kept_plan_steps_like_torch():
     """A buffer whose dtype changed through .data keeps its identity, so only the recorded layouts show
-    it: the cached step must fall back to a full plan (which converts it) before any bucket runs."""
+    it: the kept plan must fall back to a full plan (which converts it) before any bucket runs."""
     ours = [nn.Parameter(torch.randn(70_000)), nn.Parameter(torch.randn(33, 17, dtype=torch.float64))]
     theirs = clone_params(ours)
     opt = FusedSGD(ours, lr=0.05, momentum=0.9)
@@ -529,7 +529,7 @@ def test_interleaved_views_of_one_tensor_are_not_overlapping_params():
 def test_momentum_zero_keeps_no_state_like_torch():
     params = make_params()
     opt = FusedSGD(params, lr=0.1)
-    for _ in range(3):  # the cached step too
+    for _ in range(3):  # the kept plan too
         for p in params:
             p.grad = torch.ones_like(p)
         opt.step()

@@ -3,6 +3,7 @@ written once, the library's own dependencies, and a documentation site that buil
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 import shutil
@@ -12,6 +13,9 @@ from pathlib import Path
 
 import pytest
 import tomllib
+
+from lightning_fusedsgd import ops
+from lightning_fusedsgd.ops import reference
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "lightning_fusedsgd"
@@ -30,29 +34,28 @@ def _sources() -> str:
     return "\n".join(path.read_text() for path in files)
 
 
-def test_the_sgd_step_signature_is_written_three_times():
-    """The schema, the one C++ entry of both kernels, and the reference: nothing else restates it. The step
-    path hands a bucket the step's scalars as one object (``StepScalars``), which the two kinds of bucket
-    spell out once each, for the op and for the kept plan's C++ call."""
+@pytest.mark.parametrize("op", ["sgd_step", "lars_sq_sums"])
+def test_the_op_contract_is_written_once_per_language(op):
+    """Python: the schema (ops/__init__.py), whose arguments the reference takes (checked here, so it cannot
+    drift), and which nothing else restates: the step path hands a bucket the table and the step row. C++: one
+    signature per op (bucket.h), shared by both kernels and by PlanArguments' typed call. The state slots
+    and the step row: declared in _abi and in one X-macro each (their order is compared when the library
+    loads)."""
+    schema = getattr(ops.load("cpu"), op).default._schema
+    assert list(inspect.signature(getattr(reference, op)).parameters) == [a.name for a in schema.arguments]
     text = _sources()
     written = {
-        "schema": len(re.findall(r'"sgd_step\(Tensor\(a!\)\[\] params', text)),
+        "schema": len(re.findall(rf'"{op}\(Tensor', text)),
+        "Python": len(re.findall(rf"def {op}\(\s*params", text)),
         "C++": len(
-            re.findall(r"at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers", text)
+            re.findall(rf"{op}_op\(at::TensorList params, at::TensorList grads, at::TensorList state", text)
         ),
-        "Python": len(re.findall(r"def sgd_step\(\s*params", text)),
-        "a bucket's step, taking the scalars": len(
-            re.findall(r"def sgd_step\(\s*self,\s*scalars: StepScalars,\s*grad_sq_sum", text)
-        ),
-        "a bucket's step, restating the scalars": len(re.findall(r"def sgd_step\(\s*self,\s*table", text)),
+        "slots": len(re.findall(r"#define LFSGD_SLOTS\(", text)),
+        "step row": len(re.findall(r"#define LFSGD_STEP_ROW\(", text)),
     }
-    assert written == {
-        "schema": 1,
-        "C++": 1,
-        "Python": 1,
-        "a bucket's step, taking the scalars": 3,  # the protocol, a planned bucket, a kept one
-        "a bucket's step, restating the scalars": 0,
-    }, written
+    assert written == dict.fromkeys(written, 1), written
+    # A bucket's step takes the table and the step row as one list, in the protocol and both kinds of bucket.
+    assert len(re.findall(r"def sgd_step\(self, table: Tensor, step: list\[Tensor \| None\]\)", text)) == 3
 
 
 def test_the_library_needs_torch_and_lightning_only():

@@ -60,7 +60,7 @@ def test_bf16_true_with_update_rounding_keeps_no_masters(rounding):
     would make the option a no-op), the buffers (and compensations) stay bf16, and the run matches FusedSGD's
     reference backend stepping the same batches, bit for bit."""
     runs = []
-    for backend in ("compiled", "torch"):
+    for backend in ("compiled", "reference"):
         torch.manual_seed(0)
         module = TinyClassifier(schedule=CONSTANT, lr=1.0, update_rounding=rounding, backend=backend)
         trainer = cpu_trainer(max_steps=3, precision="bf16-true")

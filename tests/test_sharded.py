@@ -95,7 +95,7 @@ def test_later_steps_reuse_the_kept_sharded_plan(runs, name):
     from scratch; the others reuse the kept plan with their new gradient shards, whose results
     test_fsdp2_equals_one_process checks. The reference backend keeps no plan."""
     results, _ = runs
-    reference = h.SCENARIOS[name][1].get("backend") == "torch"
+    reference = h.SCENARIOS[name][1].get("backend") == "reference"
     assert results[name]["planned"] == (h.STEPS if reference else 2)
 
 

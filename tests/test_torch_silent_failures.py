@@ -26,7 +26,7 @@ def test_16bit_params_of_any_length_are_updated(dtype, master_weights):
     """Every length from 1 to past two vectors of the widest build: the reference's bits, and changed."""
     shapes = [(n,) for n in range(1, VECTORS_AND_TAIL + 1)]
     runs = {}
-    for backend in ("compiled", "torch"):
+    for backend in ("compiled", "reference"):
         params = make_params(shapes, dtype=dtype)
         optimizer = FusedSGD(params, backend=backend, master_weights=master_weights, **HPARAMS)
         for p in params:
@@ -34,7 +34,7 @@ def test_16bit_params_of_any_length_are_updated(dtype, master_weights):
         optimizer.step()
         runs[backend] = params
     before = make_params(shapes, dtype=dtype)
-    for compiled, reference, initial in zip(runs["compiled"], runs["torch"], before, strict=True):
+    for compiled, reference, initial in zip(runs["compiled"], runs["reference"], before, strict=True):
         assert torch.equal(_bits(compiled), _bits(reference))
         assert not torch.equal(compiled.detach(), initial.detach())
 
@@ -66,7 +66,7 @@ def test_a_grad_scaler_skipping_the_first_step_leaves_no_uninitialized_momentum(
     if dtype == torch.float32:
         oracle = torch.optim.SGD(expected, foreach=False, **hparams)
     else:
-        oracle = FusedSGD(expected, backend="torch", master_weights=True, **hparams)
+        oracle = FusedSGD(expected, backend="reference", master_weights=True, **hparams)
     for e, g in zip(expected, grads):
         e.grad = g.clone()
     oracle.step()

@@ -15,19 +15,20 @@ namespace {
 // sgd_step with momentum, and no arithmetic (bit moves only). Benchmarks divide step time by this. With `lars`, each
 // wave that has LARS tensors first reads their w and g, as the norm pass does, XOR-reduced into per-chunk
 // partials so the reads are kept (their XOR is returned); the values left behind are the plain floor's.
-// kCompensation: 16-bit params with Kahan compensations (master_params of their dtype), read and written too.
+// kCompensation: 16-bit params with Kahan compensations (companions of their dtype), read and written too;
+// kMaster: 16-bit params with fp32 master weights (companions in fp32), the masters' bytes moved.
 template <typename W, typename G, bool kMaster, bool kCompensation = false>
 int64_t floor_bucket(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
-                     at::TensorList master_params, const std::vector<bool>& lars) {
+                     at::TensorList companions, const std::vector<bool>& lars) {
   const int32_t n = static_cast<int32_t>(params.size());
   std::vector<W*> w_ptr(n), b_ptr(n), c_ptr(n);
   std::vector<const G*> g_ptr(n);
   std::vector<G*> p_ptr(n);
   for (int32_t t = 0; t < n; ++t) {
-    const at::Tensor& weights = kMaster ? master_params[t] : params[t];
+    const at::Tensor& weights = kMaster ? companions[t] : params[t];
     w_ptr[t] = static_cast<W*>(weights.data_ptr());
     b_ptr[t] = static_cast<W*>(momentum_buffers[t].data_ptr());
-    c_ptr[t] = kCompensation ? static_cast<W*>(master_params[t].data_ptr()) : nullptr;
+    c_ptr[t] = kCompensation ? static_cast<W*>(companions[t].data_ptr()) : nullptr;
     g_ptr[t] = static_cast<const G*>(grads[t].data_ptr());
     p_ptr[t] = static_cast<G*>(params[t].data_ptr());
   }
@@ -98,18 +99,18 @@ int64_t floor_bucket(at::TensorList params, at::TensorList grads, at::TensorList
 
 // `lars`: which tensors get the norm pass's reads (empty: none, the plain floor).
 int64_t floor_step(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
-                   at::TensorList master_params, const c10::List<bool>& lars) {
+                   at::TensorList companions, const c10::List<bool>& lars) {
   if (params.empty()) return 0;
-  // master_params: fp32 masters, or Kahan compensations of 16-bit params, of their dtype.
-  const bool compensation = !master_params.empty() && params[0].element_size() == 2 &&
-                            master_params[0].scalar_type() == params[0].scalar_type();
-  const bool master = !master_params.empty() && !compensation;
+  // companions: fp32 master weights, or Kahan compensations of 16-bit params, of their dtype.
+  const bool compensation = !companions.empty() && params[0].element_size() == 2 &&
+                            companions[0].scalar_type() == params[0].scalar_type();
+  const bool master = !companions.empty() && !compensation;
   TORCH_CHECK(grads.size() == params.size() && momentum_buffers.size() == params.size() &&
-                  (master_params.empty() || master_params.size() == params.size()),
+                  (companions.empty() || companions.size() == params.size()),
               "floor_step: one grad, momentum buffer (and master or compensation, or none) per param");
   for (size_t t = 0; t < params.size(); ++t) {
-    const at::Tensor& weights = master ? master_params[t] : params[t];
-    if (compensation) check_same_layout(params[t], master_params[t], "compensation");
+    const at::Tensor& weights = master ? companions[t] : params[t];
+    if (compensation) check_same_layout(params[t], companions[t], "compensation");
     TORCH_CHECK(params[t].device().is_cpu() && params[t].scalar_type() == params[0].scalar_type() &&
                     params[t].is_non_overlapping_and_dense(),
                 "floor_step: dense CPU params of one dtype");
@@ -126,16 +127,16 @@ int64_t floor_step(at::TensorList params, at::TensorList grads, at::TensorList m
   switch (at::elementSize(params[0].scalar_type())) {
     case 2:
       if (compensation) {
-        return floor_bucket<uint16_t, uint16_t, false, true>(params, grads, momentum_buffers, master_params, flags);
+        return floor_bucket<uint16_t, uint16_t, false, true>(params, grads, momentum_buffers, companions, flags);
       }
-      return master ? floor_bucket<uint32_t, uint16_t, true>(params, grads, momentum_buffers, master_params,
+      return master ? floor_bucket<uint32_t, uint16_t, true>(params, grads, momentum_buffers, companions,
                                                              flags)
-                    : floor_bucket<uint16_t, uint16_t, false>(params, grads, momentum_buffers, master_params,
+                    : floor_bucket<uint16_t, uint16_t, false>(params, grads, momentum_buffers, companions,
                                                               flags);
     case 4:
-      return floor_bucket<uint32_t, uint32_t, false>(params, grads, momentum_buffers, master_params, flags);
+      return floor_bucket<uint32_t, uint32_t, false>(params, grads, momentum_buffers, companions, flags);
     case 8:
-      return floor_bucket<uint64_t, uint64_t, false>(params, grads, momentum_buffers, master_params, flags);
+      return floor_bucket<uint64_t, uint64_t, false>(params, grads, momentum_buffers, companions, flags);
     default:
       TORCH_CHECK(false, "floor_step: unsupported dtype ", params[0].scalar_type());
   }
@@ -146,7 +147,7 @@ int64_t floor_step(at::TensorList params, at::TensorList grads, at::TensorList m
 
 TORCH_LIBRARY(lightning_fusedsgd_bench, m) {
   m.def(
-      "floor_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_buffers, Tensor(c!)[] master_params, "
+      "floor_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_buffers, Tensor(c!)[] companions, "
       "bool[] lars) -> int");
 }
 

@@ -14,7 +14,7 @@ torchvision's checkpoints), each usable on its own:
 * **Start a run from a foreign checkpoint.** :func:`read_start_checkpoint` reads a Lightning, a
   torchvision-reference (``{"model", "optimizer", "lr_scheduler", "epoch", "args"}``) or a plain
   weights file and validates it against a module before anything changes; :func:`load_optimizer_state`
-  and :func:`seed_master_weights` apply it.
+  and :func:`seed_state_from_weights` apply it.
 * **Write atomically.** :func:`save_checkpoint_file` writes to a temporary file in the target
   directory, fsyncs, renames and fsyncs the directory, so the target is always either the old or the
   new complete checkpoint.
@@ -30,7 +30,7 @@ from lightning_fusedsgd.checkpoint.files import (
     read_checkpoint_file,
     save_checkpoint_file,
 )
-from lightning_fusedsgd.checkpoint.foreign import StartState, read_start_checkpoint, seed_master_weights
+from lightning_fusedsgd.checkpoint.foreign import StartState, read_start_checkpoint, seed_state_from_weights
 from lightning_fusedsgd.checkpoint.remap import (
     load_optimizer_state,
     remap_optimizer_state_dict,
@@ -49,5 +49,5 @@ __all__ = [
     "remap_optimizer_state_dict",
     "same_param_layout",
     "save_checkpoint_file",
-    "seed_master_weights",
+    "seed_state_from_weights",
 ]

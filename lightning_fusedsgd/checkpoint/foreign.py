@@ -12,12 +12,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_fusedsgd._abi import KAHAN_COMPENSATION, MASTER_PARAM
+from lightning_fusedsgd import _abi
+from lightning_fusedsgd._abi import LOW_PRECISION, seeded
 from lightning_fusedsgd.checkpoint.errors import CheckpointError, CheckpointMismatchError
 from lightning_fusedsgd.checkpoint.files import check_optimizer_state_dict, read_checkpoint_file
 from lightning_fusedsgd.checkpoint.remap import group_names, listed, match_names, state_shapes
-
-_LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,34 +252,35 @@ def read_start_checkpoint(
     )
 
 
-def seed_master_weights(
+def seed_state_from_weights(
     optimizer: torch.optim.Optimizer, module: nn.Module, weights: Mapping[str, torch.Tensor]
 ) -> None:
-    """Give master-weighted bf16/fp16 parameters the checkpoint's fp32 weights as their master copy, and
-    bf16 parameters of ``update_rounding="kahan"`` groups what rounding them dropped as their compensation.
+    """Start the state of each bf16/fp16 parameter that is seeded from its weight (the slots whose
+    ``Slot.seed`` is ``"weight"`` or ``"residual"``: fp32 master weights, Kahan compensations) from the
+    checkpoint's fp32 weights, where the parameter's group holds it.
 
     Under ``precision="bf16-true"`` Lightning casts the module before the optimizer exists, so a master
     copy made from the parameter would lose the low bits the checkpoint still has, and a compensation
-    started at 0 would too. A compensation is seeded only where the parameter holds the fp32 weight's
-    rounding (the kernel keeps it below half an ulp of the parameter). Parameters that are not bf16/fp16, in
-    neither kind of group, or have no fp32 weight in ``weights`` are left alone.
+    started at 0 would too. A compensation holds what rounding the fp32 weight to the parameter dropped,
+    where the parameter holds that rounding (the kernel keeps it below half an ulp of the parameter).
+    Parameters that are not bf16/fp16, hold no such state, or have no fp32 weight in ``weights`` are left
+    alone, as are groups of an optimizer other than FusedSGD.
 
     Args:
-        optimizer: The optimizer (FusedSGD) whose state receives the master copies and compensations.
+        optimizer: The optimizer (FusedSGD) whose state receives the seeded state.
         module: The module the optimizer's parameters belong to; names them.
         weights: Weights under ``module``'s parameter names, e.g. :attr:`StartState.model_state`.
     """
     names = {id(param): name for name, param in module.named_parameters()}
     for group in optimizer.param_groups:
-        masters = bool(group.get("master_weights"))
-        kahan = not masters and group.get("update_rounding") == "kahan"
+        if not all(option.key in group for option in _abi.options()):
+            continue  # not FusedSGD's: no slots
         for param in group["params"]:
             saved = weights.get(names.get(id(param), ""))
-            if saved is None or saved.dtype != torch.float32:
+            if saved is None or saved.dtype != torch.float32 or param.dtype not in LOW_PRECISION:
                 continue
-            if masters and param.dtype in _LOW_PRECISION:
-                optimizer.state[param][MASTER_PARAM] = saved.to(param.device, copy=True)
-            elif kahan and param.dtype == torch.bfloat16:
-                saved, value = saved.to(param.device), param.detach()
-                dropped = torch.where(value == saved.to(torch.bfloat16), saved - value.float(), 0.0)
-                optimizer.state[param][KAHAN_COMPENSATION] = dropped.to(torch.bfloat16)
+            for slot in _abi.SLOTS:
+                if slot.seed in ("weight", "residual") and slot.held(group, param.dtype):
+                    dtype = slot.dtype(group, param.dtype)
+                    value = seeded(slot, param.detach(), saved.to(param.device), dtype)
+                    optimizer.state[param][slot.key] = value

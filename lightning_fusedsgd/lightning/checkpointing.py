@@ -33,7 +33,7 @@ from lightning_fusedsgd.checkpoint import (
     read_checkpoint_file,
     read_start_checkpoint,
     save_checkpoint_file,
-    seed_master_weights,
+    seed_state_from_weights,
 )
 
 __all__ = ["AtomicCheckpointIO", "InitFromCheckpoint"]
@@ -112,7 +112,7 @@ class InitFromCheckpoint(pl.Callback):
             load_optimizer_state(trainer.optimizers[0], optimizer_state, module=pl_module, source=state.path)
         pl_module.load_state_dict(state.model_state)
         for optimizer in trainer.optimizers:
-            seed_master_weights(optimizer, pl_module, state.model_state)
+            seed_state_from_weights(optimizer, pl_module, state.model_state)
         if self.start_epoch:
             self._continue_at(trainer, pl_module, steps)
 

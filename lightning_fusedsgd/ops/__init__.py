@@ -39,40 +39,35 @@ SCHEMAS: dict[str, str] = {}
 """Each op's schema, by name; the docstring after each is its contract."""
 
 SCHEMAS["sgd_step"] = (
-    "sgd_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_buffers, "
-    "Tensor(c!)[] master_params, Tensor(d!)[] rounding_steps, Tensor group_hparams, int[] tensor_group, "
-    "bool[] first_step, Tensor? grad_scale, Tensor? found_inf, Tensor? grad_sq_sum, float? max_grad_norm, "
-    "Tensor? lars_sq_sums=None, Tensor? lrs=None) -> ()"
+    "sgd_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] state, int[] state_slots, "
+    "Tensor group_hparams, int[] tensor_group, Tensor?[] step) -> ()"
 )
-"""One SGD/LARS step of one bucket (one device, one param dtype; fp32 masters, Kahan compensations or
-neither), in place.
+"""One SGD/LARS step of one bucket (one device, one param dtype, one kind of weight), in place.
 
 Arguments:
     params: [n] dense tensors of one device and dtype (fp32, fp64, bf16, fp16); updated.
     grads: [n] laid out as their params, of their dtype.
-    momentum_buffers: one per param whose group has momentum != 0, in param order; the params' dtype, fp32
-        with master weights; updated (seeded with the gradient where ``first_step``).
-    master_params: [n] or []; updated. fp32 masters of bf16/fp16 params, each param holding its master's
-        rounding; or bf16 Kahan compensations of bf16 params (their groups' update_rounding "kahan"), the
-        weight being param + compensation in fp32, the param taking the update rounded to nearest and the
-        compensation what that rounding dropped.
-    rounding_steps: one per param rounded stochastically (a bf16 param without masters or compensations whose
-        group's update_rounding is "stochastic"), in param order: a one-element int64 tensor on the params'
-        device counting that param's stochastic steps, read as the step of its random bits and then advanced
-        by one (not by a skipped step).
+    state: every param's state, param by param, each param's slots in ``_abi.SLOTS``' order; updated. Tensor
+        slots are laid out as their params, in their slot's dtype; a count is a one-element int64 tensor on
+        the params' device. The weight of a param with a ``master_param`` is that fp32 master (the param
+        holding its rounding); with a ``kahan_compensation``, param + compensation in fp32 (the param takes
+        the update rounded to nearest, the compensation what that rounding dropped). Every param of a bucket
+        has the same weight slot, or none. A ``rounding_step`` is read as the step of its param's random
+        bits, then advanced by one (not by a skipped step).
+    state_slots: [n] which slots each param holds (bit s: ``_abi.SLOTS[s]``, as its group and dtype say,
+        ``Slot.held``) and which of them the kernel seeds this step (bit ``len(SLOTS) + s``: the momentum
+        buffer, with the gradient, on the param's first step): ``_abi.state_slots``.
     group_hparams: the hyperparameter table (module docstring).
     tensor_group: [n] each param's row of the table.
-    first_step: [n] whether a param's buffer is seeded this step.
-    grad_scale, found_inf: GradScaler's one-element float32 tensors on the params' device, or None: gradients
-        are unscaled in the kernel, and a step with found_inf != 0 changes nothing.
-    grad_sq_sum, max_grad_norm: clipping by the global norm, or None for both: the sum of squares of every
-        gradient the optimizer steps (one-element float64 on the params' device, ``grad_sq_sum`` over all its
-        buckets), and the one threshold of the whole step.
-    lars_sq_sums: float64 [n, LARS_SUMS] on the params' device (``lars_sq_sums``, all-reduced over the
-        shards of sharded params), or None: the trust ratios are taken from it instead of the kernel's own
-        norm pass.
-    lrs: float64 [groups] on the params' device, or None: each group's lr, read there instead of the table's
-        lr column (NaN then): capturable steps, and tensor lrs under torch.compile.
+    step: [len(_abi.STEP_ROW)] the step row, in ``_abi.STEP_ROW``'s order, each on the params' device or None:
+        ``grad_scale``, ``found_inf`` (GradScaler's one-element float32 tensors: gradients are unscaled in
+        the kernel, and a step with found_inf != 0 changes nothing); ``grad_sq_sum`` and ``max_grad_norm``
+        (one-element float64, both or neither: clipping by the global norm of every gradient the optimizer
+        steps, ``grad_sq_sum`` over all its buckets); ``lars_sq_sums`` (float64 [n, LARS_SUMS], the
+        ``lars_sq_sums`` op's rows all-reduced over the shards of sharded params: the trust ratios are taken
+        from it instead of the kernel's own norm pass); ``lrs`` (float64 [groups]: each group's lr, read
+        there instead of the table's lr column, NaN then: capturable steps, and tensor lrs under
+        torch.compile).
 """
 
 SCHEMAS["grad_sq_sum"] = "grad_sq_sum(Tensor[] grads) -> Tensor"
@@ -80,13 +75,13 @@ SCHEMAS["grad_sq_sum"] = "grad_sq_sum(Tensor[] grads) -> Tensor"
 does not depend on the thread count)."""
 
 SCHEMAS["lars_sq_sums"] = (
-    "lars_sq_sums(Tensor[] params, Tensor[] grads, Tensor[] master_params, Tensor group_hparams, "
-    "int[] tensor_group, Tensor? grad_scale) -> Tensor"
+    "lars_sq_sums(Tensor[] params, Tensor[] grads, Tensor[] state, int[] state_slots, Tensor group_hparams, "
+    "int[] tensor_group, Tensor?[] step) -> Tensor"
 )
 """Each LARS tensor's sums of w^2, of its norm term squared and of w times that term, before norm clipping
 (which needs the global norm: ``sgd_step`` applies it to the reduced sums), as a float64 [n, LARS_SUMS] tensor
-on the params' device (zeros for tensors without LARS); arguments as ``sgd_step``'s. A sharded step
-all-reduces them and hands them to ``sgd_step``."""
+on the params' device (zeros for tensors without LARS); arguments as ``sgd_step``'s (of the step row, only
+``grad_scale`` is read). A sharded step all-reduces them and hands them to ``sgd_step``."""
 
 SCHEMAS["schedule_lrs"] = (
     "schedule_lrs(Tensor(a!) lrs, Tensor(b!) position, Tensor schedule, Tensor peaks, Tensor? applied, "

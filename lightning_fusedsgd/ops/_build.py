@@ -16,20 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 CSRC = Path(__file__).parent / "csrc"
-HEADERS = (
-    "sgd_math.h",
-    "elements.h",
-    "vec_math.h",
-    "vec_elements.h",
-    "schedule.h",
-    "bucket.h",
-    "kept_plan.h",
-    "work_list.h",
-    "device.h",
-    "device_cuda.h",
-    "device_emulated.h",
-    "fused_sgd_cuda.cu",
-)
+CSRC_FILES = tuple(sorted(path.name for path in CSRC.iterdir() if path.suffix in (".h", ".cpp", ".cu")))
+"""Every file of csrc/: a library's build key hashes them all, so an edit to any header it may include
+rebuilds it."""
 
 
 @dataclass(frozen=True)
@@ -111,7 +100,7 @@ def build_key(device_type: str, *parts: str) -> str:
     against, the Python, the instruction set or the CUDA toolkit and architectures)."""
     extension = EXTENSIONS[device_type]
     digest = hashlib.sha256()
-    for name in extension.sources + HEADERS:
+    for name in CSRC_FILES:
         digest.update((CSRC / name).read_bytes())
     for part in (*extension.cflags, *extension.ldflags, *extension.cuda_cflags, platform.machine(), *parts):
         digest.update(part.encode())

@@ -177,10 +177,10 @@ def _load(device_type: str, verbose: bool) -> Path:
 
 
 def _registered(device_type: str, library: Path) -> Path:
-    """Checks that the kernels read every table as ``_abi`` says (``_abi.KERNEL_TABLES``)."""
+    """Checks that the kernels read every table as ``_abi`` says (``_abi.kernel_tables``)."""
     if device_type == "cpu":
         ops = torch.ops.lightning_fusedsgd
-        for op, python, what in _abi.KERNEL_TABLES:
+        for op, python, what in _abi.kernel_tables():
             kernel = tuple(getattr(ops, op)())
             if kernel != python:
                 raise KernelBuildError(

@@ -16,7 +16,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lightning_fusedsgd._abi import HPARAM_NAMES, LARS_SUMS, UPDATE_ROUNDINGS
+from lightning_fusedsgd._abi import (
+    LARS_DENOMINATORS,
+    LARS_SUMS,
+    LARS_ZERO_NORMS,
+    hparam_names,
+    slot_keys,
+    slots_in,
+    step_row_names,
+)
 from lightning_fusedsgd.schedule.function import WarmupSchedule
 
 
@@ -89,14 +97,14 @@ def _opmath(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def load_weight(param: Tensor, master: Tensor | None) -> Tensor:
+def load_weight(param: Tensor, slots: dict[str, Tensor | None]) -> Tensor:
     """The weight in opmath (``load_weight`` in the kernels): the param, its fp32 master re-synced with it,
     or the param plus its bf16 Kahan compensation."""
-    if master is None:
-        return param.to(_opmath(param.dtype))
-    if master.dtype == torch.bfloat16:
-        return param.float() + master.float()
-    return synced_master(master, param)
+    if slots["master_param"] is not None:
+        return synced_master(slots["master_param"], param)
+    if slots["kahan_compensation"] is not None:
+        return param.float() + slots["kahan_compensation"].float()
+    return param.to(_opmath(param.dtype))
 
 
 def kahan_compensation(weight: Tensor, rounded: Tensor) -> Tensor:
@@ -147,6 +155,11 @@ def lars_norm_term(w: Tensor, g: Tensor, c: Coeffs, weight_decay: float, decayed
     return raw.add(w, alpha=weight_decay) if decayed else raw
 
 
+def decayed_grad(h: dict[str, float]) -> bool:
+    """Whether the LARS denominator is ``||g + lambda w||`` (``decayed_grad`` in sgd_math.h)."""
+    return LARS_DENOMINATORS[int(h["lars_denominator"])] == "decayed_grad"
+
+
 def lars_adapts(h: dict[str, float]) -> bool:
     """Whether LARS adapts a group's tensors (``lars_adapts`` in sgd_math.h)."""
     return bool(h["lars"]) and (bool(h["always_adapt"]) or h["weight_decay"] != 0)
@@ -160,7 +173,7 @@ def lars_trust(sum_w: Tensor, sum_g: Tensor, h: dict[str, float]) -> Tensor:
         h["weight_decay"],
         h["trust_coefficient"],
         h["lars_eps"],
-        bool(h["lars_decayed_grad"]),
+        decayed_grad(h),
         bool(h["trust_clip"]),
         h["lr"],
     )
@@ -170,7 +183,7 @@ def apply_lars(c: Coeffs, sum_w: Tensor, sum_g: Tensor, h: dict[str, float], opm
     """A LARS tensor's coefficients from its sums of squares (``apply_lars`` in sgd_math.h). Reads whether a
     norm is 0 on the host: the reference is not capturable."""
     c.trust = lars_trust(sum_w, sum_g, h).to(opmath)
-    if h["lars_zero_plain_grad"] and bool((sum_w == 0) | (sum_g == 0)):
+    if LARS_ZERO_NORMS[int(h["lars_zero_norm"])] == "plain_grad" and bool((sum_w == 0) | (sum_g == 0)):
         c.wd_coupled = 0.0
 
 
@@ -178,7 +191,7 @@ def lars_row(w: Tensor, g: Tensor, h: dict[str, float], inv_scale: float | Tenso
     """A LARS tensor's float64 sums of w^2, of its norm term squared and of w times it, the term taken before
     the norm clip (a row of ``lars_sq_sums``; the kernels' norm pass)."""
     coeffs = make_coeffs(h, inv_scale, 1.0, False)
-    term = lars_norm_term(w, g.to(w.dtype), coeffs, h["weight_decay"], bool(h["lars_decayed_grad"]))
+    term = lars_norm_term(w, g.to(w.dtype), coeffs, h["weight_decay"], decayed_grad(h))
     w, term = w.double(), term.double()
     return torch.stack([(w * w).sum(), (term * term).sum(), (w * term).sum()])
 
@@ -187,78 +200,80 @@ def clipped_term_sq_sum(sum_w: Tensor, sum_t: Tensor, sum_wt: Tensor, c: float |
     """The LARS norm term's sum of squares under norm clipping by ``c``, from ``lars_sq_sums``'s sums taken
     before that clip (``clipped_term_sq_sum`` in sgd_math.h)."""
     c = c.double() if isinstance(c, Tensor) else c
-    if not h["lars_decayed_grad"]:
+    if not decayed_grad(h):
         return c * c * sum_t
     d = (1.0 - c) * h["weight_decay"]
     return torch.clamp(c * c * sum_t + 2.0 * c * d * sum_wt + d * d * sum_w, min=0.0)
 
 
+def _slots(state: list[Tensor], state_slots: list[int]) -> list[dict[str, Tensor | None]]:
+    """Each tensor's state by slot key (None where it holds no such state), and whether the kernel seeds its
+    momentum buffer this step, from the ops' ``state`` and ``state_slots``."""
+    entries, slots, keys = iter(state), [], slot_keys()
+    for mask in state_slots:
+        held, fresh = slots_in(mask)
+        slots.append(
+            {key: next(entries) if holds else None for key, holds in zip(keys, held)}
+            | {"first_step": fresh[keys.index("momentum_buffer")]}
+        )
+    return slots
+
+
 def sgd_step(
     params: list[Tensor],
     grads: list[Tensor],
-    momentum_buffers: list[Tensor],
-    master_params: list[Tensor],
-    rounding_steps: list[Tensor],
+    state: list[Tensor],
+    state_slots: list[int],
     group_hparams: Tensor,
     tensor_group: list[int],
-    first_step: list[bool],
-    grad_scale: Tensor | None,
-    found_inf: Tensor | None,
-    grad_sq_sum: Tensor | None,
-    max_grad_norm: float | None,
-    lars_sq_sums: Tensor | None = None,
-    lrs: Tensor | None = None,
+    step: list[Tensor | None],
 ) -> None:
-    """``torch.ops.lightning_fusedsgd.sgd_step`` (arguments documented with its schema): updates params,
-    momentum buffers (one per param whose group has momentum), masters or compensations, and the counts of the
-    params rounded stochastically in place."""
-    if not params or (found_inf is not None and bool(found_inf.item())):
+    """``torch.ops.lightning_fusedsgd.sgd_step`` (arguments documented with its schema): updates params and
+    their state in place."""
+    row = dict(zip(step_row_names(), step, strict=True))
+    if not params or (row["found_inf"] is not None and bool(row["found_inf"].item())):
         return
     hparams = group_hparams.tolist()
-    if lrs is not None:
-        for row, lr in zip(hparams, lrs.tolist(), strict=True):
-            row[HPARAM_NAMES.index("lr")] = lr
-    inv_scale = inverse_scale(grad_scale)
-    clip = 1.0 if max_grad_norm is None else clip_coef(grad_sq_sum, max_grad_norm, inv_scale)
-    buffers, counts = iter(momentum_buffers), iter(rounding_steps)
-    for i, param in enumerate(params):
-        h = dict(zip(HPARAM_NAMES, hparams[tensor_group[i]]))
+    if row["lrs"] is not None:
+        for hparam_row, lr in zip(hparams, row["lrs"].tolist(), strict=True):
+            hparam_row[hparam_names().index("lr")] = lr
+    inv_scale = inverse_scale(row["grad_scale"])
+    max_norm = row["max_grad_norm"]
+    clip = 1.0 if max_norm is None else clip_coef(row["grad_sq_sum"], float(max_norm), inv_scale)
+    counts = []
+    names = hparam_names()
+    for i, (param, slots) in enumerate(zip(params, _slots(state, state_slots), strict=True)):
+        h = dict(zip(names, hparams[tensor_group[i]]))
         opmath = _opmath(param.dtype)
-        master = master_params[i] if master_params else None
-        w = load_weight(param, master)
+        w = load_weight(param, slots)
         g = grads[i].to(opmath)
-        b = next(buffers) if h["momentum"] != 0 else None
-        coeffs = make_coeffs(h, inv_scale, clip, first_step[i])
+        b = slots["momentum_buffer"]
+        coeffs = make_coeffs(h, inv_scale, clip, slots["first_step"])
         if isinstance(coeffs.clip_coef, Tensor):
             coeffs.clip_coef = coeffs.clip_coef.to(opmath)
         if lars_adapts(h):
             # Sums reduced across shards replace the norm pass; either is taken before the norm clip.
-            row = lars_sq_sums[i] if lars_sq_sums is not None else lars_row(w, g, h, inv_scale)
-            sum_w, sum_t, sum_wt = row
+            sums = row["lars_sq_sums"]
+            sum_w, sum_t, sum_wt = sums[i] if sums is not None else lars_row(w, g, h, inv_scale)
             apply_lars(coeffs, sum_w, clipped_term_sq_sum(sum_w, sum_t, sum_wt, clip, h), h, opmath)
         w_new, b_new = sgd_element(w, g, None if b is None or coeffs.first else b.to(opmath), coeffs)
-        if master is not None and master.dtype == torch.bfloat16:
+        if slots["kahan_compensation"] is not None:
             rounded = w_new.to(torch.bfloat16)
-            master.copy_(kahan_compensation(w_new, rounded))
+            slots["kahan_compensation"].copy_(kahan_compensation(w_new, rounded))
             w_new = rounded
-        elif master is not None:
-            master.copy_(w_new)
-        elif rounds_stochastically(h, param.dtype):
-            random = element_random_bits(rounding_key(h, next(counts), i), param)
+        elif slots["master_param"] is not None:
+            slots["master_param"].copy_(w_new)
+        elif slots["rounding_step"] is not None:
+            counts.append(slots["rounding_step"])
+            random = element_random_bits(rounding_key(h, slots["rounding_step"], i), param)
             w_new = stochastic_bf16(w_new, random >> 16)
             if b is not None:
                 b_new = stochastic_bf16(b_new, random & 0xFFFF)  # the buffer has the param's layout
         param.copy_(w_new)
         if b is not None:
             b.copy_(b_new)
-    for count in rounding_steps:  # after every tensor read its count
+    for count in counts:  # after every tensor read its count
         count += 1
-
-
-def rounds_stochastically(h: dict[str, float], dtype: torch.dtype) -> bool:
-    """Whether a param without masters or compensations is rounded stochastically (``rounds_stochastically``
-    in bucket.h)."""
-    return UPDATE_ROUNDINGS[int(h["update_rounding"])] == "stochastic" and dtype == torch.bfloat16
 
 
 _MASK32 = 0xFFFFFFFF
@@ -316,24 +331,25 @@ def grad_sq_sum(grads: list[Tensor]) -> Tensor:
 def lars_sq_sums(
     params: list[Tensor],
     grads: list[Tensor],
-    master_params: list[Tensor],
+    state: list[Tensor],
+    state_slots: list[int],
     group_hparams: Tensor,
     tensor_group: list[int],
-    grad_scale: Tensor | None,
+    step: list[Tensor | None],
 ) -> Tensor:
     """Same contract as ``torch.ops.lightning_fusedsgd.lars_sq_sums``: float64 [n, LARS_SUMS], each LARS
     tensor's sums of w^2, of its norm term squared and of w times that term, before norm clipping; zeros
     elsewhere."""
     hparams = group_hparams.tolist()
-    inv_scale = inverse_scale(grad_scale)
+    inv_scale = inverse_scale(dict(zip(step_row_names(), step, strict=True))["grad_scale"])
     rows = []
-    for i, param in enumerate(params):
-        h = dict(zip(HPARAM_NAMES, hparams[tensor_group[i]]))
+    names = hparam_names()
+    for i, (param, slots) in enumerate(zip(params, _slots(state, state_slots), strict=True)):
+        h = dict(zip(names, hparams[tensor_group[i]]))
         if not lars_adapts(h):
             rows.append(torch.zeros(LARS_SUMS, dtype=torch.float64, device=param.device))
             continue
-        w = load_weight(param, master_params[i] if master_params else None)
-        rows.append(lars_row(w, grads[i], h, inv_scale))
+        rows.append(lars_row(load_weight(param, slots), grads[i], h, inv_scale))
     if not rows:
         return torch.zeros(0, LARS_SUMS, dtype=torch.float64)
     return torch.stack(rows)

@@ -1,9 +1,9 @@
 """Which implementation of the ops runs a bucket: the compiled kernels or the reference in plain PyTorch.
 
 Backends:
-    ``compiled``: our kernels, for CPU and CUDA tensors. ``torch``: the same math in plain PyTorch
+    ``compiled``: our kernels, for CPU and CUDA tensors. ``reference``: the same math in plain PyTorch
     (``ops/reference.py``): the oracle in tests and the fallback. ``auto``: ``compiled`` on CPU and CUDA,
-    ``torch`` on other devices, and ``torch`` with one warning where the kernel cannot be built.
+    ``reference`` on other devices, and ``reference`` with one warning where the kernel cannot be built.
     ``LIGHTNING_FUSEDSGD_REQUIRE_COMPILED=1`` turns that fallback into an error (CI sets it, to prove the
     compiled kernel is what ran). ``cuda_emulated``: the CUDA kernels and their host code, built by the host
     compiler and run on CPU tensors under an emulation of CUDA's execution model (slow; for testing them where
@@ -22,7 +22,7 @@ import torch
 from lightning_fusedsgd import ops
 from lightning_fusedsgd.ops import reference
 
-BACKENDS = ("auto", "compiled", "torch", "cuda_emulated")
+BACKENDS = ("auto", "compiled", "reference", "cuda_emulated")
 _KERNEL_DEVICES = ("cpu", "cuda")
 
 
@@ -46,8 +46,8 @@ def implementation(requested: str, device: torch.device) -> tuple[str, Any]:
         KernelBuildError: ``compiled`` was asked for (or CI's switch is set) and the kernel cannot be built.
         RuntimeError: ``compiled`` was asked for on a device without kernels.
     """
-    if requested == "torch" or (requested == "auto" and device.type not in _KERNEL_DEVICES):
-        return "torch", reference
+    if requested == "reference" or (requested == "auto" and device.type not in _KERNEL_DEVICES):
+        return "reference", reference
     if requested == "cuda_emulated":
         if device.type != "cpu":
             raise RuntimeError(
@@ -65,7 +65,7 @@ def implementation(requested: str, device: torch.device) -> tuple[str, Any]:
         if requested == "compiled" or os.environ.get(ops.REQUIRE_COMPILED_ENV) == "1":
             raise
         _warn_fallback(str(error).splitlines()[0][:300])
-        return "torch", reference
+        return "reference", reference
 
 
 def is_compiled(requested: str, device: torch.device) -> bool:

@@ -2,11 +2,11 @@
 
 Planning costs a few microseconds of Python per parameter, which on models with thousands of small tensors is
 as much as the update itself. A kept plan is checked in bulk instead: here, with C-level ``map`` only, the
-same params (by identity) and the switches that decide what the plan checks (momentum, master weights, the
-rounding mode, LARS, clipping), the same state mapping (keys and per-param dicts by identity, in order) and
-the same state tensors (by identity); then, in C++ (``torch.classes.lightning_fusedsgd.KeptPlan``, the one
-place that checks layouts), that grads and params are laid out (and params located) as recorded, collecting
-this step's grads:
+same params (by identity) and what of the groups decides the plan (``_abi.plan_key``: the options declared
+to decide it), the same state mapping (keys and per-param dicts by identity, in order) and the same state
+tensors of every slot the plan holds (by identity); then, in C++ (``torch.classes.lightning_fusedsgd.
+PlanArguments``, the one place that checks layouts), that grads and params are laid out (and params located)
+as recorded, collecting this step's grads:
 
 * :class:`KeptPlan`: plain params, the buckets' op arguments held in C++, whose ``gather()`` reads each
   param's grad, so a step converts no tensor lists from Python;
@@ -29,80 +29,52 @@ import torch
 from torch import Tensor
 
 from lightning_fusedsgd import ops
-from lightning_fusedsgd._abi import MOMENTUM_BUFFER, ROUNDING_STEP
+from lightning_fusedsgd._abi import plan_key, slot_keys, slots_in
 from lightning_fusedsgd.optim import _dtensor
-from lightning_fusedsgd.optim._plan import (
-    MASTER_STATE,
-    NO_MASTERS,
-    BucketKey,
-    Plan,
-    StepScalars,
-)
+from lightning_fusedsgd.optim._plan import BucketKey, Plan
 
-_get_buffer = operator.methodcaller("get", MOMENTUM_BUFFER)
 _NO_STATE: dict[str, Any] = {}
-
-
-def _group_key(groups: Sequence[dict[str, Any]]) -> list[tuple[Any, ...]]:
-    """What of the groups decides what a plan checks and stores (plan_step's refusals included)."""
-    return [
-        (
-            len(g["params"]),
-            g["momentum"] != 0,
-            bool(g["master_weights"]),
-            g["update_rounding"],
-            bool(g["lars"]),
-            g["max_grad_norm"] is not None,
-            g["max_grad_value"] is not None,
-        )
-        for g in groups
-    ]
 
 
 @dataclass
 class _Record:
-    """What :meth:`matches` compares: the groups' switches, the params, and the state as the plan saw it."""
+    """What :meth:`matches` compares: what of the groups decides the plan (``_abi.plan_key``), the params,
+    and the state as the plan saw it."""
 
-    group_key: list[tuple[Any, ...]]
+    group_keys: list[tuple[Any, ...]]
     params: list[Tensor]
     state_keys: list[Tensor]
     state_dicts: list[dict[str, Any]]
     stepped_dicts: list[dict[str, Any]]
-    buffers: list[Tensor | None]
-    # By state key: the masters or compensations, and the rounding steps, for the kinds some bucket keeps.
-    tracked: dict[str, list[Tensor | None]]
+    # By state key, for the slots some stepped param holds: each stepped param's stored value.
+    tracked: dict[str, list[Any]]
 
     @classmethod
     def of(
         cls, groups: Sequence[dict[str, Any]], state: Mapping[Tensor, dict[str, Any]], plan: Plan
     ) -> _Record:
         params = [p for g in groups for p in g["params"]]
-        tracked_keys = {MASTER_STATE[masters][0] for *_, masters in plan.buckets if masters != NO_MASTERS}
-        if any(bucket.rounding_steps for bucket in plan.buckets.values()):
-            tracked_keys.add(ROUNDING_STEP)
+        masks = [mask for bucket in plan.buckets.values() for mask in bucket.state_slots]
+        held = {key for mask in masks for key, holds in zip(slot_keys(), slots_in(mask)[0]) if holds}
         stepped_dicts = [state.get(p, _NO_STATE) for p in params if p.grad is not None]
         return cls(
-            group_key=_group_key(groups),
+            group_keys=list(map(plan_key, groups)),
             params=params,
             state_keys=list(state),
             state_dicts=list(state.values()),
             stepped_dicts=stepped_dicts,
-            buffers=list(map(_get_buffer, stepped_dicts)),
-            tracked={
-                key: list(map(operator.methodcaller("get", key), stepped_dicts)) for key in tracked_keys
-            },
+            tracked={key: list(map(operator.methodcaller("get", key), stepped_dicts)) for key in held},
         )
 
     def matches(self, groups: Sequence[dict[str, Any]], state: Mapping[Tensor, dict[str, Any]]) -> bool:
         return (
-            _group_key(groups) == self.group_key
+            list(map(plan_key, groups)) == self.group_keys
             and all(
                 map(operator.is_, itertools.chain.from_iterable(g["params"] for g in groups), self.params)
             )
             and len(state) == len(self.state_keys)
             and all(map(operator.is_, state, self.state_keys))
             and all(map(operator.is_, state.values(), self.state_dicts))
-            and all(map(operator.is_, map(_get_buffer, self.stepped_dicts), self.buffers))
             and all(
                 all(map(operator.is_, map(operator.methodcaller("get", key), self.stepped_dicts), stored))
                 for key, stored in self.tracked.items()
@@ -112,41 +84,33 @@ class _Record:
 
 @dataclass
 class KeptBucket:
-    """One bucket of a :class:`KeptPlan`: the ops called on the arguments the C++ class holds."""
+    """One bucket of a :class:`KeptPlan`: the ops called on the arguments its ``PlanArguments`` holds."""
 
-    cpp: Any  # torch.classes.lightning_fusedsgd.KeptPlan
+    arguments: Any  # torch.classes.lightning_fusedsgd.PlanArguments
     index: int
     key: BucketKey
 
     def grad_sq_sum(self) -> Tensor:
-        return self.cpp.grad_sq_sum(self.index)
+        return self.arguments.grad_sq_sum(self.index)
 
-    def sgd_step(self, scalars: StepScalars, grad_sq_sum: Tensor | None, lars_sq_sums: Tensor | None) -> None:
-        del lars_sq_sums  # a plan of plain params has no sharded norms
-        s = scalars
-        self.cpp.sgd_step(self.index, s.table, s.grad_scale, s.found_inf, grad_sq_sum, s.max_grad_norm, s.lrs)
+    def sgd_step(self, table: Tensor, step: list[Tensor | None]) -> None:
+        self.arguments.sgd_step(self.index, table, step)
 
 
-def _cpp_plan(record: _Record, plan: Plan, namespace: str, local: bool) -> Any:
-    """The plan in C++: the params (``local``: their local shards), whether each had a grad, the stepped ones'
-    layouts, and each bucket's arguments, its tensors placed among the stepped params."""
+def _plan_arguments(record: _Record, plan: Plan, namespace: str, local: bool) -> Any:
+    """The plan's op arguments in C++: the params (``local``: their local shards), whether each had a grad,
+    the stepped ones' layouts, and each bucket's arguments, its tensors placed among the stepped params."""
     params = [_dtensor.local(p) if local else p for p in record.params]
     stepped = [p for p, source in zip(params, record.params) if source.grad is not None]
     position = {id(p): i for i, p in enumerate(p for p in record.params if p.grad is not None)}
     ops.load("cpu")  # the class is in the CPU library
-    cpp = torch.classes.lightning_fusedsgd.KeptPlan(
+    arguments = torch.classes.lightning_fusedsgd.PlanArguments(
         params, [p.grad is not None for p in record.params], [p.detach() for p in stepped], namespace
     )
     for bucket in plan.buckets.values():
-        cpp.add_bucket(
-            bucket.params,
-            bucket.momentum_buffers,
-            bucket.master_params,
-            bucket.rounding_steps,
-            bucket.tensor_group,
-            [position[id(p)] for p in bucket.sources],
-        )
-    return cpp
+        positions = [position[id(p)] for p in bucket.sources]
+        arguments.add_bucket(bucket.params, bucket.state, bucket.state_slots, bucket.tensor_group, positions)
+    return arguments
 
 
 @dataclass
@@ -155,7 +119,7 @@ class KeptPlan:
     ops of the backend that ran the plan (``compiled``, or ``cuda_emulated``)."""
 
     record: _Record
-    cpp: Any  # torch.classes.lightning_fusedsgd.KeptPlan
+    arguments: Any  # torch.classes.lightning_fusedsgd.PlanArguments
     keys: list[BucketKey]
     backend: str
 
@@ -169,15 +133,15 @@ class KeptPlan:
         namespace: str,
     ) -> KeptPlan:
         record = _Record.of(groups, state, plan)
-        return cls(record, _cpp_plan(record, plan, namespace, local=False), list(plan.buckets), backend)
+        return cls(record, _plan_arguments(record, plan, namespace, local=False), list(plan.buckets), backend)
 
     def buckets_for(
         self, groups: Sequence[dict[str, Any]], state: Mapping[Tensor, dict[str, Any]]
     ) -> list[KeptBucket] | None:
         """This step's buckets, or None (nothing changed) where the plan no longer holds."""
-        if not self.record.matches(groups, state) or not self.cpp.gather():
+        if not self.record.matches(groups, state) or not self.arguments.gather():
             return None
-        return [KeptBucket(self.cpp, index, key) for index, key in enumerate(self.keys)]
+        return [KeptBucket(self.arguments, index, key) for index, key in enumerate(self.keys)]
 
 
 @dataclass
@@ -187,7 +151,7 @@ class KeptShardedPlan:
 
     record: _Record
     plan: Plan
-    cpp: Any  # torch.classes.lightning_fusedsgd.KeptPlan
+    arguments: Any  # torch.classes.lightning_fusedsgd.PlanArguments
 
     @classmethod
     def of(
@@ -198,7 +162,7 @@ class KeptShardedPlan:
         namespace: str,
     ) -> KeptShardedPlan:
         record = _Record.of(groups, state, plan)
-        return cls(record, plan, _cpp_plan(record, plan, namespace, local=True))
+        return cls(record, plan, _plan_arguments(record, plan, namespace, local=True))
 
     def plan_for(
         self, groups: Sequence[dict[str, Any]], state: Mapping[Tensor, dict[str, Any]]
@@ -220,10 +184,10 @@ class KeptShardedPlan:
                 return None
         params = [_dtensor.local(p) for p in self.record.params]
         grads = [None if p.grad is None else _dtensor.local(p.grad) for p in self.record.params]
-        if not self.cpp.take(params, grads):
+        if not self.arguments.take(params, grads):
             return None
         for index, bucket in enumerate(self.plan.buckets.values()):
-            bucket.grads[:] = self.cpp.grads(index)
+            bucket.grads[:] = self.arguments.grads(index)
         return self.plan
 
 

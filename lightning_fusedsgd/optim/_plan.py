@@ -1,6 +1,6 @@
 """The step plan: every param with a grad checked and gathered into buckets, before anything is written.
 
-A bucket is one (device, dtype, masters) set of tensors in the ops' argument order; the plan also lists
+A bucket is one (device, dtype, weight slot) set of tensors in the ops' argument order; the plan also lists
 the state to store once the kernels ran and the params updated through a copy. Nothing here knows the
 optimizer: ``plan_step`` reads its groups and state."""
 
@@ -13,65 +13,46 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_fusedsgd._abi import KAHAN_COMPENSATION, MASTER_PARAM, MOMENTUM_BUFFER, ROUNDING_STEP
+from lightning_fusedsgd import _abi
+from lightning_fusedsgd._abi import LOW_PRECISION, Slot, StepRow, seeded, state_slots, stored_weight
 from lightning_fusedsgd.optim import _dtensor
 from lightning_fusedsgd.optim._overlap import check_no_overlap, has_internal_overlap
 
-LOW_PRECISION = (torch.bfloat16, torch.float16)
 # Complex params are stepped as their real views, as torch.optim.SGD does.
 _SUPPORTED_DTYPES = (torch.float32, torch.float64, *LOW_PRECISION, torch.complex64, torch.complex128)
 _NO_STATE: dict[str, Any] = {}
 
-# What a bucket's master_params hold (the ops' contract): nothing, fp32 master weights, or bf16 Kahan
-# compensations (update_rounding="kahan"); each kind with the state key that stores it and its dtype.
-NO_MASTERS, FP32_MASTERS, KAHAN_COMPENSATIONS = "", "fp32 master", "kahan compensation"
-MASTER_STATE = {
-    FP32_MASTERS: (MASTER_PARAM, torch.float32),
-    KAHAN_COMPENSATIONS: (KAHAN_COMPENSATION, torch.bfloat16),
-}
-BucketKey = tuple[torch.device, torch.dtype, str]  # (device, param dtype, what master_params hold)
+# (device, param dtype, the slot that holds the rest of the weight: a master or a compensation, or "")
+BucketKey = tuple[torch.device, torch.dtype, str]
 
 
 @dataclass
 class Bucket:
-    """The tensors of one (device, dtype, masters) bucket, in the kernel's argument order."""
+    """The tensors of one (device, dtype, weight slot) bucket, in the op's argument order."""
 
     params: list[Tensor] = field(default_factory=list)  # dense views: real views of complex params
     sources: list[Tensor] = field(default_factory=list)  # the optimizer's params behind them
     grads: list[Tensor] = field(default_factory=list)
-    momentum_buffers: list[Tensor] = field(default_factory=list)  # of the params with momentum, in order
-    master_params: list[Tensor] = field(default_factory=list)  # fp32 masters or Kahan compensations, or none
-    rounding_steps: list[Tensor] = field(
-        default_factory=list
-    )  # of the params rounded stochastically, in order
+    state: list[Tensor] = field(default_factory=list)  # each param's slots in turn, as the op takes them
+    state_slots: list[int] = field(default_factory=list)  # per param: which slots it holds (_abi.state_slots)
     tensor_group: list[int] = field(default_factory=list)
-    first_step: list[bool] = field(default_factory=list)
     # Per tensor: where its partial norms are all-reduced (_dtensor.reduce_key), None when not sharded.
     reduce_keys: list[_dtensor.ReduceKey | None] = field(default_factory=list)
 
 
 @dataclass
-class StepScalars:
-    """A step's inputs besides the buckets: the hyperparameter table, GradScaler's two tensors (or None), the
-    lrs read on the device (or None), and the threshold of clipping by global norm (or None)."""
+class StepInputs:
+    """A step's inputs besides the buckets: the hyperparameter table (on the CPU) and the step row."""
 
     table: Tensor
-    grad_scale: Tensor | None
-    found_inf: Tensor | None
-    lrs: Tensor | None
-    max_grad_norm: float | None
-
-    def on(self, device: torch.device) -> StepScalars:
-        """The same scalars, their tensors on ``device`` (the table stays on the CPU)."""
-        moved = [None if t is None else t.to(device) for t in (self.grad_scale, self.found_inf, self.lrs)]
-        return StepScalars(self.table, *moved[:2], moved[2], self.max_grad_norm)
+    row: StepRow
 
 
 @dataclass
 class Plan:
-    """A step's buckets by (device, dtype, masters); the state entries to store once the kernels ran
-    (new buffers, masters and compensations, buffers converted to the param's layout or to fp32, and ``None``
-    for a master or compensation to drop because its group turned it off); and the (param, dense copy) pairs
+    """A step's buckets by (device, dtype, weight slot); the state entries to store once the kernels ran
+    (new state, state converted to the param's layout or its slot's dtype, and ``None`` for state to drop
+    that goes stale while its group does not hold it); and the (param, dense copy) pairs
     of params that are not dense and are updated through a copy. For DTensor params the buckets hold local
     shards, the new state is DTensors placed like the params, and ``sharded`` says whether any tensor's norms
     need an all-reduce."""
@@ -106,9 +87,8 @@ _Place = tuple[dict[str, Any], int, int]
 
 
 def bucket_name(key: BucketKey) -> str:
-    device, dtype, masters = key
-    suffix = "" if masters == NO_MASTERS else f" + {masters}"
-    return f"{device}/{str(dtype).removeprefix('torch.')}{suffix}"
+    device, dtype, weight = key
+    return f"{device}/{str(dtype).removeprefix('torch.')}{f' + {weight}' if weight else ''}"
 
 
 def real_view(tensor: Tensor) -> Tensor:
@@ -232,21 +212,22 @@ def _plan_param(
     param_index: int,
     tracing: bool,
 ) -> None:
-    """Adds one param to its bucket: dense views of param and grad (real views of complex ones), and
-    its momentum buffer and master or compensation, converted to the param's layout where needed."""
-    has_momentum = group["momentum"] != 0
-    masters = _masters_of(group, param.dtype)
+    """Adds one param to its bucket: dense views of param and grad (real views of complex ones), and its state
+    slot by slot (``_abi.SLOTS``): as stored, converted to the param's layout and the slot's dtype, or seeded
+    anew."""
     # A DTensor param is stepped as its local shard; its state is stored as DTensors placed like it.
     shard = _dtensor.local(param)
     dense = shard if _is_dense(shard) else shard.contiguous()
     if dense is not shard:
         plan.staged.append((shard, dense))
-    stride = dense.stride()
     grad = _dtensor.local(param.grad)
-    if grad.dtype != param.dtype or grad.stride() != stride:
+    if grad.dtype != param.dtype or grad.stride() != dense.stride():
         grad = torch.empty_like(dense).copy_(grad)
 
-    bucket = plan.buckets.setdefault((dense.device, param.dtype, masters), Bucket())
+    slots = _abi.SLOTS
+    held = [s.held(group, param.dtype) for s in slots]
+    weight = next((s.key for s, h in zip(slots, held) if h and s.weight is not None), "")
+    bucket = plan.buckets.setdefault((dense.device, param.dtype, weight), Bucket())
     bucket.params.append(real_view(dense))
     bucket.sources.append(param)
     bucket.grads.append(real_view(grad))
@@ -254,57 +235,56 @@ def _plan_param(
     reduce_key = _dtensor.reduce_key(param)
     bucket.reduce_keys.append(reduce_key)
     plan.sharded = plan.sharded or reduce_key is not None
-    buffer = state.get(MOMENTUM_BUFFER) if has_momentum else None
-    bucket.first_step.append(has_momentum and buffer is None)
-    if has_momentum:
-        buffer_dtype = torch.float32 if masters == FP32_MASTERS else param.dtype
-        if buffer is None:
-            new_buffer = torch.zeros_like if tracing else torch.empty_like
-            buffer = new_buffer(dense, dtype=buffer_dtype)
-            plan.new_state.append((param, MOMENTUM_BUFFER, _dtensor.like_param(buffer, param)))
-        else:
-            # A sparse buffer comes from a step of torch's sparse path (plan.sparse): dense from now on.
-            local_buffer = buffer.to_dense() if buffer.is_sparse else _dtensor.local(buffer)
-            if buffer.is_sparse or not _steppable_as_stored(buffer, local_buffer, param, dense, buffer_dtype):
-                check_state_shapes(state, group, group_index, param_index, param)
-                local_buffer = torch.empty_like(dense, dtype=buffer_dtype).copy_(local_buffer)
-                plan.new_state.append((param, MOMENTUM_BUFFER, _dtensor.like_param(local_buffer, param)))
-            buffer = local_buffer
-        bucket.momentum_buffers.append(real_view(buffer))
-    for kind, (key, dtype) in MASTER_STATE.items():
-        stored = state.get(key)
-        if kind != masters:
-            if stored is not None:  # stale once the param steps without it: seeded anew if turned back on
-                plan.new_state.append((param, key, None))
-            continue
-        local = None if stored is None else _dtensor.local(stored)
-        if stored is None or not _steppable_as_stored(stored, local, param, dense, dtype):
-            check_state_shapes(state, group, group_index, param_index, param)
-            source = _new_master_state(kind, dense, state) if local is None else local
-            local = torch.empty_like(dense, dtype=dtype).copy_(source)  # in the param's layout
-            plan.new_state.append((param, key, _dtensor.like_param(local, param)))
-        bucket.master_params.append(local)
-    if masters == NO_MASTERS and param.dtype == torch.bfloat16 and group["update_rounding"] == "stochastic":
-        bucket.rounding_steps.append(_rounding_step(plan, state, param, dense.device))
+    fresh = [
+        holds and slot.seed == "gradient" and state.get(slot.key) is None for slot, holds in zip(slots, held)
+    ]
+    bucket.state_slots.append(state_slots(held, fresh))
+    for slot, holds in zip(slots, held):
+        if holds:
+            value = _slot_value(plan, slot, state, param, dense, (group, group_index, param_index), tracing)
+            bucket.state.append(value if slot.count else real_view(value))
+        elif slot.stale_unheld and state.get(slot.key) is not None:  # seeded anew if its group holds it again
+            plan.new_state.append((param, slot.key, None))
 
 
-def _rounding_step(plan: Plan, state: dict[str, Any], param: Tensor, device: torch.device) -> Tensor:
-    """The param's count of stochastic steps as the op takes it, a one-element int64 tensor on its device: the
-    stored one, or a new one holding its value (0 for a param's first stochastic step)."""
-    stored = state.get(ROUNDING_STEP)
-    if (
-        isinstance(stored, Tensor)
-        and stored.dtype == torch.int64
-        and stored.numel() == 1
-        and stored.device == device
-        and not _dtensor.is_sharded(stored)
-    ):
-        return stored
-    count = torch.zeros((), dtype=torch.int64, device=device)
+def _slot_value(
+    plan: Plan, slot: Slot, state: dict[str, Any], param: Tensor, dense: Tensor, place: _Place, tracing: bool
+) -> Tensor:
+    """The param's state of ``slot`` as the op takes it: the stored one where it can step as it is, else a
+    new one (stored with the new state) holding the stored values, or seeded."""
+    stored = state.get(slot.key)
+    dtype = slot.dtype(place[0], param.dtype)
+    if slot.count:
+        if (
+            isinstance(stored, Tensor)
+            and stored.dtype == dtype
+            and stored.numel() == 1
+            and stored.device == dense.device
+            and not _dtensor.is_sharded(stored)
+        ):
+            return stored
+        value = seeded(slot, dense, dense, dtype)
+        if stored is not None:
+            value.fill_(int(stored))
+        plan.new_state.append((param, slot.key, value))
+        return value
     if stored is not None:
-        count.fill_(int(stored))
-    plan.new_state.append((param, ROUNDING_STEP, count))
-    return count
+        # A sparse buffer comes from a step of torch's sparse path (plan.sparse): dense from now on.
+        local = stored.to_dense() if stored.is_sparse else _dtensor.local(stored)
+        if not stored.is_sparse and _steppable_as_stored(stored, local, param, dense, dtype):
+            return local
+        check_state_shapes(state, *place, param)
+        value = torch.empty_like(dense, dtype=dtype).copy_(local)
+    elif slot.seed in ("weight", "residual"):
+        check_state_shapes(state, *place, param)
+        weight = stored_weight(
+            dense, {k: _dtensor.local(v) for k, v in state.items() if isinstance(v, Tensor)}
+        )
+        value = seeded(slot, dense, weight, dtype)
+    else:
+        value = seeded(slot, dense, dense, dtype, zeros=tracing)
+    plan.new_state.append((param, slot.key, _dtensor.like_param(value, param)))
+    return value
 
 
 def _steppable_as_stored(
@@ -321,36 +301,10 @@ def _steppable_as_stored(
     )
 
 
-def _new_master_state(kind: str, dense: Tensor, state: dict[str, Any]) -> Tensor:
-    """The values of a new master or compensation: the weight the param's state holds, kept where its group
-    switched between the two (a master from param + compensation, a compensation from what rounding the
-    master to the param dropped, where the param holds that rounding); else the param, or a compensation of
-    0."""
-    master, compensation = (state.get(MASTER_STATE[k][0]) for k in (FP32_MASTERS, KAHAN_COMPENSATIONS))
-    if kind == FP32_MASTERS:
-        if compensation is None:
-            return dense
-        return dense.float() + _dtensor.local(compensation).to(dense.device).float()
-    if master is None:
-        return torch.zeros_like(dense)
-    master = _dtensor.local(master).to(dense.device).float()
-    return torch.where(dense == master.to(dense.dtype), master - dense.float(), 0.0)
-
-
-def _masters_of(group: dict[str, Any], dtype: torch.dtype) -> str:
-    """What the kernel keeps beside a param of this dtype in this group: fp32 masters (bf16/fp16 params with
-    master_weights), a Kahan compensation (bf16 params without them, update_rounding="kahan"), or nothing."""
-    if group["master_weights"] and dtype in LOW_PRECISION:
-        return FP32_MASTERS
-    if group["update_rounding"] == "kahan" and dtype == torch.bfloat16:
-        return KAHAN_COMPENSATIONS
-    return NO_MASTERS
-
-
 def check_state_shapes(
     state: dict[str, Any], group: dict[str, Any], group_index: int, param_index: int, param: Tensor
 ) -> None:
-    for key in (MOMENTUM_BUFFER, *(key for key, _ in MASTER_STATE.values())):
+    for key in (slot.key for slot in _abi.SLOTS if not slot.count):
         value = state.get(key)
         if isinstance(value, Tensor) and _dtensor.is_sharded(value) != _dtensor.is_sharded(param):
             kinds = ["a DTensor", "a plain tensor"]

@@ -10,7 +10,8 @@ from typing import Any
 from torch import Tensor
 from torch.optim.sgd import sgd
 
-from lightning_fusedsgd._abi import MOMENTUM_BUFFER
+# torch.optim.SGD's momentum buffer, which its sparse path reads and writes (FusedSGD's slot of that key).
+_BUFFER = "momentum_buffer"
 
 
 def step_sparse(
@@ -26,7 +27,7 @@ def step_sparse(
         group = groups[group_index]
         params = [param for param, index in sparse if index == group_index]
         grads = [p.grad if inv_scale is None else p.grad * inv_scale.to(p.grad.device) for p in params]
-        buffers = [state.get(p, {}).get(MOMENTUM_BUFFER) for p in params]
+        buffers = [state.get(p, {}).get(_BUFFER) for p in params]
         sgd(
             params,
             grads,
@@ -42,4 +43,4 @@ def step_sparse(
         )
         if group["momentum"] != 0:
             for param, buffer in zip(params, buffers):
-                state[param][MOMENTUM_BUFFER] = buffer
+                state[param][_BUFFER] = buffer

@@ -12,13 +12,15 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_fusedsgd import _abi
-from lightning_fusedsgd._abi import MASTER_PARAM, MOMENTUM_BUFFER, ROUNDING_STEP
 from lightning_fusedsgd.checkpoint import (
     check_optimizer_state_dict,
     remap_optimizer_state_dict,
     same_param_layout,
 )
-from lightning_fusedsgd.optim._plan import LOW_PRECISION, check_state_shapes
+from lightning_fusedsgd.optim._plan import check_state_shapes
+
+# Earlier versions counted stochastic steps per group, under the key the per-param count's slot has now.
+_GROUP_ROUNDING_STEP = "rounding_step"
 
 
 def load(
@@ -75,29 +77,29 @@ def rounding_steps_in_state(state_dict: dict[str, Any]) -> dict[str, Any]:
     earlier version counts them per group (``group["rounding_step"]``, the same for each of its params). The
     input is not modified."""
     groups = state_dict["param_groups"]
-    if not any(ROUNDING_STEP in group for group in groups):
+    if not any(_GROUP_ROUNDING_STEP in group for group in groups):
         return state_dict
     state = dict(state_dict["state"])
     for group in groups:
-        count = group.get(ROUNDING_STEP, 0)
+        count = group.get(_GROUP_ROUNDING_STEP, 0)
         for index in group["params"]:
             saved = state.get(index, {})
-            if count and ROUNDING_STEP not in saved:
-                state[index] = {**saved, ROUNDING_STEP: torch.tensor(count, dtype=torch.int64)}
+            if count and _GROUP_ROUNDING_STEP not in saved:
+                state[index] = {**saved, _GROUP_ROUNDING_STEP: torch.tensor(count, dtype=torch.int64)}
     return {
         **state_dict,
         "state": state,
-        "param_groups": [{k: v for k, v in group.items() if k != ROUNDING_STEP} for group in groups],
+        "param_groups": [{k: v for k, v in group.items() if k != _GROUP_ROUNDING_STEP} for group in groups],
     }
 
 
 def state_in_its_dtypes(
     state_dict: dict[str, Any], groups: list[dict[str, Any]]
 ) -> dict[Tensor, dict[str, Tensor]]:
-    """The state whose dtype is not its param's, as it will be stored: the fp32 momentum buffers and masters
-    of master-weighted bf16/fp16 params, and the int64 counts of stochastic steps; checks every state's shapes
-    first. Whether a group keeps masters is the group as loaded (the saved one, or the optimizer's where the
-    state was remapped by name), not as constructed."""
+    """The state whose slot's dtype is not its param's, as it will be stored (``Slot.dtype``: the fp32
+    momentum buffers and masters of master-weighted bf16/fp16 params, the int64 counts of stochastic steps);
+    checks every state's shapes first. The dtypes are those of the groups as loaded (the saved ones, or the
+    optimizer's where the state was remapped by name), not as constructed."""
     saved_groups = state_dict["param_groups"]
     if len(groups) != len(saved_groups) or any(
         len(g["params"]) != len(s["params"]) for g, s in zip(groups, saved_groups)
@@ -114,15 +116,11 @@ def state_in_its_dtypes(
             continue
         group_index, param_index, param = id_to_param[saved_id]
         check_state_shapes(saved_state, groups[group_index], group_index, param_index, param)
-        master_weights = saved_groups[group_index].get(
-            "master_weights", groups[group_index]["master_weights"]
-        )
-        dtypes = {ROUNDING_STEP: torch.int64}
-        if master_weights and param.dtype in LOW_PRECISION:
-            dtypes |= {MOMENTUM_BUFFER: torch.float32, MASTER_PARAM: torch.float32}
+        loaded = {**groups[group_index], **saved_groups[group_index]}
+        dtypes = {slot.key: slot.dtype(loaded, param.dtype) for slot in _abi.SLOTS}
         kept[param] = {
             key: saved_state[key].to(device=param.device, dtype=dtype, copy=True)
             for key, dtype in dtypes.items()
-            if isinstance(saved_state.get(key), Tensor)
+            if isinstance(saved_state.get(key), Tensor) and dtype != param.dtype
         }
     return kept

@@ -2,7 +2,7 @@
 one), then norms -> reduce -> update, then what a new plan leaves behind.
 
 Eager, kept (C++), sharded, traced (torch.compile) and capturable steps differ only in where their buckets
-come from (a plan made now, or one kept from an earlier step) and what the step's scalars are (tensors on the
+come from (a plan made now, or one kept from an earlier step) and what the step's row holds (tensors on the
 device for capturable steps); :func:`run` is the same for all of them:
 
 1. norms: where a group clips by global norm, each bucket's ``grad_sq_sum``; under sharding, each bucket's
@@ -23,23 +23,21 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from lightning_fusedsgd._abi import LARS_SUMS
+from lightning_fusedsgd._abi import LARS_SUMS, StepRow
 from lightning_fusedsgd.optim import _backends, _kept, _sparse
 from lightning_fusedsgd.optim._dtensor import ReduceKey
-from lightning_fusedsgd.optim._plan import Bucket, BucketKey, Plan, StepScalars, bucket_name, plan_step
+from lightning_fusedsgd.optim._plan import Bucket, BucketKey, Plan, StepInputs, bucket_name, plan_step
 
 
 class BucketStep(Protocol):
     """A bucket the path runs: one made now (:class:`PlannedBucket`) or kept in C++ (``_kept.KeptBucket``).
-    ``sgd_step`` takes the step's scalars on the bucket's device."""
+    ``sgd_step`` takes the table and the step row as the op does, the row on the bucket's device."""
 
     key: BucketKey
 
     def grad_sq_sum(self) -> Tensor: ...
 
-    def sgd_step(
-        self, scalars: StepScalars, grad_sq_sum: Tensor | None, lars_sq_sums: Tensor | None
-    ) -> None: ...
+    def sgd_step(self, table: Tensor, step: list[Tensor | None]) -> None: ...
 
 
 @dataclass
@@ -55,28 +53,13 @@ class PlannedBucket:
     def grad_sq_sum(self) -> Tensor:
         return self.ops.grad_sq_sum(self.bucket.grads)
 
-    def lars_sq_sums(self, table: Tensor, grad_scale: Tensor | None) -> Tensor:
+    def lars_sq_sums(self, table: Tensor, step: list[Tensor | None]) -> Tensor:
         b = self.bucket
-        return self.ops.lars_sq_sums(b.params, b.grads, b.master_params, table, b.tensor_group, grad_scale)
+        return self.ops.lars_sq_sums(b.params, b.grads, b.state, b.state_slots, table, b.tensor_group, step)
 
-    def sgd_step(self, scalars: StepScalars, grad_sq_sum: Tensor | None, lars_sq_sums: Tensor | None) -> None:
-        b, s = self.bucket, scalars
-        self.ops.sgd_step(
-            b.params,
-            b.grads,
-            b.momentum_buffers,
-            b.master_params,
-            b.rounding_steps,
-            s.table,
-            b.tensor_group,
-            b.first_step,
-            s.grad_scale,
-            s.found_inf,
-            grad_sq_sum,
-            s.max_grad_norm,
-            lars_sq_sums,
-            s.lrs,
-        )
+    def sgd_step(self, table: Tensor, step: list[Tensor | None]) -> None:
+        b = self.bucket
+        self.ops.sgd_step(b.params, b.grads, b.state, b.state_slots, table, b.tensor_group, step)
 
 
 def _sum_on(sums: Sequence[Tensor], device: torch.device) -> Tensor:
@@ -87,7 +70,7 @@ def _sum_on(sums: Sequence[Tensor], device: torch.device) -> Tensor:
 
 
 def run(
-    buckets: Sequence[BucketStep], scalars: StepScalars, sharded: bool, lars_groups: Sequence[bool]
+    buckets: Sequence[BucketStep], inputs: StepInputs, sharded: bool, lars_groups: Sequence[bool]
 ) -> None:
     """One optimizer step over ``buckets``: norms, their reduction, then the update. ``sharded``: some
     tensor's norms must be summed over other ranks (then every bucket is a :class:`PlannedBucket`);
@@ -97,13 +80,12 @@ def run(
     lars_sums: dict[BucketKey, Tensor] = {}
     grad_sq_sum = None
     if sharded:
-        lars_sums, grad_sq_sum = _global_norm_sums(buckets, scalars, lars_groups)  # type: ignore[arg-type]
-    elif scalars.max_grad_norm is not None:
+        lars_sums, grad_sq_sum = _global_norm_sums(buckets, inputs, lars_groups)  # type: ignore[arg-type]
+    elif inputs.row.wants("grad_sq_sum"):
         grad_sq_sum = _sum_on([bucket.grad_sq_sum() for bucket in buckets], buckets[0].key[0])
     for bucket in buckets:
-        device = bucket.key[0]
-        on_device = None if grad_sq_sum is None else grad_sq_sum.to(device)
-        bucket.sgd_step(scalars.on(device), on_device, lars_sums.get(bucket.key))
+        row = inputs.row.with_values(grad_sq_sum=grad_sq_sum, lars_sq_sums=lars_sums.get(bucket.key))
+        bucket.sgd_step(inputs.table, row.on(bucket.key[0]))
 
 
 class Steps:
@@ -118,7 +100,7 @@ class Steps:
         self.last_backends: dict[str, str] = {}
 
     def step(
-        self, groups: Sequence[dict[str, Any]], state: Mapping[Tensor, dict[str, Any]], scalars: StepScalars
+        self, groups: Sequence[dict[str, Any]], state: Mapping[Tensor, dict[str, Any]], inputs: StepInputs
     ) -> None:
         """One step of ``groups``; a step a GradScaler skipped (``found_inf``) writes nothing where the host
         can see it without a sync (on CUDA the kernels skip themselves), and stores no (uninitialized)
@@ -127,7 +109,7 @@ class Steps:
         tracing = torch.compiler.is_compiling()
         kept = None if tracing or self.kept is None else self._kept_buckets(groups, state)
         plan = None if kept is not None else plan_step(groups, state, tracing)
-        found_inf = scalars.found_inf
+        found_inf = inputs.row["found_inf"]
         if (
             not tracing
             and found_inf is not None
@@ -140,11 +122,11 @@ class Steps:
         else:
             buckets, names = self._planned_buckets(plan)
             sharded = plan.sharded
-        run(buckets, scalars, sharded, [bool(group["lars"]) for group in groups])
+        run(buckets, inputs, sharded, [bool(group["lars"]) for group in groups])
         self.last_backends.clear()
         self.last_backends.update(names)
         if plan is not None:
-            self._finish(groups, state, plan, scalars.grad_scale, tracing, buckets)
+            self._finish(groups, state, plan, inputs.row["grad_scale"], tracing, buckets)
 
     def _kept_buckets(
         self, groups: Sequence[dict[str, Any]], state: Mapping[Tensor, dict[str, Any]]
@@ -199,7 +181,7 @@ class Steps:
 
 
 def _global_norm_sums(
-    buckets: Sequence[PlannedBucket], scalars: StepScalars, lars_groups: Sequence[bool]
+    buckets: Sequence[PlannedBucket], inputs: StepInputs, lars_groups: Sequence[bool]
 ) -> tuple[dict[BucketKey, Tensor], Tensor | None]:
     """The sums of squares a sharded step needs, made global: each bucket's ``lars_sq_sums`` (where it has
     LARS tensors) and, under norm clipping, the sum of squares of every stepped gradient.
@@ -209,6 +191,7 @@ def _global_norm_sums(
     collective per process group, whatever the number of tensors. Tensors split nowhere add their sums
     locally."""
     lars_sums: dict[BucketKey, Tensor] = {}
+    clips = inputs.row.wants("grad_sq_sum")
     # Per reduce key of each bucket: (bucket key, LARS row indices, whether the clip sum follows, the groups),
     # and its local sums as one vector (the rows, then the clip sum).
     entries: list[tuple[BucketKey, list[int], bool, ReduceKey]] = []
@@ -217,13 +200,13 @@ def _global_norm_sums(
     for planned in buckets:
         key, bucket, device = planned.key, planned.bucket, planned.key[0]
         lars = [lars_groups[g] for g in bucket.tensor_group]
-        if any(lars):
-            lars_sums[key] = planned.lars_sq_sums(scalars.table, scalars.on(device).grad_scale)
+        if any(lars):  # taken before the clip, whose global norm the same collective makes
+            norm_row = StepRow({"grad_scale": inputs.row["grad_scale"]})
+            lars_sums[key] = planned.lars_sq_sums(inputs.table, norm_row.on(device))
         by_key: dict[ReduceKey | None, list[int]] = {}
         for i, reduce_key in enumerate(bucket.reduce_keys):
             by_key.setdefault(reduce_key, []).append(i)
         for reduce_key, indices in by_key.items():
-            clips = scalars.max_grad_norm is not None
             sq = planned.ops.grad_sq_sum([bucket.grads[i] for i in indices]) if clips else None
             if reduce_key is None:
                 if sq is not None:
@@ -250,6 +233,6 @@ def _global_norm_sums(
             lars_sums[key][rows] = reduced[:count].view(len(rows), LARS_SUMS).to(lars_sums[key].device)
         if has_sq:
             grad_sqs.append(reduced[-1])
-    if scalars.max_grad_norm is None:
+    if not clips:
         return lars_sums, None
     return lars_sums, _sum_on(grad_sqs, grad_sqs[0].device)

@@ -12,7 +12,7 @@ from torch.optim import Optimizer
 from lightning_fusedsgd import _abi
 from lightning_fusedsgd.optim import _backends, _state_dict, _step
 from lightning_fusedsgd.optim._lrs import LrStorage, as_numbers, stacked_lrs
-from lightning_fusedsgd.optim._plan import StepScalars
+from lightning_fusedsgd.optim._plan import StepInputs
 
 
 def _same_values(values: list[tuple[Any, ...]], checked: list[tuple[Any, ...]] | None) -> bool:
@@ -54,7 +54,7 @@ class FusedSGD(Optimizer):
             kernel then takes the param's value as the copy, element by element.
         set_grad_none: Default of ``zero_grad(set_to_none=...)``.
         backend: ``"auto"`` (the compiled kernel, or the reference where it cannot be built), ``"compiled"``
-            or ``"torch"`` (the reference implementation in plain PyTorch).
+            or ``"reference"`` (the same math in plain PyTorch, ``ops/reference.py``).
         lars: Apply the LARS trust ratio (a per-group key too: ``param_groups`` sets ``lars=False`` on the
             groups it excludes, and this argument decides for the others).
         trust_coefficient: LARS eta.
@@ -201,8 +201,8 @@ class FusedSGD(Optimizer):
     @property
     def last_backends(self) -> dict[str, str]:
         """Which implementation ran each bucket of the last step, by "device/dtype": "compiled" (our kernel),
-        "compiled (kept plan)" (a plan kept from an earlier step, its arguments held in C++), "torch" (the
-        reference) or "cuda_emulated" (the CUDA kernels on the CPU, under emulation)."""
+        "compiled (kept plan)" (a plan kept from an earlier step, its arguments held in C++), "reference"
+        (plain PyTorch) or "cuda_emulated" (the CUDA kernels on the CPU, under emulation)."""
         return self._steps.last_backends
 
     @property
@@ -299,15 +299,14 @@ class FusedSGD(Optimizer):
         if found_inf is not None and not isinstance(found_inf, Tensor):
             # GradScaler sums no per-device flags to the int 0 when no param of this optimizer has a grad.
             found_inf = torch.tensor(float(found_inf))
-        scalars = StepScalars(
+        inputs = StepInputs(
             _abi.table(self.param_groups, lr_on_device=lrs is not None),
-            getattr(self, "grad_scale", None),
-            found_inf,
-            lrs,
-            **_abi.step_hparams(self.param_groups),
+            _abi.step_row(
+                self.param_groups, grad_scale=getattr(self, "grad_scale", None), found_inf=found_inf, lrs=lrs
+            ),
         )
         applied = True if found_inf is None else self._applied(found_inf)
-        self._steps.step(self.param_groups, self.state, scalars)
+        self._steps.step(self.param_groups, self.state, inputs)
         self._last_step["applied"] = applied  # set once the step went through: a refused one changes nothing
         return loss
 

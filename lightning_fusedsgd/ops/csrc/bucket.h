@@ -1,10 +1,12 @@
-// Host-side work shared by the CPU and CUDA sgd_step ops: one bucket's arguments are validated in full, and
-// the hyperparameter table decoded, before a kernel writes anything.
+// The op contract in C++, shared by the CPU and CUDA ops: the state slots and the step row in _abi's order (both
+// checked when the library loads), the one signature of sgd_step (sgd_step_op), and the checks of one bucket's
+// arguments, all made before a kernel writes anything, which decode them into a Bucket.
 #pragma once
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <array>
 #include <optional>
 #include <type_traits>
 #include <vector>
@@ -15,20 +17,66 @@
 
 namespace lfsgd {
 
-// A validated bucket: each group's hyperparameters, each tensor's slot in momentum_buffers and in rounding_steps
-// (-1: none), and the step's clip_grad_norm_ coefficient's inputs.
-struct BucketArgs {
+// Every kind of per-parameter state (_abi.SLOTS): (enum constant, state key). The op's `state` holds each
+// tensor's slots in this order, those it holds (its `state_slots` entry: bit s, and bit kNumSlots + s where the
+// kernel seeds slot s this step).
+#define LFSGD_SLOTS(X)                      \
+  X(kMomentumBuffer, momentum_buffer)       \
+  X(kMasterParam, master_param)             \
+  X(kKahanCompensation, kahan_compensation) \
+  X(kRoundingStep, rounding_step)
+
+#define LFSGD_SLOT_ENUM(constant, name) constant,
+enum Slot : int { LFSGD_SLOTS(LFSGD_SLOT_ENUM) kNumSlots };
+#undef LFSGD_SLOT_ENUM
+#define LFSGD_SLOT_NAME(constant, name) #name,
+constexpr const char* kSlotNames[] = {LFSGD_SLOTS(LFSGD_SLOT_NAME)};
+#undef LFSGD_SLOT_NAME
+
+// The step row (_abi.STEP_ROW): (element type, name, shape) of each value, on the params' device or absent.
+enum class RowShape { kOne, kGroups, kLarsSums };
+#define LFSGD_STEP_ROW(X)                       \
+  X(float, grad_scale, RowShape::kOne)          \
+  X(float, found_inf, RowShape::kOne)           \
+  X(double, grad_sq_sum, RowShape::kOne)        \
+  X(double, max_grad_norm, RowShape::kOne)      \
+  X(double, lars_sq_sums, RowShape::kLarsSums)  \
+  X(double, lrs, RowShape::kGroups)
+
+// The step row as the kernels read it: each value's device pointer, null where absent.
+struct StepRow {
+#define LFSGD_ROW_FIELD(type, name, shape) const type* name = nullptr;
+  LFSGD_STEP_ROW(LFSGD_ROW_FIELD)
+#undef LFSGD_ROW_FIELD
+};
+#define LFSGD_ROW_NAME(type, name, shape) #name,
+constexpr const char* kStepRowNames[] = {LFSGD_STEP_ROW(LFSGD_ROW_NAME)};
+#undef LFSGD_ROW_NAME
+constexpr int kNumRowValues = sizeof(kStepRowNames) / sizeof(kStepRowNames[0]);
+
+using OptionalTensors = c10::List<std::optional<at::Tensor>>;
+
+// A checked bucket: its tensors, each group's hyperparameters (the lrs of the row not yet read: a CUDA step
+// reads them on the device), each tensor's slots' data (null where absent) and whether the kernel seeds its
+// momentum buffer this step, how its weights are stored, and the step row.
+struct Bucket {
+  at::TensorList params;
+  at::TensorList grads;
   std::vector<GroupHParams> groups;
-  std::vector<int64_t> buffer_slot;
-  std::vector<int64_t> step_slot;
-  Masters masters = Masters::kNone;
+  at::IntArrayRef tensor_group;
+  std::vector<bool> first_step;
+  std::vector<std::array<void*, kNumSlots>> slots;
+  Weight weight = Weight::kParam;
+  StepRow row;
   bool any_lars = false;
+
+  void* slot(size_t t, Slot s) const { return slots[t][s]; }
 };
 
-// Whether a tensor's update is rounded stochastically: a bf16 param without masters or compensations in a group
-// with update_rounding "stochastic". Such a tensor has a rounding_steps entry.
-inline bool rounds_stochastically(at::ScalarType dtype, Masters masters, const GroupHParams& h) {
-  return dtype == at::kBFloat16 && masters == Masters::kNone && h.update_rounding == kStochastic;
+// Whether a tensor's update is rounded stochastically: a bf16 param whose weight is the param alone, in a group
+// with update_rounding "stochastic". Such a tensor has a rounding_step.
+inline bool rounds_stochastically(at::ScalarType dtype, Weight weight, const GroupHParams& h) {
+  return dtype == at::kBFloat16 && weight == Weight::kParam && h.update_rounding == kStochastic;
 }
 
 inline void check_same_layout(const at::Tensor& param, const at::Tensor& other, const char* what,
@@ -36,13 +84,6 @@ inline void check_same_layout(const at::Tensor& param, const at::Tensor& other, 
   TORCH_CHECK(other.device() == param.device() && other.sizes() == param.sizes() &&
                   other.strides() == param.strides(),
               "lightning_fusedsgd::", op, ": each ", what, " must match its param's device, shape and strides");
-}
-
-inline void check_scalar(const std::optional<at::Tensor>& value, const at::Device& device, const char* what,
-                         at::ScalarType dtype = at::kFloat) {
-  TORCH_CHECK(!value.has_value() || (value->device() == device && value->scalar_type() == dtype &&
-                                     value->numel() == 1),
-              "lightning_fusedsgd::sgd_step: ", what, " must be a one-element ", dtype, " tensor on ", device);
 }
 
 inline bool supported_dtype(at::ScalarType dtype) {
@@ -70,169 +111,146 @@ inline void check_grads(at::TensorList grads) {
   }
 }
 
-// What master_params hold, checked against the params: all fp32 masters of bf16/fp16 params, or all bf16
-// compensations of bf16 params, laid out as their params.
-inline Masters check_masters(at::TensorList params, at::TensorList master_params, const char* op) {
-  if (master_params.empty()) return Masters::kNone;
-  const auto dtype = params[0].scalar_type();
-  const auto kind = master_params[0].scalar_type();
-  TORCH_CHECK(kind == at::kBFloat16 ? dtype == at::kBFloat16 : (kind == at::kFloat && (dtype == at::kBFloat16 ||
-                                                                                       dtype == at::kHalf)),
-              "lightning_fusedsgd::", op, ": master_params are fp32 masters of bf16/fp16 params or bf16 "
-              "compensations of bf16 params, got ", kind, " for ", dtype, " params");
-  for (size_t t = 0; t < params.size(); ++t) {
-    check_same_layout(params[t], master_params[t], "master param", op);
-    TORCH_CHECK(master_params[t].scalar_type() == kind, "lightning_fusedsgd::", op,
-                ": master_params must have one dtype");
-  }
-  return kind == at::kBFloat16 ? Masters::kCompensation : Masters::kFp32;
+// A step row value, where present: checked against its declaration (element type T, shape) for n tensors of
+// `groups` groups.
+template <typename T>
+inline const T* row_value(const std::optional<at::Tensor>& value, const char* name, RowShape shape,
+                          const at::Device& device, int64_t n, int64_t groups, const char* op) {
+  if (!value.has_value()) return nullptr;
+  const bool shaped = shape == RowShape::kOne      ? value->numel() == 1
+                      : shape == RowShape::kGroups ? value->dim() == 1 && value->size(0) == groups
+                                                   : value->dim() == 2 && value->size(0) == n &&
+                                                         value->size(1) == kNumLarsSums;
+  const char* expected = shape == RowShape::kOne ? "one-element" : shape == RowShape::kGroups ? "[groups]" : "[params, LARS_SUMS]";
+  const auto dtype = c10::CppTypeToScalarType<T>::value;
+  TORCH_CHECK(value->device() == device && value->scalar_type() == dtype && shaped && value->is_contiguous(),
+              "lightning_fusedsgd::", op, ": the step row's ", name, " must be a contiguous ", expected, " ", dtype,
+              " tensor on ", device);
+  return value->data_ptr<T>();
 }
 
-// sgd_step's arguments, as the op receives them (documented with its schema, lightning_fusedsgd/ops/__init__.py).
-struct StepArgs {
-  at::TensorList params;
-  at::TensorList grads;
-  at::TensorList momentum_buffers;
-  at::TensorList master_params;
-  at::TensorList rounding_steps;
-  const at::Tensor& group_hparams;
-  at::IntArrayRef tensor_group;
-  const c10::List<bool>& first_step;
-  const std::optional<at::Tensor>& grad_scale;
-  const std::optional<at::Tensor>& found_inf;
-  const std::optional<at::Tensor>& grad_sq_sum;
-  std::optional<double> max_grad_norm;
-  const std::optional<at::Tensor>& lars_sq_sums;
-  const std::optional<at::Tensor>& lrs;
-};
+// The step row, each value checked against its declaration (LFSGD_STEP_ROW), for n tensors of `groups` groups.
+inline StepRow read_row(const OptionalTensors& step, const at::Device& device, int64_t n, int64_t groups,
+                        const char* op) {
+  TORCH_CHECK(step.size() == kNumRowValues, "lightning_fusedsgd::", op, ": the step row has ", kNumRowValues,
+              " values (_abi.STEP_ROW), got ", step.size());
+  StepRow row;
+  size_t index = 0;
+#define LFSGD_ROW_READ(type, name, shape) \
+  row.name = row_value<type>(step.get(index++), #name, shape, device, n, groups, op);
+  LFSGD_STEP_ROW(LFSGD_ROW_READ)
+#undef LFSGD_ROW_READ
+  TORCH_CHECK((row.grad_sq_sum == nullptr) == (row.max_grad_norm == nullptr), "lightning_fusedsgd::", op,
+              ": the step row's grad_sq_sum and max_grad_norm come together, or neither");
+  return row;
+}
 
-// Checks every argument before a kernel writes anything, and decodes the table.
-inline BucketArgs check_bucket(const StepArgs& a) {
-  const size_t n = a.params.size();
-  TORCH_CHECK(a.grads.size() == n && a.tensor_group.size() == n && a.first_step.size() == n,
-              "lightning_fusedsgd::sgd_step: one grad, group and first_step entry per param");
-  TORCH_CHECK(a.master_params.empty() || a.master_params.size() == n,
-              "lightning_fusedsgd::sgd_step: master_params must be empty or one per param");
-  BucketArgs args;
-  args.groups = decode_table(a.group_hparams, "sgd_step");
-  if (n == 0) return args;
-  const at::Tensor& first = a.params[0];
-  const auto dtype = first.scalar_type();
-  TORCH_CHECK(supported_dtype(dtype), "lightning_fusedsgd::sgd_step: unsupported param dtype ", dtype);
-  args.masters = check_masters(a.params, a.master_params, "sgd_step");
-  check_scalar(a.grad_scale, first.device(), "grad_scale");
-  check_scalar(a.found_inf, first.device(), "found_inf");
-  check_scalar(a.grad_sq_sum, first.device(), "grad_sq_sum", at::kDouble);
-  TORCH_CHECK(a.max_grad_norm.has_value() == a.grad_sq_sum.has_value() &&
-                  (!a.max_grad_norm.has_value() || *a.max_grad_norm > 0.0),
-              "lightning_fusedsgd::sgd_step: max_grad_norm (> 0) and grad_sq_sum come together, or neither");
-  const auto& sums = a.lars_sq_sums;
-  TORCH_CHECK(!sums.has_value() || (sums->device() == first.device() && sums->scalar_type() == at::kDouble &&
-                                    sums->dim() == 2 && sums->size(0) == static_cast<int64_t>(n) &&
-                                    sums->size(1) == kNumLarsSums && sums->is_contiguous()),
-              "lightning_fusedsgd::sgd_step: lars_sq_sums must be a contiguous float64 [params, ", kNumLarsSums,
-              "] tensor on ", first.device(), " (the lars_sq_sums op's result)");
-  const auto& lrs = a.lrs;
-  TORCH_CHECK(!lrs.has_value() ||
-                  (lrs->device() == first.device() && lrs->scalar_type() == at::kDouble && lrs->dim() == 1 &&
-                   lrs->size(0) == static_cast<int64_t>(args.groups.size()) && lrs->is_contiguous()),
-              "lightning_fusedsgd::sgd_step: lrs must be a contiguous float64 [groups] tensor on ", first.device());
-  const auto buffer_dtype = args.masters == Masters::kFp32 ? at::kFloat : dtype;
-  size_t slot = 0, step_slot = 0;
-  for (size_t t = 0; t < n; ++t) {
-    const at::Tensor& p = a.params[t];
-    TORCH_CHECK(a.tensor_group[t] >= 0 && a.tensor_group[t] < static_cast<int64_t>(args.groups.size()),
-                "lightning_fusedsgd::sgd_step: tensor_group out of range");
-    TORCH_CHECK(p.device() == first.device() && p.scalar_type() == dtype,
-                "lightning_fusedsgd::sgd_step: one device and dtype per call");
-    TORCH_CHECK(p.is_non_overlapping_and_dense(), "lightning_fusedsgd::sgd_step: params must be dense");
-    check_same_layout(p, a.grads[t], "grad");
-    TORCH_CHECK(a.grads[t].scalar_type() == dtype, "lightning_fusedsgd::sgd_step: grads must have their params' dtype");
-    const GroupHParams& h = args.groups[a.tensor_group[t]];
-    args.any_lars = args.any_lars || lars_adapts(h);
-    TORCH_CHECK(h.update_rounding >= kNearest && h.update_rounding <= kKahan,
-                "lightning_fusedsgd::sgd_step: update_rounding column out of range");
-    TORCH_CHECK((args.masters == Masters::kCompensation) == (dtype == at::kBFloat16 && args.masters != Masters::kFp32 &&
-                                                              h.update_rounding == kKahan),
-                "lightning_fusedsgd::sgd_step: bf16 params of a group with update_rounding 'kahan' (and no fp32 "
-                "masters) come with their compensations, and only they");
-    if (rounds_stochastically(dtype, args.masters, h)) {
-      TORCH_CHECK(step_slot < a.rounding_steps.size(),
-                  "lightning_fusedsgd::sgd_step: one rounding step per param rounded stochastically");
-      const at::Tensor& count = a.rounding_steps[step_slot];
-      TORCH_CHECK(count.device() == first.device() && count.scalar_type() == at::kLong && count.numel() == 1,
-                  "lightning_fusedsgd::sgd_step: rounding_steps must be one-element int64 tensors on ", first.device());
-      args.step_slot.push_back(static_cast<int64_t>(step_slot++));
-    } else {
-      args.step_slot.push_back(-1);
-    }
-    args.buffer_slot.push_back(h.momentum != 0.0 ? static_cast<int64_t>(slot++) : -1);
-    if (h.momentum != 0.0) {
-      TORCH_CHECK(slot <= a.momentum_buffers.size(),
-                  "lightning_fusedsgd::sgd_step: one momentum buffer per param whose group has momentum");
-      const at::Tensor& buffer = a.momentum_buffers[slot - 1];
-      check_same_layout(p, buffer, "momentum buffer");
-      TORCH_CHECK(buffer.scalar_type() == buffer_dtype, "lightning_fusedsgd::sgd_step: momentum buffers must be ",
-                  buffer_dtype);
-    }
+// A tensor's slot `s`: checked laid out as its param (a count: one int64 on its device) in `dtype`.
+inline void* checked_slot(const at::Tensor& value, const at::Tensor& param, Slot s, at::ScalarType dtype,
+                          const char* op) {
+  if (s == kRoundingStep) {
+    TORCH_CHECK(value.device() == param.device() && value.scalar_type() == at::kLong && value.numel() == 1,
+                "lightning_fusedsgd::", op, ": a rounding_step must be a one-element int64 tensor on ", param.device());
+  } else {
+    check_same_layout(param, value, kSlotNames[s], op);
+    TORCH_CHECK(value.scalar_type() == dtype, "lightning_fusedsgd::", op, ": a ", kSlotNames[s], " of ",
+                param.scalar_type(), " params must be ", dtype, ", got ", value.scalar_type());
   }
-  TORCH_CHECK(slot == a.momentum_buffers.size(),
-              "lightning_fusedsgd::sgd_step: one momentum buffer per param whose group has momentum");
-  TORCH_CHECK(step_slot == a.rounding_steps.size(),
-              "lightning_fusedsgd::sgd_step: one rounding step per param rounded stochastically");
-  return args;
+  return value.data_ptr();
+}
+
+// Checks every argument of sgd_step or lars_sq_sums before a kernel writes anything, and decodes them: the slots a
+// tensor holds must be those its group and dtype hold (_abi.SLOTS' `held`), each checked.
+inline Bucket check_bucket(at::TensorList params, at::TensorList grads, at::TensorList state,
+                           at::IntArrayRef state_slots, const at::Tensor& group_hparams, at::IntArrayRef tensor_group,
+                           const OptionalTensors& step, const char* op) {
+  const size_t n = params.size();
+  TORCH_CHECK(grads.size() == n && tensor_group.size() == n && state_slots.size() == n, "lightning_fusedsgd::", op,
+              ": one grad, state_slots and tensor_group entry per param");
+  Bucket bucket;
+  bucket.params = params;
+  bucket.grads = grads;
+  bucket.tensor_group = tensor_group;
+  bucket.groups = decode_table(group_hparams, op);
+  if (n == 0) {
+    TORCH_CHECK(state.empty() && step.size() == kNumRowValues, "lightning_fusedsgd::", op,
+                ": no state for no params, and a step row of ", kNumRowValues, " values");
+    return bucket;
+  }
+  const at::Tensor& first = params[0];
+  const auto dtype = first.scalar_type();
+  TORCH_CHECK(supported_dtype(dtype), "lightning_fusedsgd::", op, ": unsupported param dtype ", dtype);
+  bucket.row = read_row(step, first.device(), static_cast<int64_t>(n), static_cast<int64_t>(bucket.groups.size()), op);
+  const auto holds = [&](size_t t, Slot s) { return (state_slots[t] >> s & 1) != 0; };
+  const bool masters = holds(0, kMasterParam);
+  const bool compensations = holds(0, kKahanCompensation);
+  TORCH_CHECK(!masters || dtype == at::kBFloat16 || dtype == at::kHalf, "lightning_fusedsgd::", op,
+              ": master_params are fp32 masters of bf16/fp16 params, not of ", dtype, " params");
+  TORCH_CHECK(!compensations || (dtype == at::kBFloat16 && !masters), "lightning_fusedsgd::", op,
+              ": kahan_compensations are of bf16 params without master_params, not of ", dtype, " params");
+  bucket.weight = masters ? Weight::kMaster : compensations ? Weight::kKahan : Weight::kParam;
+  const auto buffer_dtype = masters ? at::kFloat : dtype;
+  const at::ScalarType dtypes[kNumSlots] = {buffer_dtype, at::kFloat, at::kBFloat16, at::kLong};
+  size_t entry = 0;
+  for (size_t t = 0; t < n; ++t) {
+    const at::Tensor& p = params[t];
+    TORCH_CHECK(tensor_group[t] >= 0 && tensor_group[t] < static_cast<int64_t>(bucket.groups.size()),
+                "lightning_fusedsgd::", op, ": tensor_group out of range");
+    TORCH_CHECK(p.device() == first.device() && p.scalar_type() == dtype, "lightning_fusedsgd::", op,
+                ": one device and dtype per call");
+    TORCH_CHECK(p.is_non_overlapping_and_dense(), "lightning_fusedsgd::", op, ": params must be dense");
+    check_same_layout(p, grads[t], "grad", op);
+    TORCH_CHECK(grads[t].scalar_type() == dtype, "lightning_fusedsgd::", op, ": grads must have their params' dtype");
+    const GroupHParams& h = bucket.groups[tensor_group[t]];
+    bucket.any_lars = bucket.any_lars || lars_adapts(h);
+    TORCH_CHECK(h.update_rounding >= kNearest && h.update_rounding <= kKahan && h.lars_denominator >= kGradPlusDecay &&
+                    h.lars_denominator <= kDecayedGrad && h.lars_zero_norm >= kUnitRatio && h.lars_zero_norm <= kPlainGrad,
+                "lightning_fusedsgd::", op, ": an option column out of range");
+    TORCH_CHECK(compensations == (dtype == at::kBFloat16 && !masters && h.update_rounding == kKahan),
+                "lightning_fusedsgd::", op, ": bf16 params of a group with update_rounding 'kahan' (and no fp32 "
+                "masters) come with their kahan_compensations, and only they");
+    // Which slots the tensor holds follows from its group and dtype, as _abi.SLOTS' `held` says; the kernel seeds
+    // only a momentum buffer (from the gradient).
+    const bool held[kNumSlots] = {h.momentum != 0.0, masters, compensations,
+                                  rounds_stochastically(dtype, bucket.weight, h)};
+    TORCH_CHECK(state_slots[t] >= 0 && state_slots[t] < (int64_t{1} << (2 * kNumSlots)) &&
+                    (state_slots[t] >> kNumSlots & ~int64_t{1}) == 0 &&
+                    (state_slots[t] >> kNumSlots & 1) <= (state_slots[t] >> kMomentumBuffer & 1),
+                "lightning_fusedsgd::", op, ": state_slots entry ", state_slots[t], " out of range (only a held "
+                "momentum buffer is seeded by the kernel)");
+    std::array<void*, kNumSlots> slots{};
+    for (int s = 0; s < kNumSlots; ++s) {
+      TORCH_CHECK(holds(t, static_cast<Slot>(s)) == held[s], "lightning_fusedsgd::", op, ": tensor ", t,
+                  (held[s] ? " holds a " : " holds no "), kSlotNames[s], " in its group (_abi.SLOTS), but its "
+                  "state_slots say otherwise");
+      if (!held[s]) continue;
+      TORCH_CHECK(entry < state.size(), "lightning_fusedsgd::", op, ": fewer state tensors than state_slots hold");
+      slots[s] = checked_slot(state[entry++], p, static_cast<Slot>(s), dtypes[s], op);
+    }
+    bucket.slots.push_back(slots);
+    bucket.first_step.push_back((state_slots[t] >> (kNumSlots + kMomentumBuffer) & 1) != 0);
+  }
+  TORCH_CHECK(entry == state.size(), "lightning_fusedsgd::", op, ": more state tensors than state_slots hold");
+  return bucket;
 }
 
 // The sgd_step op of both kernels (the only place its C++ signature is written): checks the bucket, then runs a
-// device's kernel, `Run(arguments, checked bucket)`.
-template <void (*Run)(const StepArgs&, const BucketArgs&)>
-void sgd_step_op(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
-                 at::TensorList master_params, at::TensorList rounding_steps, const at::Tensor& group_hparams,
-                 at::IntArrayRef tensor_group, const c10::List<bool>& first_step,
-                 const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf,
-                 const std::optional<at::Tensor>& grad_sq_sum, std::optional<double> max_grad_norm,
-                 const std::optional<at::Tensor>& lars_sq_sums, const std::optional<at::Tensor>& lrs) {
-  const StepArgs arguments{params,     grads,        momentum_buffers, master_params, rounding_steps,
-                           group_hparams, tensor_group, first_step,    grad_scale,    found_inf,
-                           grad_sq_sum, max_grad_norm, lars_sq_sums,   lrs};
-  Run(arguments, check_bucket(arguments));
+// device's kernel, `Run(checked bucket)`.
+template <void (*Run)(const Bucket&)>
+void sgd_step_op(at::TensorList params, at::TensorList grads, at::TensorList state, at::IntArrayRef state_slots,
+                 const at::Tensor& group_hparams, at::IntArrayRef tensor_group, const OptionalTensors& step) {
+  Run(check_bucket(params, grads, state, state_slots, group_hparams, tensor_group, step, "sgd_step"));
 }
 
-// The op's function type, for typed calls through the dispatcher (KeptPlan).
+// The op's function type, for typed calls through the dispatcher (PlanArguments).
 using SgdStepFunction = decltype(sgd_step_op<nullptr>);
 
-// What check_norm_inputs returns: the groups' hyperparameters and what master_params hold.
-struct NormInputs {
-  std::vector<GroupHParams> groups;
-  Masters masters = Masters::kNone;
-};
-
-// lars_sq_sums's arguments: params, grads and masters as sgd_step takes them, and each param's group row.
-inline NormInputs check_norm_inputs(at::TensorList params, at::TensorList grads, at::TensorList master_params,
-                                    const at::Tensor& group_hparams, at::IntArrayRef tensor_group,
-                                    const std::optional<at::Tensor>& grad_scale) {
-  const size_t n = params.size();
-  TORCH_CHECK(grads.size() == n && tensor_group.size() == n && (master_params.empty() || master_params.size() == n),
-              "lightning_fusedsgd::lars_sq_sums: one grad and group entry (and master, or none) per param");
-  NormInputs args;
-  args.groups = decode_table(group_hparams, "lars_sq_sums");
-  const std::vector<GroupHParams>& groups = args.groups;
-  if (n == 0) return args;
-  const at::Tensor& first = params[0];
-  TORCH_CHECK(supported_dtype(first.scalar_type()), "lightning_fusedsgd::lars_sq_sums: unsupported param dtype ",
-              first.scalar_type());
-  check_scalar(grad_scale, first.device(), "grad_scale");
-  for (size_t t = 0; t < n; ++t) {
-    const at::Tensor& p = params[t];
-    TORCH_CHECK(tensor_group[t] >= 0 && tensor_group[t] < static_cast<int64_t>(groups.size()),
-                "lightning_fusedsgd::lars_sq_sums: tensor_group out of range");
-    TORCH_CHECK(p.device() == first.device() && p.scalar_type() == first.scalar_type() &&
-                    p.is_non_overlapping_and_dense() && grads[t].scalar_type() == p.scalar_type(),
-                "lightning_fusedsgd::lars_sq_sums: dense params of one device and dtype, grads of their dtype");
-    check_same_layout(p, grads[t], "grad", "lars_sq_sums");
-  }
-  args.masters = check_masters(params, master_params, "lars_sq_sums");
-  return args;
+// The lars_sq_sums op of both kernels: checks the bucket, then a device's `Sums(checked bucket)`.
+template <at::Tensor (*Sums)(const Bucket&)>
+at::Tensor lars_sq_sums_op(at::TensorList params, at::TensorList grads, at::TensorList state,
+                           at::IntArrayRef state_slots, const at::Tensor& group_hparams, at::IntArrayRef tensor_group,
+                           const OptionalTensors& step) {
+  return Sums(check_bucket(params, grads, state, state_slots, group_hparams, tensor_group, step, "lars_sq_sums"));
 }
 
 // schedule_lrs's arguments (documented with its schema in ops/__init__.py), all on one device.
@@ -255,29 +273,29 @@ inline void check_schedule_inputs(const at::Tensor& lrs, const at::Tensor& posit
               "lightning_fusedsgd::schedule_lrs: applied must be a one-element bool tensor on the lrs' device");
 }
 
-template <Masters kMasters>
-using MastersTag = std::integral_constant<Masters, kMasters>;
+template <Weight kWeight>
+using WeightTag = std::integral_constant<Weight, kWeight>;
 
-// Calls run(param, buffer, masters) with value tags of the bucket's types: the param type P, the momentum buffer
-// type B (fp32 with fp32 masters) and MastersTag<masters> (check_masters allows the combinations below).
+// Calls run(param, buffer, weight) with value tags of the bucket's types: the param type P, the momentum buffer
+// type B (fp32 beside fp32 masters) and WeightTag<weight> (check_bucket allows the combinations below).
 template <typename Run>
-void dispatch_bucket_types(at::ScalarType dtype, Masters masters, Run&& run) {
-  using None = MastersTag<Masters::kNone>;
-  using Fp32 = MastersTag<Masters::kFp32>;
-  using Compensation = MastersTag<Masters::kCompensation>;
+void dispatch_bucket_types(at::ScalarType dtype, Weight weight, Run&& run) {
+  using Param = WeightTag<Weight::kParam>;
+  using Master = WeightTag<Weight::kMaster>;
+  using Kahan = WeightTag<Weight::kKahan>;
   switch (dtype) {
     case at::kFloat:
-      return run(float{}, float{}, None{});
+      return run(float{}, float{}, Param{});
     case at::kDouble:
-      return run(double{}, double{}, None{});
+      return run(double{}, double{}, Param{});
     case at::kBFloat16:
-      if (masters == Masters::kFp32) return run(c10::BFloat16{}, float{}, Fp32{});
-      if (masters == Masters::kCompensation) return run(c10::BFloat16{}, c10::BFloat16{}, Compensation{});
-      return run(c10::BFloat16{}, c10::BFloat16{}, None{});
+      if (weight == Weight::kMaster) return run(c10::BFloat16{}, float{}, Master{});
+      if (weight == Weight::kKahan) return run(c10::BFloat16{}, c10::BFloat16{}, Kahan{});
+      return run(c10::BFloat16{}, c10::BFloat16{}, Param{});
     case at::kHalf:
-      return masters == Masters::kFp32 ? run(c10::Half{}, float{}, Fp32{}) : run(c10::Half{}, c10::Half{}, None{});
+      return weight == Weight::kMaster ? run(c10::Half{}, float{}, Master{}) : run(c10::Half{}, c10::Half{}, Param{});
     default:
-      TORCH_CHECK(false, "lightning_fusedsgd::sgd_step: unsupported dtype ", dtype);
+      TORCH_CHECK(false, "lightning_fusedsgd: unsupported dtype ", dtype);
   }
 }
 

@@ -1,6 +1,6 @@
-// One element's memory, written once for the CPU kernel and (under nvcc) the CUDA kernel: what a bucket's
-// master_params hold, loads into opmath and stores back, the weight an element steps from (load_weight), and the
-// rounding of its update into the param, buffer, master or compensation (store_update). The CPU kernel's AVX2 and
+// One element's memory, written once for the CPU kernel and (under nvcc) the CUDA kernel: how a bucket's weights
+// are stored, loads into opmath and stores back, the weight an element steps from (load_weight), and the rounding
+// of its update into the param, buffer, master or compensation (store_update). The CPU kernel's AVX2 and
 // AVX-512 builds run the same on ATen's vectors for 16-bit params (vec_elements.h), which give the same bits.
 #pragma once
 
@@ -15,13 +15,14 @@
 
 namespace lfsgd {
 
-// What a bucket's master_params hold: nothing; fp32 master weights of bf16/fp16 params, which hold their
-// rounding; or bf16 Kahan compensations of bf16 params, the weight being param + compensation (sgd_math.h).
-enum class Masters { kNone, kFp32, kCompensation };
+// How a bucket's weights are stored: in the params alone; in fp32 master weights (the master_param slot) of
+// bf16/fp16 params, which hold their rounding; or as bf16 params plus their Kahan compensations (the
+// kahan_compensation slot, sgd_math.h). The slot beside the param, where there is one, is its companion.
+enum class Weight { kParam, kMaster, kKahan };
 
-// The element type of a bucket's master_params.
-template <Masters kMasters>
-using MasterType = std::conditional_t<kMasters == Masters::kCompensation, c10::BFloat16, float>;
+// The element type of a bucket's companions.
+template <Weight kWeight>
+using Companion = std::conditional_t<kWeight == Weight::kKahan, c10::BFloat16, float>;
 
 // A float's bits and back (memcpy: the defined way, compiled to nothing).
 LFSGD_ELEMENT uint32_t float_bits(float v) {
@@ -76,12 +77,12 @@ LFSGD_ELEMENT void store(c10::Half* p, int64_t i, float v) { p[i] = c10::Half(v)
 LFSGD_ELEMENT void store(c10::BFloat16* p, int64_t i, float v) { reinterpret_cast<uint16_t*>(p)[i] = rounded_bits(v); }
 
 // The weight of element i in opmath: the param, its fp32 master re-synced with the param (synced_master), or the
-// param plus its Kahan compensation.
-template <Masters kMasters, typename P, typename M>
+// param plus its Kahan compensation (`m`: the companion).
+template <Weight kWeight, typename P, typename M>
 LFSGD_ELEMENT typename OpMath<P>::type load_weight(const P* w, const M* m, int64_t i) {
-  if constexpr (kMasters == Masters::kNone) {
+  if constexpr (kWeight == Weight::kParam) {
     return load(w, i);
-  } else if constexpr (kMasters == Masters::kCompensation) {
+  } else if constexpr (kWeight == Weight::kKahan) {
     return load(w, i) + load(m, i);
   } else {
     return synced_master(m[i], nearest_bits<P>(m[i]), bits16(w, i), load(w, i));
@@ -92,18 +93,18 @@ LFSGD_ELEMENT typename OpMath<P>::type load_weight(const P* w, const M* m, int64
 // nearest into the param and what that dropped into the Kahan compensation, or rounded stochastically with the
 // element's random bits (`key`: rounding_key; bf16 params without masters only), or rounded to nearest; and the
 // momentum buffer `bi` where there is one, rounded the same way as the param.
-template <Masters kMasters, typename P, typename B, typename M, typename O>
+template <Weight kWeight, typename P, typename B, typename M, typename O>
 LFSGD_ELEMENT void store_update(P* w, B* b, M* m, int64_t i, O wi, O bi, bool momentum, bool stochastic,
                                 uint32_t key) {
-  if constexpr (kMasters == Masters::kFp32) m[i] = static_cast<float>(wi);
-  if constexpr (kMasters == Masters::kCompensation) {
+  if constexpr (kWeight == Weight::kMaster) m[i] = static_cast<float>(wi);
+  if constexpr (kWeight == Weight::kKahan) {
     const uint16_t rounded = rounded_bits(wi);
     reinterpret_cast<uint16_t*>(w)[i] = rounded;
     store(m, i, kahan_compensation(wi, bits_float(uint32_t{rounded} << 16)));
     if (momentum) store(b, i, bi);
     return;
   }
-  if constexpr (std::is_same_v<P, c10::BFloat16> && kMasters == Masters::kNone) {
+  if constexpr (std::is_same_v<P, c10::BFloat16> && kWeight == Weight::kParam) {
     if (stochastic) {
       const uint32_t random = element_random_bits(key, i);
       reinterpret_cast<uint16_t*>(w)[i] = stochastic_bf16_bits(float_bits(wi), random >> 16);

@@ -20,7 +20,7 @@
 
 #include "bucket.h"
 #include "elements.h"
-#include "kept_plan.h"
+#include "plan_arguments.h"
 #include "schedule.h"
 #include "sgd_math.h"
 #include "work_list.h"
@@ -42,13 +42,13 @@ inline bool exact_in_opmath(double sum) {
 
 // A chunk's LARS sums: of w^2, of the LARS term (lars_norm_term) squared and of w times it, accumulated in S (the
 // opmath type, or double where the sums leave exact_in_opmath's range).
-template <typename S, bool kDecayed, bool kClipValue, Masters kMasters, typename P, typename M, typename O>
+template <typename S, bool kDecayed, bool kClipValue, Weight kWeight, typename P, typename M, typename O>
 void lars_partial_sums(const P* w, const M* m, const P* gr, const Chunk& chunk, const Coeffs<O>& c,
                        O weight_decay, double* sums) {
   S sw = 0, st = 0, swt = 0;
 #pragma omp simd reduction(+ : sw, st, swt)
   for (int64_t i = chunk.begin; i < chunk.end; ++i) {
-    const O wi = load_weight<kMasters>(w, m, i);
+    const O wi = load_weight<kWeight>(w, m, i);
     const S ti = lars_norm_term<kClipValue, O>(wi, load(gr, i), c, weight_decay, kDecayed);
     sw += static_cast<S>(wi) * wi;
     st += ti * ti;
@@ -62,16 +62,16 @@ void lars_partial_sums(const P* w, const M* m, const P* gr, const Chunk& chunk, 
 // A chunk's LARS sums (lars_partial_sums) with coefficients `c` taken before the norm clip: in the opmath type,
 // and again in double where they leave its exact range (in range, |sum w t| <= sqrt(sum w^2 sum t^2) is too, by
 // Cauchy-Schwarz). The norm pass of the update and the lars_sq_sums op both take them.
-template <Masters kMasters, typename P, typename M, typename O>
+template <Weight kWeight, typename P, typename M, typename O>
 void chunk_lars_sums(const P* w, const M* m, const P* gr, const Chunk& chunk, const Coeffs<O>& c,
                      const GroupHParams& h, double* sums) {
   const bool clip_value = std::isfinite(c.clip_value);
   const auto sum = [&](auto accumulator) {
     using S = decltype(accumulator);
-    const auto run = h.lars_decayed_grad ? (clip_value ? lars_partial_sums<S, true, true, kMasters, P, M, O>
-                                                       : lars_partial_sums<S, true, false, kMasters, P, M, O>)
-                                         : (clip_value ? lars_partial_sums<S, false, true, kMasters, P, M, O>
-                                                       : lars_partial_sums<S, false, false, kMasters, P, M, O>);
+    const auto run = decayed_grad(h) ? (clip_value ? lars_partial_sums<S, true, true, kWeight, P, M, O>
+                                                   : lars_partial_sums<S, true, false, kWeight, P, M, O>)
+                                     : (clip_value ? lars_partial_sums<S, false, true, kWeight, P, M, O>
+                                                   : lars_partial_sums<S, false, false, kWeight, P, M, O>);
     run(w, m, gr, chunk, c, static_cast<O>(h.weight_decay), sums);
   };
   sum(O{});
@@ -104,31 +104,34 @@ double grad_sum_squares(const P* gr, const Chunk& chunk) {
 
 // One bucket's step on the CPU: each tensor's pointers and coefficients, the work list, and the LARS partial
 // sums that the norm pass writes and the update reads.
-template <typename P, typename B, Masters kMasters>
+template <typename P, typename B, Weight kWeight>
 class CpuUpdate {
  public:
   using O = typename OpMath<P>::type;
-  using M = MasterType<kMasters>;
+  using M = Companion<kWeight>;
 
-  CpuUpdate(const StepArgs& a, const BucketArgs& args, double inv_scale, double clip, const double* lars_sums)
-      : groups_(args.groups), tensor_group_(a.tensor_group), clip_(clip) {
-    const at::TensorList params = a.params;
+  // `groups`: the bucket's, with the step's lrs; `clip`: the step's clip_grad_norm_ coefficient.
+  CpuUpdate(const Bucket& bucket, const std::vector<GroupHParams>& groups, double inv_scale, double clip)
+      : groups_(groups), tensor_group_(bucket.tensor_group), clip_(clip) {
+    const at::TensorList params = bucket.params;
     const size_t n = params.size();
+    const double* lars_sums = bucket.row.lars_sq_sums;
     w_ptr_.resize(n);
     g_ptr_.resize(n);
-    b_ptr_.assign(n, nullptr);
-    m_ptr_.assign(n, nullptr);
-    step_ptr_.assign(n, nullptr);
+    b_ptr_.resize(n);
+    m_ptr_.resize(n);
+    step_ptr_.resize(n);
     coeffs_.resize(n);
     lars_.resize(n);
+    const Slot companion = kWeight == Weight::kKahan ? kKahanCompensation : kMasterParam;
     for (size_t t = 0; t < n; ++t) {
       const GroupHParams& h = groups_[tensor_group_[t]];
       w_ptr_[t] = params[t].data_ptr<P>();
-      g_ptr_[t] = a.grads[t].data_ptr<P>();
-      if (args.buffer_slot[t] >= 0) b_ptr_[t] = a.momentum_buffers[args.buffer_slot[t]].data_ptr<B>();
-      if (kMasters != Masters::kNone) m_ptr_[t] = a.master_params[t].data_ptr<M>();
-      if (args.step_slot[t] >= 0) step_ptr_[t] = a.rounding_steps[args.step_slot[t]].data_ptr<int64_t>();
-      coeffs_[t] = make_coeffs<O>(h, inv_scale, clip, a.first_step[t]);
+      g_ptr_[t] = bucket.grads[t].data_ptr<P>();
+      b_ptr_[t] = static_cast<B*>(bucket.slot(t, kMomentumBuffer));
+      m_ptr_[t] = static_cast<M*>(bucket.slot(t, companion));
+      step_ptr_[t] = static_cast<int64_t*>(bucket.slot(t, kRoundingStep));
+      coeffs_[t] = make_coeffs<O>(h, inv_scale, clip, bucket.first_step[t]);
       // Given sums (sharded params, reduced across shards) replace the norm pass: the ratio is set here.
       lars_[t] = lars_adapts(h) && lars_sums == nullptr;
       if (lars_adapts(h) && lars_sums != nullptr) {
@@ -175,7 +178,7 @@ class CpuUpdate {
     const int32_t t = chunk.tensor;
     Coeffs<O> unclipped = coeffs_[t];
     unclipped.clip_coef = O(1);
-    chunk_lars_sums<kMasters>(w_ptr_[t], m_ptr_[t], g_ptr_[t], chunk, unclipped, groups_[tensor_group_[t]],
+    chunk_lars_sums<kWeight>(w_ptr_[t], m_ptr_[t], g_ptr_[t], chunk, unclipped, groups_[tensor_group_[t]],
                               &sums_[kNumLarsSums * c]);
   }
 
@@ -214,7 +217,7 @@ class CpuUpdate {
   // could alias a referenced Coeffs, which stops vectorization too.
   // Rounding the update stochastically is a switch of bf16 buckets without masters only (the others round in
   // fp32 or fp64, or to fp16, which the plan refuses): the tensors with a rounding step (rounds_stochastically).
-  static constexpr bool kMayRoundStochastically = std::is_same_v<P, c10::BFloat16> && kMasters == Masters::kNone;
+  static constexpr bool kMayRoundStochastically = std::is_same_v<P, c10::BFloat16> && kWeight == Weight::kParam;
 
   template <bool kClipValue>
   void update_elements(const Chunk& chunk, int32_t t, const Coeffs<O> c) const {
@@ -249,10 +252,10 @@ class CpuUpdate {
     const GroupHParams& h = groups_[tensor_group_[t]];
     const uint32_t key = kStochastic ? rounding_key(h.rounding_seed, *step_ptr_[t], t) : 0;
     const auto element = [&](int64_t i) __attribute__((always_inline)) {
-      O wi = load_weight<kMasters>(w, m, i);
+      O wi = load_weight<kWeight>(w, m, i);
       O bi = kMomentum && !kFirst ? static_cast<O>(load(b, i)) : O(0);
       sgd_element<kClipValue>(wi, static_cast<O>(load(gr, i)), bi, c);
-      store_update<kMasters>(w, b, m, i, wi, bi, kMomentum, kStochastic, key);
+      store_update<kWeight>(w, b, m, i, wi, bi, kMomentum, kStochastic, key);
     };
     // Blocks, each asking for the lines of the block kPrefetchElems ahead in every stream, then the tail element
     // by element.
@@ -264,7 +267,7 @@ class CpuUpdate {
       prefetch_ahead<1>(w, begin, kBlock);
       prefetch_ahead<0>(gr, begin, kBlock);
       if constexpr (kMomentum) prefetch_ahead<1>(b, begin, kBlock);
-      if constexpr (kMasters != Masters::kNone) prefetch_ahead<1>(m, begin, kBlock);
+      if constexpr (kWeight != Weight::kParam) prefetch_ahead<1>(m, begin, kBlock);
 #ifdef LFSGD_CPU_VECTORS
       if constexpr (!std::is_same_v<P, O>) {
         update_block<kClipValue, kMomentum, kFirst, kStochastic>(w, gr, b, m, begin, c, key);
@@ -291,12 +294,12 @@ class CpuUpdate {
   // neither c10::Half's conversions nor the bf16 roundings' selects well.
   template <bool kClipValue, bool kMomentum, bool kFirst, bool kStochastic>
   LFSGD_ELEMENT static void update_block(P* w, const P* gr, B* b, M* m, int64_t i, const Coeffs<O>& c, uint32_t key) {
-    FloatPair wi = load_weight_block<kMasters>(w, m, i);
+    FloatPair wi = load_weight_block<kWeight>(w, m, i);
     FloatPair bi = kMomentum && !kFirst ? load_block<P>(b, i) : FloatPair{FloatVec(0.0f), FloatVec(0.0f)};
     const FloatPair gi = load_block<P>(gr, i);
     sgd_element<kClipValue>(wi.low, gi.low, bi.low, c);
     sgd_element<kClipValue>(wi.high, gi.high, bi.high, c);
-    store_update_block<kMasters>(w, b, m, i, wi, bi, kMomentum, kStochastic, key);
+    store_update_block<kWeight>(w, b, m, i, wi, bi, kMomentum, kStochastic, key);
   }
 #endif
 
@@ -314,52 +317,49 @@ class CpuUpdate {
   std::vector<double> sums_;  // kNumLarsSums per chunk of a LARS tensor
 };
 
-// The CPU kernel of lightning_fusedsgd::sgd_step (the op: sgd_step_op in bucket.h). The grad scale, found_inf,
-// the gradients' sum of squares and the lrs are read on the host, which costs nothing for CPU tensors.
-void run_cpu(const StepArgs& a, const BucketArgs& checked) {
-  if (a.params.empty() || (a.found_inf.has_value() && a.found_inf->item<float>() != 0.0f)) return;
-  BucketArgs args = checked;
-  if (a.lrs.has_value()) {
-    for (size_t g = 0; g < args.groups.size(); ++g) args.groups[g].lr = a.lrs->data_ptr<double>()[g];
+// The CPU kernel of lightning_fusedsgd::sgd_step (the op: sgd_step_op in bucket.h). The step row is read on the
+// host, which costs nothing for CPU tensors.
+void run_cpu(const Bucket& bucket) {
+  const StepRow& row = bucket.row;
+  if (bucket.params.empty() || (row.found_inf != nullptr && *row.found_inf != 0.0f)) return;
+  std::vector<GroupHParams> groups = bucket.groups;
+  if (row.lrs != nullptr) {
+    for (size_t g = 0; g < groups.size(); ++g) groups[g].lr = row.lrs[g];
   }
-  const double inv_scale = a.grad_scale.has_value() ? inverse_scale(a.grad_scale->item<float>()) : 1.0;
-  const double clip =
-      a.max_grad_norm.has_value() ? clip_coef(a.grad_sq_sum->item<double>(), *a.max_grad_norm, inv_scale) : 1.0;
-  const double* lars_sums = a.lars_sq_sums.has_value() ? a.lars_sq_sums->data_ptr<double>() : nullptr;
-  dispatch_bucket_types(a.params[0].scalar_type(), args.masters, [&](auto param, auto buffer, auto masters) {
-    CpuUpdate<decltype(param), decltype(buffer), decltype(masters)::value>(a, args, inv_scale, clip, lars_sums)
-        .run();
+  const double inv_scale = row.grad_scale != nullptr ? inverse_scale(*row.grad_scale) : 1.0;
+  const double clip = row.max_grad_norm != nullptr ? clip_coef(*row.grad_sq_sum, *row.max_grad_norm, inv_scale) : 1.0;
+  dispatch_bucket_types(bucket.params[0].scalar_type(), bucket.weight, [&](auto param, auto buffer, auto weight) {
+    CpuUpdate<decltype(param), decltype(buffer), decltype(weight)::value>(bucket, groups, inv_scale, clip).run();
   });
 }
 
-// lightning_fusedsgd::lars_sq_sums for CPU tensors: each LARS tensor's row of sums (kNumLarsSums in
-// sgd_math.h) before norm clipping, zeros for the others, each summed over its chunks in a fixed order.
-at::Tensor lars_sq_sums_cpu(at::TensorList params, at::TensorList grads, at::TensorList master_params,
-                            const at::Tensor& group_hparams, at::IntArrayRef tensor_group,
-                            const std::optional<at::Tensor>& grad_scale) {
-  const NormInputs checked = check_norm_inputs(params, grads, master_params, group_hparams, tensor_group, grad_scale);
-  const std::vector<GroupHParams>& groups = checked.groups;
+// lightning_fusedsgd::lars_sq_sums for CPU tensors (the op: lars_sq_sums_op in bucket.h): each LARS tensor's row
+// of sums (kNumLarsSums in sgd_math.h) before norm clipping, zeros for the others, each summed over its chunks in
+// a fixed order.
+at::Tensor lars_sq_sums_cpu(const Bucket& bucket) {
+  const at::TensorList params = bucket.params;
+  const std::vector<GroupHParams>& groups = bucket.groups;
   const int64_t n = static_cast<int64_t>(params.size());
   at::Tensor out = at::zeros({n, kNumLarsSums}, at::TensorOptions().dtype(at::kDouble));
   if (n == 0) return out;
   const WorkList work = make_work_list(params, std::vector<bool>(n, false));
   std::vector<double> partials(kNumLarsSums * work.chunks.size(), 0.0);
-  const double inv_scale = grad_scale.has_value() ? inverse_scale(grad_scale->item<float>()) : 1.0;
-  dispatch_bucket_types(params[0].scalar_type(), checked.masters, [&](auto param, auto, auto masters_tag) {
+  const double inv_scale = bucket.row.grad_scale != nullptr ? inverse_scale(*bucket.row.grad_scale) : 1.0;
+  dispatch_bucket_types(params[0].scalar_type(), bucket.weight, [&](auto param, auto, auto weight) {
     using P = decltype(param);
     using O = typename OpMath<P>::type;
-    constexpr Masters kMasters = decltype(masters_tag)::value;
-    using M = MasterType<kMasters>;
+    constexpr Weight kWeight = decltype(weight)::value;
+    using M = Companion<kWeight>;
+    const Slot companion = kWeight == Weight::kKahan ? kKahanCompensation : kMasterParam;
 #pragma omp parallel for schedule(static) num_threads(num_threads_for(work))
     for (int64_t c = 0; c < static_cast<int64_t>(work.chunks.size()); ++c) {
       const Chunk& chunk = work.chunks[c];
       const int32_t t = chunk.tensor;
-      const GroupHParams& h = groups[tensor_group[t]];
+      const GroupHParams& h = groups[bucket.tensor_group[t]];
       if (!lars_adapts(h)) continue;
       const Coeffs<O> coeffs = make_coeffs<O>(h, inv_scale, /*clip=*/1.0, false);  // sums taken before the clip
-      chunk_lars_sums<kMasters>(params[t].data_ptr<P>(),
-                                kMasters != Masters::kNone ? master_params[t].data_ptr<M>() : nullptr,
-                                grads[t].data_ptr<P>(), chunk, coeffs, h, &partials[kNumLarsSums * c]);
+      chunk_lars_sums<kWeight>(params[t].data_ptr<P>(), static_cast<const M*>(bucket.slot(t, companion)),
+                               bucket.grads[t].data_ptr<P>(), chunk, coeffs, h, &partials[kNumLarsSums * c]);
     }
   });
   double* rows = out.data_ptr<double>();
@@ -377,7 +377,7 @@ at::Tensor grad_sq_sum_cpu(at::TensorList grads) {
   const WorkList work = make_work_list(grads, std::vector<bool>(grads.size(), false));
   std::vector<double> partials(work.chunks.size());
   if (!grads.empty()) {
-    dispatch_bucket_types(grads[0].scalar_type(), Masters::kNone, [&](auto grad, auto, auto) {
+    dispatch_bucket_types(grads[0].scalar_type(), Weight::kParam, [&](auto grad, auto, auto) {
       using P = decltype(grad);
       using O = typename OpMath<P>::type;
 #pragma omp parallel for schedule(static) num_threads(num_threads_for(work))
@@ -413,20 +413,24 @@ std::vector<std::string> names(const char* const (&table)[N]) {
 }  // namespace lfsgd
 
 // The ops are defined with their schemas in lightning_fusedsgd/ops/__init__.py; this library adds the CPU kernels,
-// the ABI checks the loader compares with _abi.py, and the KeptPlan class. The CUDA library
+// the ABI checks the loader compares with _abi.py, and the PlanArguments class. The CUDA library
 // (fused_sgd_cuda.cu) adds the CUDA kernels.
 TORCH_LIBRARY_FRAGMENT(lightning_fusedsgd, m) {
   m.def("hparam_names() -> str[]", [] { return lfsgd::names(lfsgd::kHParamNames); });
+  m.def("slot_names() -> str[]", [] { return lfsgd::names(lfsgd::kSlotNames); });
+  m.def("step_row_names() -> str[]", [] { return lfsgd::names(lfsgd::kStepRowNames); });
   m.def("decay_names() -> str[]", [] { return lfsgd::names(lfsgd::kDecayNames); });
   m.def("update_rounding_names() -> str[]", [] { return lfsgd::names(lfsgd::kUpdateRoundingNames); });
+  m.def("lars_denominator_names() -> str[]", [] { return lfsgd::names(lfsgd::kLarsDenominatorNames); });
+  m.def("lars_zero_norm_names() -> str[]", [] { return lfsgd::names(lfsgd::kLarsZeroNormNames); });
   m.def("schedule_header_names() -> str[]", [] { return lfsgd::names(lfsgd::kScheduleHeaderNames); });
   m.def("lars_sum_names() -> str[]", [] { return lfsgd::names(lfsgd::kLarsSumNames); });
-  lfsgd::register_kept_plan(m);
+  lfsgd::register_plan_arguments(m);
 }
 
 TORCH_LIBRARY_IMPL(lightning_fusedsgd, CPU, m) {
   m.impl("sgd_step", &lfsgd::sgd_step_op<lfsgd::run_cpu>);
   m.impl("grad_sq_sum", &lfsgd::grad_sq_sum_cpu);
-  m.impl("lars_sq_sums", &lfsgd::lars_sq_sums_cpu);
+  m.impl("lars_sq_sums", &lfsgd::lars_sq_sums_op<lfsgd::lars_sq_sums_cpu>);
   m.impl("schedule_lrs", &lfsgd::schedule_lrs_cpu);
 }

@@ -41,7 +41,7 @@ struct TensorArgs {
   void* param;
   const void* grad;
   void* buffer;            // momentum buffer, or null without momentum
-  void* master;            // fp32 master weights or bf16 Kahan compensations (MasterType), or null
+  void* companion;         // fp32 master weight or bf16 Kahan compensation (Companion), or null
   int64_t* rounding_step;  // the count of a tensor rounded stochastically (rounds_stochastically), or null
   int64_t group;
   int32_t first;  // first step: the buffer is seeded with the gradient
@@ -62,21 +62,10 @@ __device__ inline double inverse_scale_of(const float* grad_scale) {
 
 __device__ inline bool skipped(const float* found_inf) { return found_inf != nullptr && *found_inf != 0.0f; }
 
-// The step's scalars, all read on the device but max_grad_norm: GradScaler's grad scale and found_inf, the
-// gradients' sum of squares for norm clipping, the LARS tensors' sums, and the groups' lrs (each null when absent).
-struct StepScalars {
-  const float* grad_scale;
-  const float* found_inf;
-  const double* grad_sq_sum;  // with max_grad_norm: clip by norm
-  double max_grad_norm;
-  const double* lars_sums;  // [n, kNumLarsSums]: lars_sq_sums's rows, taken before the norm clip
-  const double* lrs;        // [groups] (capturable steps): replaces the table's lr
-};
-
-// A group's hyperparameters, with its lr from the device where the step has one.
-__device__ inline GroupHParams group_of(const GroupHParams* groups, int64_t group, const StepScalars& s) {
+// A group's hyperparameters, with its lr from the step row where the step has lrs.
+__device__ inline GroupHParams group_of(const GroupHParams* groups, int64_t group, const StepRow& row) {
   GroupHParams h = groups[group];
-  if (s.lrs != nullptr) h.lr = s.lrs[group];
+  if (row.lrs != nullptr) h.lr = row.lrs[group];
   return h;
 }
 
@@ -98,12 +87,12 @@ __device__ inline double block_sum(double value, double* scratch) {
 
 // lars_sq_sums, pass 1: each chunk of a LARS tensor writes its sums of w^2, t^2 and w t (lars_norm_term before
 // the norm clip, sgd_math.h), in double; other chunks leave their zeros.
-template <typename P, Masters kMasters>
+template <typename P, Weight kWeight>
 __global__ void __launch_bounds__(kThreads)
     lars_sums_kernel(const TensorArgs* tensors, const ChunkArgs* chunks, const GroupHParams* groups,
                      double* partials, const float* grad_scale) {
   using O = typename OpMath<P>::type;
-  using M = MasterType<kMasters>;
+  using M = Companion<kWeight>;
   const ChunkArgs chunk = chunks[blockIdx.x];
   const TensorArgs t = tensors[chunk.tensor];
   if (!t.lars) return;
@@ -112,11 +101,11 @@ __global__ void __launch_bounds__(kThreads)
   const O weight_decay = static_cast<O>(h.weight_decay);
   const P* w = static_cast<const P*>(t.param);
   const P* g = static_cast<const P*>(t.grad);
-  const M* m = static_cast<const M*>(t.master);
+  const M* m = static_cast<const M*>(t.companion);
   double sum[kNumLarsSums] = {0, 0, 0};
   for (int64_t i = chunk.begin + threadIdx.x; i < chunk.end; i += kThreads) {
-    const O wi = load_weight<kMasters>(w, m, i);
-    const O ti = lars_norm_term<true, O>(wi, load(g, i), c, weight_decay, h.lars_decayed_grad);
+    const O wi = load_weight<kWeight>(w, m, i);
+    const O ti = lars_norm_term<true, O>(wi, load(g, i), c, weight_decay, decayed_grad(h));
     sum[0] += static_cast<double>(wi) * wi;
     sum[1] += static_cast<double>(ti) * ti;
     sum[2] += static_cast<double>(wi) * ti;
@@ -145,29 +134,27 @@ __global__ void __launch_bounds__(kThreads)
 
 // The update: each block steps one chunk. A LARS tensor's trust ratio comes from its row of sums (the same for
 // every chunk of the tensor), clipped_term_sq_sum applying the norm clip to them.
-template <typename P, typename B, Masters kMasters>
+template <typename P, typename B, Weight kWeight>
 __global__ void __launch_bounds__(kThreads)
-    update_kernel(const TensorArgs* tensors, const ChunkArgs* chunks, const GroupHParams* groups,
-                  StepScalars scalars) {
+    update_kernel(const TensorArgs* tensors, const ChunkArgs* chunks, const GroupHParams* groups, StepRow row) {
   using O = typename OpMath<P>::type;
-  using M = MasterType<kMasters>;
-  if (skipped(scalars.found_inf)) return;
+  using M = Companion<kWeight>;
+  if (skipped(row.found_inf)) return;
   const ChunkArgs chunk = chunks[blockIdx.x];
   const TensorArgs t = tensors[chunk.tensor];
-  const GroupHParams h = group_of(groups, t.group, scalars);
+  const GroupHParams h = group_of(groups, t.group, row);
   const bool has_momentum = h.momentum != 0.0;
-  const double inv_scale = inverse_scale_of(scalars.grad_scale);
-  const double clip =
-      scalars.grad_sq_sum == nullptr ? 1.0 : clip_coef(*scalars.grad_sq_sum, scalars.max_grad_norm, inv_scale);
+  const double inv_scale = inverse_scale_of(row.grad_scale);
+  const double clip = row.grad_sq_sum == nullptr ? 1.0 : clip_coef(*row.grad_sq_sum, *row.max_grad_norm, inv_scale);
   Coeffs<O> c = make_coeffs<O>(h, inv_scale, clip, t.first != 0);
   if (t.lars) {
-    const double* row = scalars.lars_sums + kNumLarsSums * chunk.tensor;
-    apply_lars(c, row[0], clipped_term_sq_sum(row[0], row[1], row[2], clip, h), h);
+    const double* sums = row.lars_sq_sums + kNumLarsSums * chunk.tensor;
+    apply_lars(c, sums[0], clipped_term_sq_sum(sums[0], sums[1], sums[2], clip, h), h);
   }
   P* w = static_cast<P*>(t.param);
   const P* g = static_cast<const P*>(t.grad);
   B* b = static_cast<B*>(t.buffer);
-  M* m = static_cast<M*>(t.master);
+  M* m = static_cast<M*>(t.companion);
   // Stochastic rounding of the update: bf16 params without masters only (sgd_math.h), those with a count.
   const bool stochastic = t.rounding_step != nullptr;
   const uint32_t key = stochastic ? rounding_key(h.rounding_seed, *t.rounding_step, chunk.tensor) : 0;
@@ -177,7 +164,7 @@ __global__ void __launch_bounds__(kThreads)
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t i = base + u * kThreads;
       if (i < chunk.end) {
-        wi[u] = load_weight<kMasters>(w, m, i);
+        wi[u] = load_weight<kWeight>(w, m, i);
         gi[u] = load(g, i);
         bi[u] = has_momentum && !c.first ? static_cast<O>(load(b, i)) : O(0);
       }
@@ -187,7 +174,7 @@ __global__ void __launch_bounds__(kThreads)
       const int64_t i = base + u * kThreads;
       if (i < chunk.end) {
         sgd_element(wi[u], gi[u], bi[u], c);
-        store_update<kMasters>(w, b, m, i, wi[u], bi[u], has_momentum, stochastic, key);
+        store_update<kWeight>(w, b, m, i, wi[u], bi[u], has_momentum, stochastic, key);
       }
     }
   }
@@ -236,27 +223,30 @@ __global__ void write_bytes_kernel(uint8_t* out, ParamBytes in, int64_t count) {
 
 // Host code.
 
-// A bucket as the kernels see it: each tensor's arguments and the work list of their chunks. The update's own
-// arguments (buffers, first steps, rounding steps) are left empty for its caller.
+// A bucket as the kernels see it: each tensor's arguments and the work list of their chunks.
 struct Work {
   std::vector<TensorArgs> tensors;
   std::vector<ChunkArgs> chunks;
 };
 
-inline Work make_work(at::TensorList params, at::TensorList grads, at::TensorList master_params,
-                      at::IntArrayRef tensor_group, const std::vector<GroupHParams>& groups) {
+inline Work make_work(const Bucket& bucket) {
   Work work;
-  work.tensors.resize(params.size());
-  for (size_t t = 0; t < params.size(); ++t) {
+  const size_t n = bucket.params.size();
+  const Slot companion = bucket.weight == Weight::kKahan ? kKahanCompensation : kMasterParam;
+  work.tensors.resize(n);
+  for (size_t t = 0; t < n; ++t) {
     TensorArgs& args = work.tensors[t];
     args = TensorArgs{};
-    args.param = params[t].data_ptr();
-    args.grad = grads[t].data_ptr();
-    args.master = master_params.empty() ? nullptr : master_params[t].data_ptr();
-    args.group = tensor_group[t];
-    args.lars = lars_adapts(groups[tensor_group[t]]) ? 1 : 0;
+    args.param = bucket.params[t].data_ptr();
+    args.grad = bucket.grads[t].data_ptr();
+    args.buffer = bucket.slot(t, kMomentumBuffer);
+    args.companion = bucket.slot(t, companion);
+    args.rounding_step = static_cast<int64_t*>(bucket.slot(t, kRoundingStep));
+    args.group = bucket.tensor_group[t];
+    args.first = bucket.first_step[t] ? 1 : 0;
+    args.lars = lars_adapts(bucket.groups[args.group]) ? 1 : 0;
     args.first_chunk = static_cast<int64_t>(work.chunks.size());
-    append_chunks(work.chunks, static_cast<int64_t>(t), params[t].numel(), kBlockChunkElems);
+    append_chunks(work.chunks, static_cast<int64_t>(t), bucket.params[t].numel(), kBlockChunkElems);
     args.num_chunks = static_cast<int64_t>(work.chunks.size()) - args.first_chunk;
   }
   return work;
@@ -319,15 +309,15 @@ inline DeviceTables upload_work(const at::Device& device, device::Stream stream,
 // Each LARS tensor's row of sums (lars_sq_sums), for a bucket whose work tables are on the device: a float64
 // [n, kNumLarsSums] tensor there, zeros for the other tensors.
 inline at::Tensor lars_rows(const Work& work, const DeviceTables& tables, const at::Device& device,
-                            device::Stream stream, at::ScalarType dtype, Masters masters, const float* grad_scale) {
+                            device::Stream stream, at::ScalarType dtype, Weight weight, const float* grad_scale) {
   const auto options = at::TensorOptions().dtype(at::kDouble).device(device);
   const int64_t n = static_cast<int64_t>(work.tensors.size());
   at::Tensor rows = at::zeros({n, kNumLarsSums}, options);
   const int64_t num_chunks = static_cast<int64_t>(work.chunks.size());
   if (num_chunks == 0) return rows;
   at::Tensor partials = at::zeros({num_chunks, kNumLarsSums}, options);
-  dispatch_bucket_types(dtype, masters, [&](auto param, auto, auto masters_tag) {
-    device::launch(&lars_sums_kernel<decltype(param), decltype(masters_tag)::value>, num_chunks, kThreads, stream,
+  dispatch_bucket_types(dtype, weight, [&](auto param, auto, auto weight_tag) {
+    device::launch(&lars_sums_kernel<decltype(param), decltype(weight_tag)::value>, num_chunks, kThreads, stream,
                    tables.table<TensorArgs>(0), tables.table<ChunkArgs>(1), tables.table<GroupHParams>(2),
                    partials.data_ptr<double>(), grad_scale);
   });
@@ -342,73 +332,55 @@ inline void check_on_device(const at::Tensor& tensor, const char* op) {
 }
 
 // The CUDA kernel of lightning_fusedsgd::sgd_step (the op: sgd_step_op in bucket.h).
-void run_device(const StepArgs& a, const BucketArgs& bucket) {
-  const at::TensorList params = a.params;
+void run_device(const Bucket& bucket) {
+  const at::TensorList params = bucket.params;
   if (params.empty()) return;
   check_on_device(params[0], "sgd_step");
   const int64_t n = static_cast<int64_t>(params.size());
   const at::Device device = params[0].device();
-  Work work = make_work(params, a.grads, a.master_params, a.tensor_group, bucket.groups);
+  const Work work = make_work(bucket);
   bool any_stochastic = false;
-  for (int64_t t = 0; t < n; ++t) {
-    TensorArgs& args = work.tensors[t];
-    args.buffer = bucket.buffer_slot[t] >= 0 ? a.momentum_buffers[bucket.buffer_slot[t]].data_ptr() : nullptr;
-    args.rounding_step =
-        bucket.step_slot[t] >= 0 ? a.rounding_steps[bucket.step_slot[t]].data_ptr<int64_t>() : nullptr;
-    args.first = a.first_step[t] ? 1 : 0;
-    any_stochastic = any_stochastic || args.rounding_step != nullptr;
-  }
+  for (const TensorArgs& args : work.tensors) any_stochastic = any_stochastic || args.rounding_step != nullptr;
   const int64_t num_chunks = static_cast<int64_t>(work.chunks.size());
   if (num_chunks == 0 && !any_stochastic) return;
-  const float* grad_scale = a.grad_scale.has_value() ? a.grad_scale->data_ptr<float>() : nullptr;
-  const float* found_inf = a.found_inf.has_value() ? a.found_inf->data_ptr<float>() : nullptr;
 
   const device::Guard guard(device);
   const device::Stream stream = device::current_stream();
   const DeviceTables tables = upload_work(device, stream, work, bucket.groups);
+  StepRow row = bucket.row;
   // Unsharded LARS: the sums of each LARS tensor, reduced once into its row, which every block of it reads.
-  const at::Tensor rows = bucket.any_lars && !a.lars_sq_sums.has_value()
-                              ? lars_rows(work, tables, device, stream, params[0].scalar_type(), bucket.masters,
-                                          grad_scale)
+  const at::Tensor rows = bucket.any_lars && row.lars_sq_sums == nullptr
+                              ? lars_rows(work, tables, device, stream, params[0].scalar_type(), bucket.weight,
+                                          row.grad_scale)
                               : at::Tensor();
-  const StepScalars scalars{grad_scale,
-                            found_inf,
-                            a.grad_sq_sum.has_value() ? a.grad_sq_sum->data_ptr<double>() : nullptr,
-                            a.max_grad_norm.value_or(0.0),
-                            rows.defined()            ? rows.data_ptr<double>()
-                            : a.lars_sq_sums.has_value() ? a.lars_sq_sums->data_ptr<double>()
-                                                         : nullptr,
-                            a.lrs.has_value() ? a.lrs->data_ptr<double>() : nullptr};
+  if (rows.defined()) row.lars_sq_sums = rows.data_ptr<double>();
   if (num_chunks > 0) {
-    dispatch_bucket_types(params[0].scalar_type(), bucket.masters, [&](auto param, auto buffer, auto masters) {
-      device::launch(&update_kernel<decltype(param), decltype(buffer), decltype(masters)::value>, num_chunks,
+    dispatch_bucket_types(params[0].scalar_type(), bucket.weight, [&](auto param, auto buffer, auto weight) {
+      device::launch(&update_kernel<decltype(param), decltype(buffer), decltype(weight)::value>, num_chunks,
                      kThreads, stream, tables.table<TensorArgs>(0), tables.table<ChunkArgs>(1),
-                     tables.table<GroupHParams>(2), scalars);
+                     tables.table<GroupHParams>(2), row);
     });
   }
   if (any_stochastic) {
     device::launch(&advance_rounding_steps_kernel, (n + 255) / 256, 256, stream, tables.table<TensorArgs>(0), n,
-                   found_inf);
+                   row.found_inf);
   }
 }
 
-// lightning_fusedsgd::lars_sq_sums on the device: a float64 [n, kNumLarsSums] table there (zeros for tensors
-// without LARS), with no host sync.
-at::Tensor lars_sq_sums_device(at::TensorList params, at::TensorList grads, at::TensorList master_params,
-                               const at::Tensor& group_hparams, at::IntArrayRef tensor_group,
-                               const std::optional<at::Tensor>& grad_scale) {
-  const NormInputs checked = check_norm_inputs(params, grads, master_params, group_hparams, tensor_group, grad_scale);
+// lightning_fusedsgd::lars_sq_sums on the device (the op: lars_sq_sums_op in bucket.h): a float64
+// [n, kNumLarsSums] table there (zeros for tensors without LARS), with no host sync.
+at::Tensor lars_sq_sums_device(const Bucket& bucket) {
+  const at::TensorList params = bucket.params;
   TORCH_CHECK(!params.empty(), "lightning_fusedsgd::lars_sq_sums: no params");
   check_on_device(params[0], "lars_sq_sums");
   const at::Device device = params[0].device();
-  const Work work = make_work(params, grads, master_params, tensor_group, checked.groups);
+  const Work work = make_work(bucket);
   if (work.chunks.empty()) return at::zeros({static_cast<int64_t>(params.size()), kNumLarsSums},
                                             at::TensorOptions().dtype(at::kDouble).device(device));
   const device::Guard guard(device);
   const device::Stream stream = device::current_stream();
-  const DeviceTables tables = upload_work(device, stream, work, checked.groups);
-  return lars_rows(work, tables, device, stream, params[0].scalar_type(), checked.masters,
-                   grad_scale.has_value() ? grad_scale->data_ptr<float>() : nullptr);
+  const DeviceTables tables = upload_work(device, stream, work, bucket.groups);
+  return lars_rows(work, tables, device, stream, params[0].scalar_type(), bucket.weight, bucket.row.grad_scale);
 }
 
 // lightning_fusedsgd::grad_sq_sum on the device: a float64 scalar there, with no host sync.
@@ -432,7 +404,7 @@ at::Tensor grad_sq_sum_device(at::TensorList grads) {
       {{pointers.data(), pointers.size() * sizeof(void*)}, {chunks.data(), chunks.size() * sizeof(ChunkArgs)}});
   const int64_t num_chunks = static_cast<int64_t>(chunks.size());
   at::Tensor partials = at::empty({num_chunks}, options);
-  dispatch_bucket_types(grads[0].scalar_type(), Masters::kNone, [&](auto grad, auto, auto) {
+  dispatch_bucket_types(grads[0].scalar_type(), Weight::kParam, [&](auto grad, auto, auto) {
     using P = decltype(grad);
     device::launch(&grad_sq_sum_kernel<P>, num_chunks, kThreads, stream, tables.table<const P*>(0),
                    tables.table<ChunkArgs>(1), partials.data_ptr<double>());
@@ -457,6 +429,6 @@ void schedule_lrs_device(const at::Tensor& lrs, const at::Tensor& position, cons
 TORCH_LIBRARY_IMPL(LFSGD_DEVICE_LIBRARY, LFSGD_DEVICE_DISPATCH, m) {
   m.impl("sgd_step", &lfsgd::sgd_step_op<lfsgd::run_device>);
   m.impl("grad_sq_sum", &lfsgd::grad_sq_sum_device);
-  m.impl("lars_sq_sums", &lfsgd::lars_sq_sums_device);
+  m.impl("lars_sq_sums", &lfsgd::lars_sq_sums_op<lfsgd::lars_sq_sums_device>);
   m.impl("schedule_lrs", &lfsgd::schedule_lrs_device);
 }

@@ -39,17 +39,22 @@ namespace lfsgd {
   X(double, trust_coefficient)  \
   X(double, lars_eps)           \
   X(bool, trust_clip)           \
-  X(bool, lars_decayed_grad)    \
+  X(int, lars_denominator)      \
   X(double, max_grad_value)     \
   X(bool, always_adapt)         \
-  X(bool, lars_zero_plain_grad) \
+  X(int, lars_zero_norm)        \
   X(int, update_rounding)       \
   X(double, rounding_seed)
 
-// How bf16 params without master weights take their update (the update_rounding column), numbered as
-// _abi.UPDATE_ROUNDINGS (checked when the library loads). kKahan needs the bucket's compensations.
+// The options a column numbers, in the order of _abi's tuples of their names (checked when the library loads):
+// how bf16 params without master weights take their update (update_rounding: kKahan keeps a compensation), the
+// LARS denominator (lars_denominator), and what LARS does where a norm is 0 (lars_zero_norm).
 enum UpdateRounding : int { kNearest = 0, kStochastic, kKahan };
 constexpr const char* kUpdateRoundingNames[] = {"nearest", "stochastic", "kahan"};
+enum LarsDenominator : int { kGradPlusDecay = 0, kDecayedGrad };
+constexpr const char* kLarsDenominatorNames[] = {"grad_plus_decay", "decayed_grad"};
+enum LarsZeroNorm : int { kUnitRatio = 0, kPlainGrad };
+constexpr const char* kLarsZeroNormNames[] = {"unit_ratio", "plain_grad"};
 
 struct GroupHParams {
 #define LFSGD_FIELD(type, name) type name;
@@ -192,12 +197,15 @@ LFSGD_ELEMENT void sgd_element(V& w, V g, V& b, const Coeffs<S>& c) {
   w = mul_add(g, V(-c.lr), w);
 }
 
+// Whether the LARS denominator is ||g_raw + lambda w|| ("decayed_grad") rather than ||g_raw|| + lambda ||w||.
+LFSGD_HOST_DEVICE inline bool decayed_grad(const GroupHParams& h) { return h.lars_denominator == kDecayedGrad; }
+
 // The gradient term whose squares the LARS norm pass sums: g_raw (clipped_grad) for the default
 // denominator, g_raw + lambda w for "decayed_grad".
 template <bool kClipValue = true, typename T>
-LFSGD_ELEMENT T lars_norm_term(T w, T g, const Coeffs<T>& c, T weight_decay, bool decayed_grad) {
+LFSGD_ELEMENT T lars_norm_term(T w, T g, const Coeffs<T>& c, T weight_decay, bool decayed) {
   const T raw = clipped_grad<kClipValue>(g, c);
-  return decayed_grad ? mul_add(w, weight_decay, raw) : raw;
+  return decayed ? mul_add(w, weight_decay, raw) : raw;
 }
 
 // A tensor's row of lars_sq_sums: the sums of w^2, of the LARS norm term squared and of w times it, in the order of
@@ -212,7 +220,7 @@ constexpr int kNumLarsSums = sizeof(kLarsSumNames) / sizeof(kLarsSumNames[0]);
 // "decayed_grad": c g_raw + lambda w = c term + (1 - c) lambda w. A negative result (cancellation) is 0.
 LFSGD_HOST_DEVICE inline double clipped_term_sq_sum(double sum_w, double sum_t, double sum_wt, double c,
                                                     const GroupHParams& h) {
-  if (!h.lars_decayed_grad || c == 1.0) return c * c * sum_t;
+  if (!decayed_grad(h) || c == 1.0) return c * c * sum_t;
   const double d = (1.0 - c) * h.weight_decay;
   const double sum = c * c * sum_t + 2.0 * c * d * sum_wt + d * d * sum_w;
   return sum < 0.0 ? 0.0 : sum;
@@ -248,7 +256,7 @@ LFSGD_HOST_DEVICE inline bool lars_adapts(const GroupHParams& h) {
 // The trust ratio from a tensor's sums of squares (of w and of lars_norm_term).
 LFSGD_HOST_DEVICE inline double lars_trust(double sum_w, double sum_g, const GroupHParams& h) {
   return trust_ratio(sqrt(sum_w), sqrt(sum_g), h.weight_decay, h.trust_coefficient, h.lars_eps,
-                     h.lars_decayed_grad, h.trust_clip, h.lr);
+                     decayed_grad(h), h.trust_clip, h.lr);
 }
 
 // A LARS tensor's coefficients from its sums of squares: the trust ratio, and where a norm is 0 under
@@ -257,7 +265,7 @@ LFSGD_HOST_DEVICE inline double lars_trust(double sum_w, double sum_g, const Gro
 template <typename T>
 LFSGD_HOST_DEVICE inline void apply_lars(Coeffs<T>& c, double sum_w, double sum_g, const GroupHParams& h) {
   c.trust = static_cast<T>(lars_trust(sum_w, sum_g, h));
-  if (h.lars_zero_plain_grad && (sum_w == 0.0 || sum_g == 0.0)) c.wd_coupled = T(0);
+  if (h.lars_zero_norm == kPlainGrad && (sum_w == 0.0 || sum_g == 0.0)) c.wd_coupled = T(0);
 }
 
 // x where it is finite, else 0, in float operations: x - x is 0 exactly where x is finite.

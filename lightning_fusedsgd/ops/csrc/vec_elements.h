@@ -106,12 +106,12 @@ LFSGD_ELEMENT FloatPair rounded_block(const FloatPair& v) {
 }
 
 // load_weight, for the block at i.
-template <Masters kMasters, typename P, typename M>
+template <Weight kWeight, typename P, typename M>
 LFSGD_ELEMENT FloatPair load_weight_block(const P* w, const M* m, int64_t i) {
   const FloatPair param = load_block<P>(w, i);
-  if constexpr (kMasters == Masters::kNone) {
+  if constexpr (kWeight == Weight::kParam) {
     return param;
-  } else if constexpr (kMasters == Masters::kCompensation) {
+  } else if constexpr (kWeight == Weight::kKahan) {
     const FloatPair compensation = load_block<P>(m, i);
     return {param.low + compensation.low, param.high + compensation.high};
   } else {
@@ -124,11 +124,11 @@ LFSGD_ELEMENT FloatPair load_weight_block(const P* w, const M* m, int64_t i) {
 
 // store_update, for the block at i. Its elements' random bits: element_random_bits over the block's indices
 // (which share their high 32 bits: a chunk holds whole blocks, and 2^32 whole chunks).
-template <Masters kMasters, typename P, typename B, typename M>
+template <Weight kWeight, typename P, typename B, typename M>
 LFSGD_ELEMENT void store_update_block(P* w, B* b, M* m, int64_t i, const FloatPair& wi, const FloatPair& bi,
                                       bool momentum, bool stochastic, uint32_t key) {
-  if constexpr (kMasters == Masters::kFp32) store_block<P>(m, i, wi);
-  if constexpr (kMasters == Masters::kCompensation) {
+  if constexpr (kWeight == Weight::kMaster) store_block<P>(m, i, wi);
+  if constexpr (kWeight == Weight::kKahan) {
     const IntVec low = nearest_bf16_bits(wi.low);
     const IntVec high = nearest_bf16_bits(wi.high);
     store_bf16_bits(w, i, low, high);
@@ -136,7 +136,7 @@ LFSGD_ELEMENT void store_update_block(P* w, B* b, M* m, int64_t i, const FloatPa
     if (momentum) store_block<P>(b, i, bi);
     return;
   }
-  if constexpr (std::is_same_v<P, c10::BFloat16> && kMasters == Masters::kNone) {
+  if constexpr (std::is_same_v<P, c10::BFloat16> && kWeight == Weight::kParam) {
     if (stochastic) {
       const uint64_t index = static_cast<uint64_t>(i);
       const IntVec first(static_cast<int32_t>(

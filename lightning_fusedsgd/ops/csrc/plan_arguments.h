@@ -1,6 +1,6 @@
-// A step plan kept in C++ (torch.classes.lightning_fusedsgd.KeptPlan): every param, whether it had a grad, views
-// of the stepped params taken when the plan was made (their layouts and addresses), and each bucket's op arguments
-// with views of its buffers, masters and rounding steps (their layouts). It holds the plan, not the step: gather()
+// The op arguments of a kept step plan, held in C++ (torch.classes.lightning_fusedsgd.PlanArguments): every param,
+// whether it had a grad, views of the stepped params taken when the plan was made (their layouts and addresses),
+// and each bucket's op arguments with views of its state (their layouts). It holds the plan, not the step: gather()
 // (plain params) or take() (a sharded plan's local shards) checks that the plan still holds and collects this
 // step's grads, and the optimizer's one step path (optim/_step.py) then calls grad_sq_sum and sgd_step per bucket,
 // as it calls the ops for a plan made in Python. A step so converts no tensor lists from Python, which on models
@@ -23,12 +23,12 @@
 
 namespace lfsgd {
 
-class KeptPlan : public torch::CustomClassHolder {
+class PlanArguments : public torch::CustomClassHolder {
  public:
   // `ops`: the namespace whose grad_sq_sum and sgd_step run the plan (the compiled kernels', or the emulated CUDA
   // kernels').
-  KeptPlan(std::vector<at::Tensor> params, c10::List<bool> has_grad, std::vector<at::Tensor> layouts,
-             const std::string& ops)
+  PlanArguments(std::vector<at::Tensor> params, c10::List<bool> has_grad, std::vector<at::Tensor> layouts,
+                const std::string& ops)
       : params_(std::move(params)),
         has_grad_(has_grad.vec()),
         layouts_(std::move(layouts)),
@@ -38,29 +38,26 @@ class KeptPlan : public torch::CustomClassHolder {
         sgd_step_(c10::Dispatcher::singleton()
                       .findSchemaOrThrow((ops + "::sgd_step").c_str(), "")
                       .typed<SgdStepFunction>()) {
-    TORCH_CHECK(params_.size() == has_grad_.size(), "KeptPlan: one has_grad entry per param");
+    TORCH_CHECK(params_.size() == has_grad_.size(), "PlanArguments: one has_grad entry per param");
   }
 
-  // `slots`: each tensor's position among the stepped params (the order of `layouts`).
-  void add_bucket(std::vector<at::Tensor> params, std::vector<at::Tensor> momentum_buffers,
-                  std::vector<at::Tensor> master_params, std::vector<at::Tensor> rounding_steps,
-                  std::vector<int64_t> tensor_group, std::vector<int64_t> slots) {
-    for (int64_t slot : slots) TORCH_CHECK(slot >= 0 && slot < static_cast<int64_t>(layouts_.size()));
+  // `positions`: each tensor's position among the stepped params (the order of `layouts`); `state` and
+  // `state_slots` as sgd_step takes them.
+  void add_bucket(std::vector<at::Tensor> params, std::vector<at::Tensor> state, std::vector<int64_t> state_slots,
+                  std::vector<int64_t> tensor_group, std::vector<int64_t> positions) {
+    for (int64_t position : positions) {
+      TORCH_CHECK(position >= 0 && position < static_cast<int64_t>(layouts_.size()));
+    }
     // Detached views keep the layouts as they are now; `.data = ...` later changes the live tensors only.
     std::vector<at::Tensor> state_layouts;
-    for (const auto* state : {&momentum_buffers, &master_params, &rounding_steps}) {
-      for (const auto& tensor : *state) state_layouts.push_back(tensor.detach());
-    }
-    c10::List<bool> first_step;
-    for (size_t i = 0; i < params.size(); ++i) first_step.push_back(false);
-    buckets_.push_back({std::move(params), std::move(momentum_buffers), std::move(master_params),
-                        std::move(rounding_steps), std::move(tensor_group), std::move(slots),
-                        std::move(state_layouts), first_step, {}});
+    for (const at::Tensor& tensor : state) state_layouts.push_back(tensor.detach());
+    buckets_.push_back({std::move(params), std::move(state), std::move(state_slots), std::move(tensor_group),
+                        std::move(positions), std::move(state_layouts), {}});
   }
 
   // Collects this step's grads (each param's .grad) into the buckets and returns true, or returns false, having
   // changed nothing, when the plan no longer holds: a param gained or lost its grad or moved to other memory, or a
-  // param, grad, momentum buffer, master or rounding step is laid out differently from what was recorded.
+  // param, grad or state tensor is laid out differently from what was recorded.
   bool gather() {
     return collect(params_, [this](size_t i) { return params_[i].grad(); });
   }
@@ -69,7 +66,7 @@ class KeptPlan : public torch::CustomClassHolder {
   // shards now, `grads` their grads' local shards (None where a param has no grad).
   bool take(std::vector<at::Tensor> params, c10::List<std::optional<at::Tensor>> grads) {
     TORCH_CHECK(params.size() == params_.size() && grads.size() == params_.size(),
-                "KeptPlan: one param and grad entry per param");
+                "PlanArguments: one param and grad entry per param");
     return collect(params, [&grads](size_t i) {
       const std::optional<at::Tensor> grad = grads.get(i);
       return grad.has_value() ? *grad : at::Tensor();
@@ -85,35 +82,29 @@ class KeptPlan : public torch::CustomClassHolder {
     return grad_sq_sum_.call(bucket(b).grads);
   }
 
-  // lightning_fusedsgd::sgd_step over bucket `b` (after gather()), with this step's table and scalars.
-  void sgd_step(int64_t b, const at::Tensor& group_hparams, const std::optional<at::Tensor>& grad_scale,
-                const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& grad_sq_sum,
-                std::optional<double> max_grad_norm, const std::optional<at::Tensor>& lrs) {
+  // lightning_fusedsgd::sgd_step over bucket `b` (after gather()), with this step's table and step row.
+  void sgd_step(int64_t b, const at::Tensor& group_hparams, const OptionalTensors& step) {
     // Straight to the CPU or CUDA kernel: the autograd and in-place fallbacks of a custom op box every argument
     // (thousands of tensors on large models). The step runs under no_grad.
     const at::AutoDispatchBelowADInplaceOrView below_autograd;
     Bucket& kept = bucket(b);
-    sgd_step_.call(kept.params, kept.grads, kept.momentum_buffers, kept.master_params, kept.rounding_steps,
-                   group_hparams, kept.tensor_group, kept.first_step, grad_scale, found_inf, grad_sq_sum,
-                   max_grad_norm, std::nullopt /* sharded plans are kept in Python */, lrs);
+    sgd_step_.call(kept.params, kept.grads, kept.state, kept.state_slots, group_hparams, kept.tensor_group, step);
     kept.grads.clear();  // the bucket's last use of them this step: the next backward may free them
   }
 
  private:
   struct Bucket {
     std::vector<at::Tensor> params;
-    std::vector<at::Tensor> momentum_buffers;
-    std::vector<at::Tensor> master_params;
-    std::vector<at::Tensor> rounding_steps;
+    std::vector<at::Tensor> state;
+    std::vector<int64_t> state_slots;  // no slot seeded by the kernel: a kept plan creates no state
     std::vector<int64_t> tensor_group;
-    std::vector<int64_t> slots;
-    std::vector<at::Tensor> state_layouts;  // buffers, masters, then rounding steps, as recorded
-    c10::List<bool> first_step;             // all false: a kept plan creates no buffer
+    std::vector<int64_t> positions;
+    std::vector<at::Tensor> state_layouts;  // the state as recorded
     std::vector<at::Tensor> grads;          // this step's, from gather()
   };
 
   Bucket& bucket(int64_t b) {
-    TORCH_CHECK(b >= 0 && b < static_cast<int64_t>(buckets_.size()), "KeptPlan: no bucket ", b);
+    TORCH_CHECK(b >= 0 && b < static_cast<int64_t>(buckets_.size()), "PlanArguments: no bucket ", b);
     return buckets_[b];
   }
 
@@ -141,7 +132,7 @@ class KeptPlan : public torch::CustomClassHolder {
     }
     for (Bucket& bucket : buckets_) {
       bucket.grads.clear();
-      for (int64_t slot : bucket.slots) bucket.grads.push_back(grads[slot]);
+      for (int64_t position : bucket.positions) bucket.grads.push_back(grads[position]);
     }
     return true;
   }
@@ -152,11 +143,8 @@ class KeptPlan : public torch::CustomClassHolder {
   }
 
   static bool state_unchanged(const Bucket& bucket) {
-    size_t k = 0;
-    for (const auto* state : {&bucket.momentum_buffers, &bucket.master_params, &bucket.rounding_steps}) {
-      for (const auto& tensor : *state) {
-        if (!same_layout(bucket.state_layouts[k++], tensor)) return false;
-      }
+    for (size_t i = 0; i < bucket.state.size(); ++i) {
+      if (!same_layout(bucket.state_layouts[i], bucket.state[i])) return false;
     }
     return true;
   }
@@ -169,15 +157,15 @@ class KeptPlan : public torch::CustomClassHolder {
   std::vector<Bucket> buckets_;
 };
 
-inline void register_kept_plan(torch::Library& m) {
-  m.class_<KeptPlan>("KeptPlan")
+inline void register_plan_arguments(torch::Library& m) {
+  m.class_<PlanArguments>("PlanArguments")
       .def(torch::init<std::vector<at::Tensor>, c10::List<bool>, std::vector<at::Tensor>, std::string>())
-      .def("add_bucket", &KeptPlan::add_bucket)
-      .def("gather", &KeptPlan::gather)
-      .def("take", &KeptPlan::take)
-      .def("grads", &KeptPlan::grads)
-      .def("grad_sq_sum", &KeptPlan::grad_sq_sum)
-      .def("sgd_step", &KeptPlan::sgd_step);
+      .def("add_bucket", &PlanArguments::add_bucket)
+      .def("gather", &PlanArguments::gather)
+      .def("take", &PlanArguments::take)
+      .def("grads", &PlanArguments::grads)
+      .def("grad_sq_sum", &PlanArguments::grad_sq_sum)
+      .def("sgd_step", &PlanArguments::sgd_step);
 }
 
 }  // namespace lfsgd
