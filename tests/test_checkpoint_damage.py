@@ -34,7 +34,13 @@ from zip_layout import (
     with_zip64_fields,
 )
 
-from lightning_fusedsgd.checkpoint import CheckpointError, files, read_checkpoint_file, save_checkpoint_file
+from lightning_fusedsgd.checkpoint import (
+    CheckpointError,
+    files,
+    read_checkpoint_file,
+    read_start_checkpoint,
+    save_checkpoint_file,
+)
 from lightning_fusedsgd.optim import FusedSGD
 
 
@@ -246,3 +252,26 @@ def test_an_unreadable_file_is_named_with_the_fix(tmp_path, monkeypatch):
     unreadable = rf"cannot read checkpoint '{path}' \(Permission denied\); check that it is a readable"
     with pytest.raises(CheckpointError, match=unreadable):
         read_checkpoint_file(path)
+
+
+LIGHTNING = {"pytorch-lightning_version": "2.4.0", "epoch": 0, "global_step": 1}
+
+
+@pytest.mark.parametrize(
+    "edit, fragment",
+    [
+        ({"state_dict": [1.0, 2.0]}, "whose 'state_dict' is not a dict of tensors"),
+        (
+            {"state_dict": {"weight": [[1.0, 2.0]], "bias": torch.zeros(1)}},
+            "whose .state_dict. is not a dict",
+        ),
+        ({"optimizer_states": 3}, "whose 'optimizer_states' is a int, not a list"),
+    ],
+)
+def test_a_lightning_checkpoint_of_another_layout_is_refused_naming_it(tmp_path, edit, fragment):
+    """Content the archive check cannot see (a file written so): refused by name, not an AttributeError."""
+    module = nn.Linear(2, 1)
+    path = tmp_path / "edited.ckpt"
+    torch.save({**LIGHTNING, "state_dict": module.state_dict(), **edit}, path)
+    with pytest.raises(CheckpointError, match=rf"checkpoint '{path}' is a Lightning checkpoint {fragment}"):
+        read_start_checkpoint(path, module)
