@@ -88,14 +88,14 @@ def check_archive(file: BinaryIO) -> None:
         raise ArchiveDamage(f"it has no record {_shown(pickle_name)}, the pickle torch.load reads")
     for key, nbytes in _storages(_read(file, *records[pickle_name.lower()])):
         name = prefix + b"data/" + key.encode()
-        if name.lower() not in records:
+        record = records.get(name.lower())
+        if record is None:
             raise ArchiveDamage(
                 f"its pickle references storage {key!r}, and there is no record {_shown(name)}"
             )
-        if records[name.lower()][1] != nbytes:
+        if record[1] != nbytes:
             raise ArchiveDamage(
-                f"record {_shown(name)} holds {records[name.lower()][1]} bytes, its pickle rebuilds tensors "
-                f"from {nbytes}"
+                f"record {_shown(name)} holds {record[1]} bytes, its pickle rebuilds tensors from {nbytes}"
             )
 
 
@@ -195,11 +195,13 @@ def _central_directory(file: BinaryIO, size: int) -> list[_Entry]:
             raise ArchiveDamage(f"central directory entry {index} is damaged")
         name = directory[position + _CENTRAL.size : name_end]
         extra = directory[name_end : name_end + extra_length]
-        size_, compressed, local_offset = _zip64_values(
+        record_size, compressed, local_offset = _zip64_values(
             extra, [fields[9], fields[8], fields[16]], f"record {_shown(name)}"
         )
         flags, method, crc, disk, external = fields[3], fields[4], fields[7], fields[13], fields[15]
-        entries.append(_Entry(name, flags, method, crc, compressed, size_, disk, external, local_offset))
+        entries.append(
+            _Entry(name, flags, method, crc, compressed, record_size, disk, external, local_offset)
+        )
         position = end
     return entries
 
