@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from lightning_helpers import SMALL_RUN, STEPS_PER_EPOCH, compose_train, last_checkpoint, run_train_py
+from zip_layout import storage_record, with_directory_attribute, with_zip64_disk_count
 
 from lightning_fusedsgd.checkpoint import CheckpointError, CheckpointMismatchError
 from lightning_fusedsgd.lightning import ConfigError
@@ -164,6 +165,14 @@ def bad_start(case: str, files: dict[str, Path], tmp_path: Path) -> tuple[list[s
         data[data.index(b"data/0") + 500] ^= 0xFF  # inside tensor data: only the CRC check sees it
         damaged.write_bytes(bytes(data))
         return [f"init.path={damaged}"], CheckpointError, [str(damaged), "fails its CRC check"]
+    if case == "ckpt_path_record_marked_as_directory":  # torch.load alone returns uninitialized memory
+        data = files["lightning"].read_bytes()
+        damaged.write_bytes(with_directory_attribute(data, storage_record(data)))
+        fragments = [str(damaged), f"record '{storage_record(data)}' is marked as a directory"]
+        return [f"ckpt_path={damaged}"], CheckpointError, fragments
+    if case == "init_path_zip64_disk_count":  # Python's zipfile raised BadZipFile
+        damaged.write_bytes(with_zip64_disk_count(files["torchvision"].read_bytes(), 2))
+        return [f"init.path={damaged}"], CheckpointError, [str(damaged), "says the archive spans disks"]
     if case == "init_path_other_model":
         fragments = ["model weights do not match", "net.fc.weight (checkpoint [5, 512], model [10, 512])"]
         return [f"init.path={files['other_model']}"], CheckpointMismatchError, fragments
@@ -189,6 +198,8 @@ def bad_start(case: str, files: dict[str, Path], tmp_path: Path) -> tuple[list[s
     [
         "ckpt_path_truncated",
         "init_path_flipped_byte",
+        "ckpt_path_record_marked_as_directory",
+        "init_path_zip64_disk_count",
         "init_path_other_model",
         "ckpt_path_other_model",
         "ckpt_path_torchvision",
@@ -219,6 +230,21 @@ def test_cli_reports_a_checkpoint_of_another_model_without_a_traceback(files, tm
     assert result.stderr.startswith(f"error: {files['other_model']}: model weights do not match the model")
     assert "net.fc.weight (checkpoint [5, 512], model [10, 512])" in result.stderr
     assert last_checkpoint(tmp_path).read_bytes() == b"previous run"
+
+
+def test_cli_reports_a_damaged_checkpoint_in_one_line(files, tmp_path: Path) -> None:
+    """A checkpoint whose zip directory marks a storage record as a directory (one bit): torch.load would
+    return that storage uninitialized; train.py prints one line naming the file and exits with status 2."""
+    data = files["lightning"].read_bytes()
+    damaged = tmp_path / "damaged.ckpt"
+    damaged.write_bytes(with_directory_attribute(data, storage_record(data)))
+    result = run_train_py(
+        [*SHORT, "trainer.max_epochs=2", f"ckpt_path={damaged}", f"hydra.run.dir={tmp_path}"]
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stdout + result.stderr
+    assert result.stderr.startswith(f"error: checkpoint '{damaged}' is truncated or corrupted: record ")
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
 def test_resuming_with_another_grouping_is_an_error_without_a_traceback(files, tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ behind an nvcc wrapper. The GPU-dependent paths run with the CUDA checks mocked.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -200,6 +201,46 @@ def test_an_unreadable_architecture_is_a_reason_to_build_not_an_error(monkeypatc
     assert _loader._prebuilt_library("cuda") == (
         None,
         "it was built for CUDA architectures 9.0a, this GPU is 10.0",
+    )
+
+
+@pytest.mark.parametrize(
+    "content, problem",
+    [
+        (b'{"torch": "2.', "cannot be read (Unterminated string"),  # cut short
+        (b"\xff\xfe{}", "cannot be read ('utf-8' codec"),
+        (b"[]", "is not laid out as setup.py writes it"),
+        (b'{"torch": "TORCH", "libraries": {"cpu_default": {"size": 1}}}', "is not laid out as setup.py"),
+        (b'{"torch": "TORCH", "libraries": {"cuda": {"path": "a.so"}}}', "is not laid out as setup.py"),
+    ],
+)
+def test_a_damaged_wheel_build_record_is_a_reason_to_build_not_an_error(
+    monkeypatch, tmp_path, content, problem
+):
+    """The wheel's build.json damaged or cut short: its libraries are not used, with the reason (the first-use
+    build is tried next), and nothing raises."""
+    (tmp_path / "build.json").write_bytes(content.replace(b"TORCH", torch.__version__.encode()))
+    monkeypatch.setattr(_loader, "PREBUILT", tmp_path)
+    monkeypatch.setenv(ops.CPU_CAPABILITY_ENV, "default")
+    for device_type in ("cpu", "cuda"):
+        library, why = _loader._prebuilt_library(device_type)
+        assert library is None
+        assert why.startswith(f"its build record is damaged: {tmp_path / 'build.json'} ") and problem in why
+
+
+def test_an_unreadable_wheel_library_is_a_reason_to_build_not_an_error(monkeypatch, tmp_path):
+    library = tmp_path / "cpu_default.so"
+    library.write_bytes(b"\x7fELF")
+    info = {"torch": torch.__version__, "libraries": {"cpu_default": {"path": str(library), "size": 4}}}
+    (tmp_path / "build.json").write_text(json.dumps(info))
+    monkeypatch.setattr(_loader, "PREBUILT", tmp_path)
+    monkeypatch.setenv(ops.CPU_CAPABILITY_ENV, "default")
+    monkeypatch.setattr(
+        Path, "read_bytes", lambda self: (_ for _ in ()).throw(PermissionError(13, "Permission denied"))
+    )
+    assert _loader._prebuilt_library("cpu") == (
+        None,
+        f"its library is damaged: {library} cannot be read ([Errno 13] Permission denied)",
     )
 
 

@@ -1,12 +1,13 @@
 """Checkpoints that keep momentum, master weights and the schedule: read, validate, remap, write.
 
 Plain PyTorch (the Lightning glue is in :mod:`lightning_fusedsgd.lightning.checkpointing`). One module per
-job (``files``: reading, writing and validation; ``remap``: by name; ``foreign``: other runs' and
-torchvision's checkpoints), each usable on its own:
+job (``files``: reading, writing and validation; ``archive``: the zip archive as torch.load reads it;
+``remap``: by name; ``foreign``: other runs' and torchvision's checkpoints), each usable on its own:
 
-* **Read safely.** :func:`read_checkpoint_file` verifies the zip records' CRC32 (``torch.load`` does
-  not, so a flipped byte in tensor data would load silently) and turns every failure into a
-  :class:`CheckpointError` that names the file.
+* **Read safely.** :func:`read_checkpoint_file` checks the archive as ``torch.load`` will read it
+  (``archive``: every record whole, regular, stored and of the CRC-32 it was written with, every storage of
+  the size its tensors need; ``torch.load`` checks no CRC and trusts the zip directory, so one flipped bit
+  can load silently) and turns every failure into a :class:`CheckpointError` that names the file.
 * **Remap optimizer state by name.** :func:`remap_optimizer_state_dict` moves per-parameter state
   (``momentum_buffer``, ``master_param``) from a saved grouping to another, e.g. a one-group
   ``torch.optim.SGD`` checkpoint into a FusedSGD with decay / no-decay groups. Tensors are moved, not

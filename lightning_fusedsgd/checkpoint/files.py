@@ -1,5 +1,5 @@
-"""Checkpoint files and what is in them: read with every record's CRC checked, write atomically, and check
-that an optimizer state dict is one."""
+"""Checkpoint files and what is in them: read only what torch.load will read as written, write atomically,
+and check that an optimizer state dict is one."""
 
 from __future__ import annotations
 
@@ -8,36 +8,18 @@ import glob
 import os
 import pickle
 import secrets
-import zipfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from lightning_fusedsgd.checkpoint.archive import ZIP_MAGIC, ArchiveDamage, TorchScriptArchive, check_archive
 from lightning_fusedsgd.checkpoint.errors import CheckpointError, InvalidOptimizerStateError
 
 # torchvision's reference script stores its argparse namespace under "args".
 _SAFE_GLOBALS = [argparse.Namespace]
 _USE_INTACT = "Nothing was loaded; use an intact checkpoint, e.g. an earlier one from the same directory."
-
-
-def _verify_zip_integrity(path: str) -> None:
-    """Check every record's CRC32; a non-zip file (legacy format or truncated) is left to torch.load."""
-    if not zipfile.is_zipfile(path):
-        return
-    try:
-        with zipfile.ZipFile(path) as archive:
-            bad_record = archive.testzip()
-    except (zipfile.BadZipFile, OSError, EOFError) as exc:
-        raise CheckpointError(
-            f"cannot read checkpoint {path!r}: it is truncated or corrupted ({exc}). {_USE_INTACT}"
-        ) from exc
-    if bad_record is not None:
-        raise CheckpointError(
-            f"checkpoint {path!r} is corrupted: record {bad_record!r} fails its CRC check (the bytes "
-            f"changed after it was written). {_USE_INTACT}"
-        )
 
 
 def _unreadable(path: str, exc: BaseException) -> CheckpointError:
@@ -65,7 +47,8 @@ def read_checkpoint_file(
     map_location: Any = "cpu",
     trusted: bool = False,
 ) -> dict[str, Any]:
-    """Load a checkpoint file after checking that it is complete and uncorrupted.
+    """Load a checkpoint file after checking that ``torch.load`` will read it as it was written (for a zip
+    archive, as torch.save writes: :func:`~lightning_fusedsgd.checkpoint.archive.check_archive`).
 
     Args:
         path: The checkpoint file.
@@ -77,16 +60,30 @@ def read_checkpoint_file(
         The checkpoint dict.
 
     Raises:
-        CheckpointError: If the file is missing, truncated, corrupted, holds objects a weights-only
-            load refuses, or is not a dict. The message names the file.
+        CheckpointError: If the file is missing, unreadable, truncated, corrupted, holds objects a
+            weights-only load refuses, or is not a dict. The message names the file.
     """
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint {path!r} does not exist or is not a file; check the path")
-    _verify_zip_integrity(path)
     try:
-        with torch.serialization.safe_globals(_SAFE_GLOBALS):
-            checkpoint = torch.load(path, map_location=map_location, weights_only=not trusted)
+        # One open file for the check and the load: what was checked is what is loaded.
+        with open(path, "rb") as file:
+            # torch.load reads a file as a zip archive when it starts as one; others (torch's format before
+            # 1.6) have no checksums to check.
+            if file.read(len(ZIP_MAGIC)) == ZIP_MAGIC:
+                check_archive(file)
+            file.seek(0)
+            with torch.serialization.safe_globals(_SAFE_GLOBALS):
+                checkpoint = torch.load(file, map_location=map_location, weights_only=not trusted)
+    except ArchiveDamage as exc:
+        raise CheckpointError(f"checkpoint {path!r} is truncated or corrupted: {exc}. {_USE_INTACT}") from exc
+    except TorchScriptArchive as exc:
+        raise CheckpointError(f"{path!r} is not a checkpoint: {exc}") from exc
+    except OSError as exc:
+        raise CheckpointError(
+            f"cannot read checkpoint {path!r} ({exc.strerror or exc}); check that it is a readable file"
+        ) from exc
     except Exception as exc:  # torch.load raises many types for damaged files; all mean "unreadable"
         raise _unreadable(path, exc) from exc
     if not isinstance(checkpoint, dict):

@@ -58,7 +58,20 @@ def _unpack(
 ) -> tuple[str, Mapping[str, torch.Tensor], Any, dict[str, Any]]:
     """(kind, weights, optimizer state or None, metadata) of a checkpoint in any supported layout."""
     if "pytorch-lightning_version" in checkpoint and "state_dict" in checkpoint:
+        weights = checkpoint["state_dict"]
+        if not (isinstance(weights, Mapping) and all(isinstance(v, torch.Tensor) for v in weights.values())):
+            raise CheckpointError(
+                f"checkpoint {path!r} is a Lightning checkpoint whose 'state_dict' is not a dict of tensors "
+                "(names to weights): it is damaged or was edited; use the checkpoint the run wrote"
+            )
         optimizer_states = [] if weights_only else checkpoint.get("optimizer_states") or [None]
+        if not isinstance(optimizer_states, (list, tuple)):
+            raise CheckpointError(
+                f"checkpoint {path!r} is a Lightning checkpoint whose 'optimizer_states' is a "
+                f"{type(optimizer_states).__name__}, not a list of optimizer state dicts: it is damaged or "
+                "was edited; use the checkpoint the run wrote, or start from its weights only "
+                "(weights_only=True)"
+            )
         if len(optimizer_states) > 1:
             raise CheckpointError(
                 f"checkpoint {path!r} holds {len(optimizer_states)} optimizers; starting from it supports "
@@ -69,7 +82,7 @@ def _unpack(
             "global_step": checkpoint.get("global_step"),
             "lr_scheduler_states": checkpoint.get("lr_schedulers"),
         }
-        return "lightning", checkpoint["state_dict"], next(iter(optimizer_states), None), meta
+        return "lightning", weights, next(iter(optimizer_states), None), meta
     if _is_state_dict(checkpoint.get("model")):
         return (
             "torchvision",

@@ -179,7 +179,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     target, flushed and fsynced, renamed over the target, directory fsynced. Remote paths (``s3://``...)
     keep Lightning's behaviour.
 
-    Loading checks a local file's CRCs and reports a damaged file as a
+    Loading checks a local file as ``torch.load`` will read it
+    (:func:`~lightning_fusedsgd.checkpoint.read_checkpoint_file`) and reports a damaged file as a
     :class:`~lightning_fusedsgd.checkpoint.CheckpointError` naming it. Use with
     ``Trainer(plugins=[AtomicCheckpointIO()])``; ``conf/trainer/default.yaml`` does.
     """

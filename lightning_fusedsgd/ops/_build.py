@@ -154,12 +154,14 @@ def library_problem(path: Path, record: dict[str, str | int] | None) -> str | No
         return "it has no build record"
     if not path.is_file():
         return f"{path} is missing"
-    size = path.stat().st_size
-    if size != record.get("size"):
-        return f"{path} has {size} bytes, {record.get('size')} were built"
-    if hashlib.sha256(path.read_bytes()).hexdigest() != record.get("sha256"):
-        return f"{path} changed after it was built"
-    return None
+    try:
+        size = path.stat().st_size
+        if size != record.get("size"):
+            return f"{path} has {size} bytes, {record.get('size')} were built"
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError as error:
+        return f"{path} cannot be read ({error})"
+    return None if digest == record.get("sha256") else f"{path} changed after it was built"
 
 
 def read_record(path: Path) -> dict[str, str | int] | None:

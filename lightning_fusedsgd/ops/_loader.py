@@ -133,15 +133,38 @@ def _runs_on(arch: tuple[int, int], suffix: str, ptx: bool, device: tuple[int, i
 
 
 def _build_info() -> dict[str, Any] | None:
-    """The wheel's build.json: the torch it was built for and its libraries; None in a source tree."""
+    """The wheel's build.json: the torch it was built for and its libraries; None in a source tree.
+
+    Raises:
+        ValueError: If it cannot be read or is not laid out as setup.py writes it.
+    """
     path = PREBUILT / "build.json"
-    return json.loads(path.read_text(encoding="utf-8")) if path.exists() else None
+    if not path.exists():
+        return None
+    try:
+        info = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{path} cannot be read ({error})") from error
+    libraries = info.get("libraries") if isinstance(info, dict) else None
+    if not (
+        isinstance(libraries, dict)
+        and isinstance(info.get("torch"), str)
+        and all(
+            isinstance(entry, dict) and isinstance(entry.get("path"), str) for entry in libraries.values()
+        )
+        and ("cuda" not in libraries or isinstance(info.get("cuda_arch_list"), str))
+    ):
+        raise ValueError(f"{path} is not laid out as setup.py writes it")
+    return info
 
 
 def _prebuilt_library(device_type: str) -> tuple[Path | None, str | None]:
     """The wheel's library for ``device_type`` on this machine, or why it cannot be used; (None, None) where
     there is no wheel (a source tree: built on first use, as designed)."""
-    info = _build_info()
+    try:
+        info = _build_info()
+    except ValueError as error:
+        return None, f"its build record is damaged: {error}"
     if info is None or not _build.EXTENSIONS[device_type].in_wheel:
         return None, None
     if info["torch"] != torch.__version__:
