@@ -374,14 +374,14 @@ REFUSALS = [
         "engine-flat-buffer-with-lars",
         _engine_flat_buffer(lars=True),
         ValueError,
-        r"parameter 0 of group 0 \(shape \(21050,\)\) is a tensor this optimizer was not given"
+        r"parameter 0 of group 0 \(shape \(21050,\)\) was not given to this optimizer"
         r".*call lightning_fusedsgd.attach_deepspeed\(engine\)",
     ),
     Refusal(
         "engine-flat-buffer-with-norm-clip",
         _engine_flat_buffer(max_grad_norm=1.0),
         ValueError,
-        "a tensor this optimizer was not given.*lars=False and clip with DeepSpeed's gradient_clipping",
+        "was not given to this optimizer.*lars=False and clip with DeepSpeed's gradient_clipping",
     ),
     Refusal(
         "capturable-group-on-another-device",

@@ -181,7 +181,7 @@ def fragments(param: Tensor, group: dict[str, Any], label: Callable[[], str]) ->
     that needs no norms), or its fragments where it is a mapped flat partition and the group needs norms.
 
     Raises:
-        ValueError: For a tensor the optimizer was not given whose norms the step needs but no engine mapped.
+        ValueError: For a tensor not given to the optimizer whose norms the step needs but no engine mapped.
     """
     if not needs_norms(group) or torch.compiler.is_compiling():
         return None
@@ -190,7 +190,8 @@ def fragments(param: Tensor, group: dict[str, Any], label: Callable[[], str]) ->
         if param in _GIVEN:
             return None
         raise ValueError(
-            f"{label()} is a tensor this optimizer was not given. " + _unmapped_message("an engine")
+            f"{label()} was not given to this optimizer (one of yours? add it with add_param_group). "
+            + _unmapped_message("an engine")
         )
     wrapper = partition.wrapper()
     if wrapper is None or getattr(wrapper, partition.kind.partitions)[partition.index] is not param:
