@@ -1,9 +1,17 @@
 """FusedSGD and LARS in one compiled multi-tensor kernel, for PyTorch Lightning."""
 
-from lightning_fusedsgd.optim import FusedLARS, FusedSGD
+from lightning_fusedsgd.optim import FusedLARS, FusedSGD, attach_deepspeed
 from lightning_fusedsgd.param_groups import param_groups
 from lightning_fusedsgd.schedule import WarmupLR, scaled_lr
 
 __version__ = "0.1.0"
 
-__all__ = ["FusedLARS", "FusedSGD", "WarmupLR", "__version__", "param_groups", "scaled_lr"]
+__all__ = [
+    "FusedLARS",
+    "FusedSGD",
+    "WarmupLR",
+    "__version__",
+    "attach_deepspeed",
+    "param_groups",
+    "scaled_lr",
+]

@@ -200,6 +200,20 @@ def _fsdp1(**hparams: Any) -> Callable[[], Scenario]:
     return scenario
 
 
+def _engine_flat_buffer(**hparams: Any) -> Callable[[], Scenario]:
+    """What DeepSpeed's ZeRO does, without DeepSpeed: the group's params replaced by one flat buffer of them
+    (an engine's partition, unattached)."""
+
+    def scenario() -> Scenario:
+        params = make_params([(300, 70), (50,)])
+        optimizer = FusedSGD(params, lr=0.1, momentum=0.9, **hparams)
+        flat = nn.Parameter(torch.cat([p.detach().reshape(-1) for p in params]))
+        optimizer.param_groups[0]["params"] = [flat]
+        return Scenario(_with_grad(optimizer, flat), [flat], optimizer.step)
+
+    return scenario
+
+
 def _capturable_group_elsewhere() -> Scenario:
     params = make_params([(4, 3), (3,)])
     optimizer = _with_grad(FusedSGD(params, lr=0.1, momentum=0.9, capturable=True), *params)
@@ -356,6 +370,19 @@ REFUSALS = [
     ),
     Refusal("fsdp1-with-lars", _fsdp1(lars=True), ValueError, "FSDP1 .* Use FSDP2"),
     Refusal("fsdp1-with-norm-clip", _fsdp1(max_grad_norm=1.0), ValueError, "FSDP1 .* Use FSDP2"),
+    Refusal(
+        "engine-flat-buffer-with-lars",
+        _engine_flat_buffer(lars=True),
+        ValueError,
+        r"parameter 0 of group 0 \(shape \(21050,\)\) was not given to this optimizer"
+        r".*call lightning_fusedsgd.attach_deepspeed\(engine\)",
+    ),
+    Refusal(
+        "engine-flat-buffer-with-norm-clip",
+        _engine_flat_buffer(max_grad_norm=1.0),
+        ValueError,
+        "was not given to this optimizer.*lars=False and clip with DeepSpeed's gradient_clipping",
+    ),
     Refusal(
         "capturable-group-on-another-device",
         _capturable_group_elsewhere,

@@ -18,15 +18,24 @@ from __future__ import annotations
 
 import sys
 import types
+import weakref
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.strategies import DeepSpeedStrategy
 
+from lightning_fusedsgd.lightning._wrapped import fused_sgd_of
+from lightning_fusedsgd.lightning.deepspeed import AttachDeepSpeed
 from lightning_fusedsgd.lightning.errors import ConfigError
 from lightning_fusedsgd.optim import FusedSGD
 
 __all__ = ["ClipInTheStep", "callbacks", "clip_gradients", "clip_in_the_step"]
+
+# The (max_grad_norm, max_grad_value) each FusedSGD holds because a Trainer handed it over, not its own.
+_HANDED_OVER: weakref.WeakKeyDictionary[FusedSGD, tuple[float | None, float | None]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def clip_gradients(
@@ -43,8 +52,19 @@ def clip_gradients(
     every group), and the step that follows clips the unscaled gradients in the kernel: one fused call under
     every precision, no extra pass over the gradients in Python. Lightning calls it once per optimizer
     step, so with ``accumulate_grad_batches`` the accumulated gradient is clipped. Other optimizers go
-    through Lightning's own ``clip_gradients``. With no ``gradient_clip_val`` (None) the optimizer's own
-    clipping settings are left as they are.
+    through Lightning's own ``clip_gradients``.
+
+    The Trainer and the optimizer each may say how to clip; one rule decides:
+
+    - a Trainer that does not clip (``gradient_clip_val`` None or 0) leaves the optimizer's own settings as
+      they are (a FusedSGD built with ``max_grad_norm`` keeps clipping), and takes back a threshold it handed
+      over;
+    - a Trainer threshold goes into an optimizer with no clipping of its own;
+    - a Trainer threshold and the optimizer's own clipping must be the same, else :class:`ConfigError` before
+      the step;
+    - under ``DeepSpeedStrategy`` DeepSpeed clips (Lightning puts ``gradient_clip_val`` in its config), so the
+      optimizer is left alone; its own clipping beside DeepSpeed's is refused when the fit starts
+      (:class:`~lightning_fusedsgd.lightning.deepspeed.AttachDeepSpeed`).
 
     ``configure_fused_sgd`` and the :class:`ClipInTheStep` callback install it on the module unless the
     module's class defines its own ``configure_gradient_clipping`` (:func:`clip_in_the_step`); a module of the
@@ -55,29 +75,53 @@ def clip_gradients(
     Args:
         module: The LightningModule being trained.
         optimizer: The optimizer about to step.
-        gradient_clip_val: Clip threshold (``trainer.gradient_clip_val``); 0 turns clipping off.
+        gradient_clip_val: Clip threshold (``trainer.gradient_clip_val``); None or 0: the Trainer does not
+            clip.
         gradient_clip_algorithm: ``"norm"`` (default) or ``"value"``.
 
     Raises:
-        ConfigError: If the algorithm is neither ``"norm"`` nor ``"value"``.
+        ConfigError: If the algorithm is neither ``"norm"`` nor ``"value"``, or the Trainer's clipping and the
+            optimizer's own disagree.
     """
-    optimizer = getattr(
-        optimizer, "optimizer", optimizer
-    )  # a LightningOptimizer wraps it (its public property)
-    if not isinstance(optimizer, FusedSGD):
+    fused = fused_sgd_of(optimizer)
+    if fused is None:
         module.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
-        return
-    if gradient_clip_val is None:
         return
     algorithm = str(getattr(gradient_clip_algorithm, "value", gradient_clip_algorithm or "norm"))
     if algorithm not in ("norm", "value"):
         raise ConfigError(
             f"gradient_clip_algorithm must be 'norm' or 'value', got {gradient_clip_algorithm!r}"
         )
-    threshold = float(gradient_clip_val) or None
-    for group in optimizer.param_groups:
-        group["max_grad_norm"] = threshold if algorithm == "norm" else None
-        group["max_grad_value"] = threshold if algorithm == "value" else None
+    if isinstance(module.trainer.strategy, DeepSpeedStrategy):
+        # DeepSpeed clips, by the value Lightning put in its config; AttachDeepSpeed refused a second clipper.
+        return
+    threshold = float(gradient_clip_val) if gradient_clip_val else None
+    wanted = (
+        (None, None) if threshold is None else (threshold, None) if algorithm == "norm" else (None, threshold)
+    )
+    settings = [(group["max_grad_norm"], group["max_grad_value"]) for group in fused.param_groups]
+    handed = _HANDED_OVER.get(fused)
+    own = sorted({s for s in settings if s != (None, None) and s != handed}, key=str)
+    if own:
+        if threshold is None or all(s == wanted for s in settings):
+            return
+        raise ConfigError(
+            f"Trainer(gradient_clip_val={gradient_clip_val}, gradient_clip_algorithm={algorithm!r}) and the "
+            f"optimizer's own clipping ({_describe(own)}) disagree: set one of them (gradient_clip_val=None "
+            "or 0 leaves the optimizer's clipping as it is), or the same in both."
+        )
+    for group in fused.param_groups:
+        group["max_grad_norm"], group["max_grad_value"] = wanted
+    if threshold is None:
+        _HANDED_OVER.pop(fused, None)
+    else:
+        _HANDED_OVER[fused] = wanted
+
+
+def _describe(settings: list[tuple[float | None, float | None]]) -> str:
+    return ", ".join(
+        f"max_grad_norm={norm}" if norm is not None else f"max_grad_value={value}" for norm, value in settings
+    )
 
 
 def clip_in_the_step(module: Any) -> None:
@@ -97,14 +141,37 @@ class ClipInTheStep(pl.Callback):
     trainer's optimizers, :func:`clip_in_the_step` makes :func:`clip_gradients` the module's
     ``configure_gradient_clipping`` (unless its class defines one). Every ``Trainer`` gets it through this
     package's ``lightning.pytorch.callbacks_factory`` entry point (:func:`callbacks`); with no FusedSGD it
-    does nothing."""
+    does nothing.
+
+    Its state in a checkpoint is the threshold a Trainer handed to the optimizer, which the optimizer's groups
+    hold beside its own settings: a resumed fit tells the two apart as the interrupted one did (a resume with
+    ``gradient_clip_val=None`` stops clipping, where the optimizer had no clipping of its own)."""
+
+    def __init__(self) -> None:
+        self._optimizer: FusedSGD | None = None
+        self._restored: tuple[float | None, float | None] | None = None
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if any(isinstance(getattr(o, "optimizer", o), FusedSGD) for o in trainer.optimizers):
+        self._optimizer = next(filter(None, map(fused_sgd_of, trainer.optimizers)), None)
+        if self._optimizer is not None:
             clip_in_the_step(pl_module)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # After the checkpoint's optimizer state is loaded: its groups hold what the Trainer had handed over.
+        if self._restored is not None and self._optimizer is not None:
+            _HANDED_OVER[self._optimizer] = self._restored
+        self._restored = None
+
+    def state_dict(self) -> dict[str, Any]:
+        handed = None if self._optimizer is None else _HANDED_OVER.get(self._optimizer)
+        return {} if handed is None else {"handed_over": list(handed)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        handed = state_dict.get("handed_over")
+        self._restored = None if handed is None else (handed[0], handed[1])
 
 
 def callbacks() -> list[pl.Callback]:
     """The callbacks Lightning adds to every ``Trainer`` (the package's
     ``lightning.pytorch.callbacks_factory`` entry point)."""
-    return [ClipInTheStep()]
+    return [ClipInTheStep(), AttachDeepSpeed()]

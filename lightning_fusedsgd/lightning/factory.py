@@ -138,8 +138,9 @@ def configure_fused_sgd(
 
     Call it from ``configure_optimizers``. Lightning's ``gradient_clip_val`` then clips inside the fused
     step under every precision (see :func:`clip_gradients`). The peak lr follows the linear scaling rule
-    with the global batch ``per-device batch x trainer.world_size (devices x nodes) x
-    accumulate_grad_batches`` when given as ``base_lr``; the schedule spans
+    with the global batch ``per-device batch x trainer.world_size x accumulate_grad_batches`` when given as
+    ``base_lr`` (the world size counts the training processes: devices x nodes under Lightning's own
+    launchers, the workers under Ray Train, whose Trainers have one device each); the schedule spans
     ``trainer.estimated_stepping_batches``. Logs one line with the resolved values.
 
     ``lr`` is always the absolute peak lr, the value a group has after warmup: what Lightning's

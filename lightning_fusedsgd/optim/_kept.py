@@ -203,7 +203,7 @@ def keep(
 ) -> KeptPlan | KeptShardedPlan | None:
     """The step just run, kept for the next steps, where one backend of our kernels ran all its buckets
     (``ran_by``: its name and ops, None where several did) on one device, and it created or converted no
-    state, staged no param and stepped no sparse gradient; else None."""
+    state, staged no param, stepped no sparse gradient and no fragments of a flat partition; else None."""
     devices = {key[0] for key in plan.buckets}
     if not (
         ran_by is not None
@@ -212,6 +212,7 @@ def keep(
         and not plan.new_state
         and not plan.staged
         and not plan.sparse
+        and (plan.dtensors or not plan.sharded)  # fragments of flat partitions (_zero) are planned each step
     ):
         return None
     backend, ops_namespace = ran_by

@@ -6,6 +6,7 @@ optimizer: ``plan_step`` reads its groups and state."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,7 +16,7 @@ from torch import Tensor
 
 from lightning_fusedsgd import _abi
 from lightning_fusedsgd._abi import LOW_PRECISION, Slot, StepRow, seeded, state_slots, stored_weight
-from lightning_fusedsgd.optim import _dtensor
+from lightning_fusedsgd.optim import _dtensor, _zero
 from lightning_fusedsgd.optim._overlap import check_no_overlap, has_internal_overlap
 
 # Complex params are stepped as their real views, as torch.optim.SGD does.
@@ -195,7 +196,13 @@ def plan_step(
                 _dtensor.check_grad_placement(param, param_label(*place, param))
                 plan.dtensors = True
             stepped.append((_dtensor.local(param), place))
+            # An engine's flat partition whose norms this step needs: stepped as per-tensor fragments (_zero).
+            label = functools.partial(param_label, *place, param)
+            fragments = _zero.fragments(param, group, label)
+            before = None if fragments is None else _zero.mark(plan)
             _plan_param(plan, state.get(param, _NO_STATE), param, group, group_index, param_index, tracing)
+            if fragments is not None:
+                _zero.split(plan, before, fragments, label)
     if not tracing:
         check_no_overlap(
             [(param, lambda place=place, param=param: param_label(*place, param)) for param, place in stepped]

@@ -10,7 +10,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_fusedsgd import _abi
-from lightning_fusedsgd.optim import _backends, _state_dict, _step
+from lightning_fusedsgd.optim import _backends, _state_dict, _step, _zero
 from lightning_fusedsgd.optim._lrs import LrStorage, as_numbers, stacked_lrs
 from lightning_fusedsgd.optim._plan import StepInputs
 
@@ -229,6 +229,7 @@ class FusedSGD(Optimizer):
         if self._lrs is not None:
             self._lrs.check_device(devices)
         super().add_param_group(param_group)
+        _zero.register_given(tensors)
         self._steps.kept = None
         if self._lrs is not None and self._lrs.tensor is not None:
             self._lrs.bind(self.param_groups)
@@ -263,6 +264,10 @@ class FusedSGD(Optimizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)  # also called by load_state_dict, with the state and groups only
+        if (
+            "_steps" in state
+        ):  # unpickled: its params are new tensors (an engine's, after load_state_dict, not)
+            _zero.register_given(p for group in self.param_groups for p in group["params"])
         self.__dict__.setdefault("capturable", False)
         self.__dict__.setdefault("_lrs", LrStorage() if self.capturable else None)  # bound at the first step
         self._steps.kept = None
