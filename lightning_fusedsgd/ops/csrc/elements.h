@@ -89,31 +89,49 @@ LFSGD_ELEMENT typename OpMath<P>::type load_weight(const P* w, const M* m, int64
   }
 }
 
-// Stores element i's update: the weight `wi` into the fp32 master and its rounding into the param, or rounded to
-// nearest into the param and what that dropped into the Kahan compensation, or rounded stochastically with the
-// element's random bits (`key`: rounding_key; bf16 params without masters only), or rounded to nearest; and the
-// momentum buffer `bi` where there is one, rounded the same way as the param.
-template <Weight kWeight, typename P, typename B, typename M, typename O>
-LFSGD_ELEMENT void store_update(P* w, B* b, M* m, int64_t i, O wi, O bi, bool momentum, bool stochastic,
+// What the store of an update does to one element, written for a value of the opmath type (here) and for a
+// vector block of 16-bit params (vec_elements.h), so that store_update below is written once for both: the bf16
+// bits of a value rounded to nearest (nan as kBf16NanBits), the value those bits hold, their store, the
+// element's 32 random bits (element_random_bits; `like` picks the overload), a value rounded stochastically
+// with 16 of them, and a value stored rounded to nearest in the element type of p (params of P).
+LFSGD_ELEMENT uint16_t nearest_bf16(float v) { return rounded_bits(v); }
+LFSGD_ELEMENT float bf16_value(uint16_t bits) { return bits_float(uint32_t{bits} << 16); }
+LFSGD_ELEMENT void store_bf16(c10::BFloat16* p, int64_t i, uint16_t bits) { reinterpret_cast<uint16_t*>(p)[i] = bits; }
+LFSGD_ELEMENT uint32_t random_bits(uint32_t key, int64_t i, float /*like*/) { return element_random_bits(key, i); }
+LFSGD_ELEMENT uint16_t stochastic_bf16(float v, uint32_t random16) { return stochastic_bf16_bits(float_bits(v), random16); }
+LFSGD_ELEMENT uint32_t high_half(uint32_t random) { return random >> 16; }
+LFSGD_ELEMENT uint32_t low_half(uint32_t random) { return random & 0xFFFFu; }
+template <typename P, typename T, typename V>
+LFSGD_ELEMENT void store_value(T* p, int64_t i, V v) {
+  store(p, i, v);
+}
+
+// Stores an update at i, an element (V: the opmath type) or a vector block of 16-bit params (V: FloatPair,
+// vec_elements.h): the weight `wi` into the fp32 master and its rounding into the param, or rounded to nearest into
+// the param and what that dropped into the Kahan compensation (`m`: the companion), or rounded stochastically with
+// the element's random bits (`key`: rounding_key; bf16 params alone only), or rounded to nearest; and the momentum
+// buffer `bi` where there is one, rounded the same way as the param.
+template <Weight kWeight, typename P, typename B, typename M, typename V>
+LFSGD_ELEMENT void store_update(P* w, B* b, M* m, int64_t i, const V& wi, const V& bi, bool momentum, bool stochastic,
                                 uint32_t key) {
-  if constexpr (kWeight == Weight::kMaster) m[i] = static_cast<float>(wi);
+  if constexpr (kWeight == Weight::kMaster) store_value<P>(m, i, wi);
   if constexpr (kWeight == Weight::kKahan) {
-    const uint16_t rounded = rounded_bits(wi);
-    reinterpret_cast<uint16_t*>(w)[i] = rounded;
-    store(m, i, kahan_compensation(wi, bits_float(uint32_t{rounded} << 16)));
-    if (momentum) store(b, i, bi);
+    const auto rounded = nearest_bf16(wi);
+    store_bf16(w, i, rounded);
+    store_value<P>(m, i, kahan_compensation(wi, bf16_value(rounded)));
+    if (momentum) store_value<P>(b, i, bi);
     return;
   }
   if constexpr (std::is_same_v<P, c10::BFloat16> && kWeight == Weight::kParam) {
     if (stochastic) {
-      const uint32_t random = element_random_bits(key, i);
-      reinterpret_cast<uint16_t*>(w)[i] = stochastic_bf16_bits(float_bits(wi), random >> 16);
-      if (momentum) reinterpret_cast<uint16_t*>(b)[i] = stochastic_bf16_bits(float_bits(bi), random & 0xFFFFu);
+      const auto random = random_bits(key, i, wi);
+      store_bf16(w, i, stochastic_bf16(wi, high_half(random)));
+      if (momentum) store_bf16(b, i, stochastic_bf16(bi, low_half(random)));
       return;
     }
   }
-  store(w, i, wi);
-  if (momentum) store(b, i, bi);
+  store_value<P>(w, i, wi);
+  if (momentum) store_value<P>(b, i, bi);
 }
 
 }  // namespace lfsgd

@@ -61,7 +61,10 @@ void lars_partial_sums(const P* w, const M* m, const P* gr, const Chunk& chunk, 
 
 // A chunk's LARS sums (lars_partial_sums) with coefficients `c` taken before the norm clip: in the opmath type,
 // and again in double where they leave its exact range (in range, |sum w t| <= sqrt(sum w^2 sum t^2) is too, by
-// Cauchy-Schwarz). The norm pass of the update and the lars_sq_sums op both take them.
+// Cauchy-Schwarz). The norm pass of the update and the lars_sq_sums op both take them. The CUDA kernel sums in
+// double throughout (lars_sums_kernel): two strategies on purpose. Here the norm pass runs between a wave's loads
+// and its update, from cache, at the update's vector width, which double accumulators would halve; on a GPU the
+// pass is memory-bound and double costs nothing. Both give the trust ratio to well within fp32's rounding.
 template <Weight kWeight, typename P, typename M, typename O>
 void chunk_lars_sums(const P* w, const M* m, const P* gr, const Chunk& chunk, const Coeffs<O>& c,
                      const GroupHParams& h, double* sums) {
@@ -299,7 +302,7 @@ class CpuUpdate {
     const FloatPair gi = load_block<P>(gr, i);
     sgd_element<kClipValue>(wi.low, gi.low, bi.low, c);
     sgd_element<kClipValue>(wi.high, gi.high, bi.high, c);
-    store_update_block<kWeight>(w, b, m, i, wi, bi, kMomentum, kStochastic, key);
+    store_update<kWeight>(w, b, m, i, wi, bi, kMomentum, kStochastic, key);
   }
 #endif
 

@@ -122,41 +122,45 @@ LFSGD_ELEMENT FloatPair load_weight_block(const P* w, const M* m, int64_t i) {
   }
 }
 
-// store_update, for the block at i. Its elements' random bits: element_random_bits over the block's indices
-// (which share their high 32 bits: a chunk holds whole blocks, and 2^32 whole chunks).
-template <Weight kWeight, typename P, typename B, typename M>
-LFSGD_ELEMENT void store_update_block(P* w, B* b, M* m, int64_t i, const FloatPair& wi, const FloatPair& bi,
-                                      bool momentum, bool stochastic, uint32_t key) {
-  if constexpr (kWeight == Weight::kMaster) store_block<P>(m, i, wi);
-  if constexpr (kWeight == Weight::kKahan) {
-    const IntVec low = nearest_bf16_bits(wi.low);
-    const IntVec high = nearest_bf16_bits(wi.high);
-    store_bf16_bits(w, i, low, high);
-    store_block<P>(m, i, {kahan_compensation(wi.low, bf16_value(low)), kahan_compensation(wi.high, bf16_value(high))});
-    if (momentum) store_block<P>(b, i, bi);
-    return;
-  }
-  if constexpr (std::is_same_v<P, c10::BFloat16> && kWeight == Weight::kParam) {
-    if (stochastic) {
-      const uint64_t index = static_cast<uint64_t>(i);
-      const IntVec first(static_cast<int32_t>(
-          draw_counter(key, static_cast<uint32_t>(index), static_cast<uint32_t>(index >> 32))));
-      // The even and odd lanes' counters: the first element's plus n * kGoldenStep for the element n places on
-      // (vector adds wrap as uint32_t does; the steps are constants).
-      const IntVec golden(static_cast<int32_t>(kGoldenStep));
-      const IntVec even = mix32(first + IntVec::arange(0, 2) * golden);
-      const IntVec odd = mix32(first + IntVec::arange(1, 2) * golden);
-      store_bf16_bits(w, i, stochastic_bf16_bits(wi.low, shift_right_logical<16>(even)),
-                      stochastic_bf16_bits(wi.high, shift_right_logical<16>(odd)));
-      if (momentum) {
-        const IntVec low16(0xFFFF);
-        store_bf16_bits(b, i, stochastic_bf16_bits(bi.low, even & low16), stochastic_bf16_bits(bi.high, odd & low16));
-      }
-      return;
-    }
-  }
-  store_block<P>(w, i, wi);
-  if (momentum) store_block<P>(b, i, bi);
+// store_update's operations (elements.h) for a block at i: its bf16 bits as the high halves of its even and odd
+// lanes, its elements' random bits (element_random_bits over the block's indices, which share their high 32 bits: a
+// chunk holds whole blocks, and 2^32 whole chunks), its stores.
+struct BitsPair {
+  IntVec low;
+  IntVec high;
+};
+
+LFSGD_ELEMENT BitsPair nearest_bf16(const FloatPair& v) { return {nearest_bf16_bits(v.low), nearest_bf16_bits(v.high)}; }
+LFSGD_ELEMENT FloatPair bf16_value(const BitsPair& bits) { return {bf16_value(bits.low), bf16_value(bits.high)}; }
+LFSGD_ELEMENT void store_bf16(c10::BFloat16* p, int64_t i, const BitsPair& bits) {
+  store_bf16_bits(p, i, bits.low, bits.high);
+}
+LFSGD_ELEMENT FloatPair kahan_compensation(const FloatPair& weight, const FloatPair& rounded) {
+  return {kahan_compensation(weight.low, rounded.low), kahan_compensation(weight.high, rounded.high)};
+}
+
+// The even and odd lanes' counters: the first element's plus n * kGoldenStep for the element n places on (vector
+// adds wrap as uint32_t does; the steps are constants).
+LFSGD_ELEMENT BitsPair random_bits(uint32_t key, int64_t i, const FloatPair& /*like*/) {
+  const uint64_t index = static_cast<uint64_t>(i);
+  const IntVec first(
+      static_cast<int32_t>(draw_counter(key, static_cast<uint32_t>(index), static_cast<uint32_t>(index >> 32))));
+  const IntVec golden(static_cast<int32_t>(kGoldenStep));
+  return {mix32(first + IntVec::arange(0, 2) * golden), mix32(first + IntVec::arange(1, 2) * golden)};
+}
+LFSGD_ELEMENT BitsPair stochastic_bf16(const FloatPair& v, const BitsPair& random16) {
+  return {stochastic_bf16_bits(v.low, random16.low), stochastic_bf16_bits(v.high, random16.high)};
+}
+LFSGD_ELEMENT BitsPair high_half(const BitsPair& random) {
+  return {shift_right_logical<16>(random.low), shift_right_logical<16>(random.high)};
+}
+LFSGD_ELEMENT BitsPair low_half(const BitsPair& random) {
+  const IntVec low16(0xFFFF);
+  return {random.low & low16, random.high & low16};
+}
+template <typename P, typename T>
+LFSGD_ELEMENT void store_value(T* p, int64_t i, const FloatPair& v) {
+  store_block<P>(p, i, v);
 }
 
 }  // namespace lfsgd
