@@ -2,24 +2,37 @@
 # Each installs what it needs (the package editable, its extras, the compiled kernel) into the current Python.
 PYTHON ?= python3
 PIP = $(PYTHON) -m pip install --quiet --disable-pip-version-check
+# An install is redone only when what it reads changed (or for another Python): its stamp records it.
+STAMP = .install-$(subst /,_,$(PYTHON))
+INSTALL_INPUTS = pyproject.toml setup.py
 
-.PHONY: install install-dev train test test-all test-fast docs bench
+.PHONY: install install-dev kernels lint train test test-all test-fast docs bench
 
-install:  # the library, the recipe runner, and the kernel built for this machine
+install: $(STAMP).stamp kernels  # the library, the recipe runner, and the kernel built for this machine
+install-dev: $(STAMP)-dev.stamp kernels  # and what the tests and the docs need
+
+$(STAMP).stamp: $(INSTALL_INPUTS)
 	$(PIP) -e ".[recipes,jit]"
+	touch $@
+
+$(STAMP)-dev.stamp: $(INSTALL_INPUTS)
+	$(PIP) -e ".[dev]"
+	touch $@ $(STAMP).stamp
+
+kernels:  # builds the kernel where its sources changed (the build cache is keyed by them); else only loads it
 	$(PYTHON) -m lightning_fusedsgd
 
-install-dev:  # and what the tests and the docs need
-	$(PIP) -e ".[dev]"
-	$(PYTHON) -m lightning_fusedsgd
+lint: install-dev  # ruff's checks and its formatting
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m ruff format --check .
 
 train: install
 	$(PYTHON) train.py
 
-test: install-dev  # what CI runs: everything but the heavy tests, the docs build included (under 10 minutes on 2 cores)
+test: lint  # what CI runs: the lint, then everything but the heavy tests, the docs build included (under 10 minutes on 2 cores)
 	$(PYTHON) -m pytest -q -m "not heavy"
 
-test-all: install-dev  # and the heavy tests: the wheel build, kill-and-resume runs, bf16 on the CPU (5 minutes more)
+test-all: lint  # and the heavy tests: the wheel build, kill-and-resume runs, bf16 on the CPU (5 minutes more)
 	$(PYTHON) -m pytest -q
 
 test-fast: install-dev  # the inner loop: everything but whole runs, subprocesses and builds (under 2 minutes)

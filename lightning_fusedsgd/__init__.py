@@ -4,7 +4,7 @@ from lightning_fusedsgd.optim import FusedLARS, FusedSGD, attach_deepspeed
 from lightning_fusedsgd.param_groups import param_groups
 from lightning_fusedsgd.schedule import WarmupLR, scaled_lr
 
-__version__ = "0.1.0"
+__version__ = "0.2.0.dev0"  # the one place the version is written (pyproject.toml reads it)
 
 __all__ = [
     "FusedLARS",
