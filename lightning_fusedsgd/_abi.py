@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +54,7 @@ __all__ = [
     "STEP_ROW",
     "UPDATE_ROUNDINGS",
     "Column",
+    "GroupChecks",
     "Option",
     "Slot",
     "StepRow",
@@ -64,6 +65,7 @@ __all__ = [
     "hparam_names",
     "kernel_tables",
     "options",
+    "options_on",
     "plan_key",
     "seeded",
     "slot",
@@ -162,6 +164,9 @@ class Option:
             where the value only enters the math: a kept plan is made anew when this changes.
         step_wide: One value for the whole step (every group must hold the same): a value of the step row of
             the same name, not a column.
+        needs_norms: Where it is on, a step takes each tensor's or the global gradient norm (which sharded
+            and flat-partition steps must reduce across ranks).
+        fused_only: Only the fused kernel does it (torch's own SGD steps sparse gradients without it).
     """
 
     key: str
@@ -169,6 +174,8 @@ class Option:
     refused: str | None = None
     plan: Callable[[Any], Hashable] | None = None
     step_wide: bool = False
+    needs_norms: bool = False
+    fused_only: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -187,8 +194,8 @@ HPARAMS: tuple[Column, ...] = (
     Column(key="weight_decay", check=_non_negative, refused="Invalid weight_decay value: {}"),
     Column(key="nesterov", encode=_flag, check=_bool),
     Column(key="maximize", encode=_flag, check=_bool),
-    Column(key="wd_after_momentum", encode=_flag, check=_bool),
-    Column(key="lars", encode=_flag, check=_bool, plan=bool),
+    Column(key="wd_after_momentum", encode=_flag, check=_bool, fused_only=True),
+    Column(key="lars", encode=_flag, check=_bool, plan=bool, needs_norms=True, fused_only=True),
     Column(key="trust_coefficient", check=_positive),
     Column(key="lars_eps", check=_non_negative),
     Column(key="trust_clip", encode=_flag, check=_bool),
@@ -198,6 +205,7 @@ HPARAMS: tuple[Column, ...] = (
         encode=lambda v: math.inf if v is None else float(v),
         check=_threshold,
         plan=_is_set,
+        fused_only=True,
     ),
     Column(key="always_adapt", encode=_flag, check=_bool),
     Column(key="lars_zero_norm", encode=LARS_ZERO_NORMS.index, check=_one_of(LARS_ZERO_NORMS)),
@@ -220,7 +228,9 @@ def hparam_names() -> tuple[str, ...]:
 GROUP_OPTIONS: tuple[Option, ...] = (
     Option(key="master_weights", check=_bool, plan=bool),
     # Clips the one global norm of every group's gradients: one value for the step.
-    Option(key="max_grad_norm", check=_threshold, plan=_is_set, step_wide=True),
+    Option(
+        key="max_grad_norm", check=_threshold, plan=_is_set, step_wide=True, needs_norms=True, fused_only=True
+    ),
     # torch.optim.SGD's implementation switches: accepted, so configs written for it work, and choosing
     # nothing (every step runs the fused kernel); differentiable=True is refused (check_group).
     Option(key="foreach", check=_switch),
@@ -233,6 +243,17 @@ GROUP_OPTIONS: tuple[Option, ...] = (
 def options() -> tuple[Option, ...]:
     """Every group option: the columns, then the others."""
     return (*HPARAMS, *GROUP_OPTIONS)
+
+
+def options_on(group: Mapping[str, Any], kind: str) -> list[str]:
+    """The keys of the options of a kind (an attribute of :class:`Option`: ``"needs_norms"``,
+    ``"fused_only"``) that a group turns on (its plan decision is true, or its value where it decides no
+    plan)."""
+    return [
+        o.key
+        for o in options()
+        if getattr(o, kind) and (o.plan(group[o.key]) if o.plan is not None else bool(group[o.key]))
+    ]
 
 
 def plan_key(group: Mapping[str, Any]) -> tuple[Hashable, ...]:
@@ -267,8 +288,10 @@ class Slot:
         seed: How a new one starts: ``"gradient"`` (the kernel seeds it from the first step's gradient: the
             op's ``first_step``), ``"weight"`` (the param's weight, as :func:`stored_weight` gives it),
             ``"residual"`` (what rounding the weight to the param dropped) or ``"zeros"``.
+        option: The group option that makes a param hold it (what a refusal names).
         weight: What it is of the weight: ``"whole"`` (the param holds its rounding) or ``"residual"`` (the
             weight is param + it), or None where it is no part of the weight.
+        torch_sgd: ``torch.optim.SGD`` keeps it too (its own path steps sparse gradients with it).
         count: A one-element int64 count on the param's device (0-d), not a tensor laid out as the param.
         stale_unheld: It goes stale while its param steps without it: dropped then, and seeded anew when its
             group holds it again.
@@ -278,7 +301,9 @@ class Slot:
     held: Callable[[Mapping[str, Any], torch.dtype], bool]
     dtype: Callable[[Mapping[str, Any], torch.dtype], torch.dtype]
     seed: str
+    option: str
     weight: str | None = None
+    torch_sgd: bool = False
     count: bool = False
     stale_unheld: bool = False
 
@@ -301,6 +326,8 @@ SLOTS: tuple[Slot, ...] = (
         held=lambda group, dtype: group["momentum"] != 0,
         dtype=lambda group, dtype: torch.float32 if _masters(group, dtype) else dtype,
         seed="gradient",
+        option="momentum",
+        torch_sgd=True,
     ),
     # fp32 master weights of bf16/fp16 params; each param holds its master's rounding.
     Slot(
@@ -308,6 +335,7 @@ SLOTS: tuple[Slot, ...] = (
         held=_masters,
         dtype=lambda group, dtype: torch.float32,
         seed="weight",
+        option="master_weights",
         weight="whole",
         stale_unheld=True,
     ),
@@ -317,6 +345,7 @@ SLOTS: tuple[Slot, ...] = (
         held=_rounds("kahan"),
         dtype=lambda group, dtype: torch.bfloat16,
         seed="residual",
+        option="update_rounding",
         weight="residual",
         stale_unheld=True,
     ),
@@ -326,6 +355,7 @@ SLOTS: tuple[Slot, ...] = (
         held=_rounds("stochastic"),
         dtype=lambda group, dtype: torch.int64,
         seed="zeros",
+        option="update_rounding",
         count=True,
     ),
 )
@@ -561,3 +591,30 @@ def check_groups(groups: Sequence[Mapping[str, Any]], label: str = "param_groups
                 "value for the whole step (max_grad_norm clips the one global norm of every group's "
                 f"gradients): set it on the optimizer (FusedSGD(..., {option.key}=...)), not per group."
             )
+
+
+class GroupChecks:
+    """:func:`check_groups`, run again only where the groups' values changed since they last passed: a group
+    dict can be edited at any time, and a bad value must fail before anything is written."""
+
+    def __init__(self) -> None:
+        self._passed: list[tuple[Any, ...]] | None = None
+
+    def __call__(self, groups: Sequence[Mapping[str, Any]], keys: Iterable[str]) -> None:
+        values = [tuple(map(group.get, keys)) for group in groups]
+        if not self._same(values):
+            check_groups(groups)
+            self._passed = values
+
+    def _same(self, values: list[tuple[Any, ...]]) -> bool:
+        """Tensors (an lr) compare by identity, as their elements may be many (a refused lr), the others by
+        value."""
+        return (
+            self._passed is not None
+            and len(values) == len(self._passed)
+            and all(
+                len(a) == len(b)
+                and all(x is y or (not isinstance(x, Tensor) and x == y) for x, y in zip(a, b))
+                for a, b in zip(values, self._passed)
+            )
+        )

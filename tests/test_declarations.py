@@ -30,6 +30,7 @@ START_WEIGHT = _abi.Slot(
     held=lambda group, dtype: bool(group["keep_start"]),
     dtype=lambda group, dtype: torch.float32,
     seed="weight",
+    option="keep_start",
     stale_unheld=True,
 )
 

@@ -9,7 +9,7 @@ job (``files``: reading, writing and validation; ``archive``: the zip archive as
   the size its tensors need; ``torch.load`` checks no CRC and trusts the zip directory, so one flipped bit
   can load silently) and turns every failure into a :class:`CheckpointError` that names the file.
 * **Remap optimizer state by name.** :func:`remap_optimizer_state_dict` moves per-parameter state
-  (``momentum_buffer``, ``master_param``) from a saved grouping to another, e.g. a one-group
+  (momentum buffers, master weights, every slot) from a saved grouping to another, e.g. a one-group
   ``torch.optim.SGD`` checkpoint into a FusedSGD with decay / no-decay groups. Tensors are moved, not
   recomputed, so buffers stay bit-identical.
 * **Start a run from a foreign checkpoint.** :func:`read_start_checkpoint` reads a Lightning, a

@@ -164,7 +164,7 @@ def remap_optimizer_state_dict(
 ) -> dict[str, Any]:
     """Rewrite an optimizer state dict into another optimizer's group layout, matching by name.
 
-    Per-parameter state (``momentum_buffer``, ``master_param``, ...) follows its parameter's name into
+    Per-parameter state (momentum buffers, master weights, every slot) follows its parameter's name into
     whichever target group holds it; the tensors are the saved ones, shared, not copied or recomputed.
     The target groups' hyperparameters (lr, weight_decay, lars, ...) are kept: the saved groups no
     longer correspond to them. Names may differ by a shared leading prefix (``module.`` from DDP,

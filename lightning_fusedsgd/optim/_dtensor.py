@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_fusedsgd import _abi
+
 if torch.distributed.is_available():
     from torch.distributed.tensor import DTensor
 else:  # isinstance(x, ()) is False: no tensor is sharded
@@ -69,9 +71,10 @@ def check_fsdp1_norms(group: dict[str, Any], label: str) -> None:
     """Refuses LARS and norm clipping on an FSDP1 flattened param: FSDP1 makes 1-D shards of a buffer that
     spans many tensors, with no placement to say what a rank holds, so neither a tensor's norm nor the
     global norm can be taken from them."""
-    if group["lars"] or group["max_grad_norm"] is not None:
+    norms = _abi.options_on(group, "needs_norms")
+    if norms:
         raise ValueError(
-            f"{label} is an FSDP1 (FullyShardedDataParallel) flattened parameter: LARS and max_grad_norm "
+            f"{label} is an FSDP1 (FullyShardedDataParallel) flattened parameter: {' and '.join(norms)} "
             "need per-tensor and global norms, which its shards of a flat buffer do not give. Use FSDP2 "
             "(torch.distributed.fsdp.fully_shard, or Lightning's ModelParallelStrategy), whose DTensor "
             "params FusedSGD steps with one all-reduce for the norms; or, with FSDP1, lars=False and "

@@ -141,19 +141,17 @@ def _check_steppable(param: Tensor, place: _Place) -> None:
         )
 
 
-# Group options that only the fused kernel has: a sparse gradient steps through torch's own SGD without them.
-_FUSED_ONLY = ("lars", "max_grad_norm", "max_grad_value", "wd_after_momentum")
-
-
 def _check_sparse_steppable(param: Tensor, place: _Place) -> None:
     """A param with a sparse gradient is stepped as torch.optim.SGD steps it (its own single-tensor path);
     refused where its group asks for what only the fused kernel does."""
     group = place[0]
-    options = [name for name in _FUSED_ONLY if group[name] not in (None, False)]
-    if group["master_weights"] and param.dtype in LOW_PRECISION:
-        options.append("master_weights")
-    if group["update_rounding"] != "nearest" and param.dtype == torch.bfloat16:
-        options.append(f"update_rounding={group['update_rounding']!r}")
+    options = _abi.options_on(group, "fused_only")
+    # The state torch's SGD does not keep, named by the options that ask for it.
+    options += [
+        f"{slot.option}={group[slot.option]!r}"
+        for slot in _abi.SLOTS
+        if not slot.torch_sgd and slot.held(group, param.dtype)
+    ]
     if group["weight_decay"] != 0:
         label = param_label(*place, param)
         raise RuntimeError(

@@ -79,7 +79,7 @@ def register_given(params: Iterable[Any]) -> None:
 
 
 def needs_norms(group: dict[str, Any]) -> bool:
-    return bool(group.get("lars")) or group.get("max_grad_norm") is not None
+    return bool(_abi.options_on(group, "needs_norms"))
 
 
 def attach_deepspeed(engine: Any) -> None:

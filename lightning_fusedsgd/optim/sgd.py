@@ -15,99 +15,57 @@ from lightning_fusedsgd.optim._lrs import LrStorage, as_numbers, stacked_lrs
 from lightning_fusedsgd.optim._plan import StepInputs
 
 
-def _same_values(values: list[tuple[Any, ...]], checked: list[tuple[Any, ...]] | None) -> bool:
-    """Whether the groups' values are those last checked: tensors (an lr) by identity, as their elements may
-    be many (a refused lr), the others by value."""
-    return (
-        checked is not None
-        and len(values) == len(checked)
-        and all(
-            len(a) == len(b) and all(x is y or (not isinstance(x, Tensor) and x == y) for x, y in zip(a, b))
-            for a, b in zip(values, checked)
-        )
-    )
-
-
 class FusedSGD(Optimizer):
-    """SGD with momentum whose update runs in one compiled multi-tensor call per (device, dtype).
+    """SGD with momentum whose update runs in one compiled multi-tensor call per (device, dtype): a drop-in
+    ``torch.optim.SGD`` (same arguments, defaults, state format and, on the plain fp32/fp64 path, bits), with
+    LARS, clipping, fp32 master weights and GradScaler unscaling fused into the same call.
 
-    The semantics are those of ``torch.optim.SGD`` (per-parameter first-step seeding of the momentum
-    buffer, no buffer when momentum is 0, per-group hyperparameters, closures, named parameters), plus
-    TransformerEngine's ``wd_after_momentum``, fp32 master weights for bf16/fp16 params, in-kernel
-    GradScaler unscaling, and LARS (You et al. 2017) fused into the same call. State is stored as torch
-    stores it (``state[p]["momentum_buffer"]``), with master weights in ``state[p]["master_param"]``, so
-    checkpoints move both ways between ``torch.optim.SGD`` and this class.
+    Example::
+
+        optimizer = FusedSGD(param_groups(model, weight_decay=1e-4), lr=0.4, momentum=0.9, nesterov=True)
 
     Args:
         params: Parameters, named parameters, or parameter-group dicts (an iterable, as torch takes them).
         lr: Learning rate (float or 0-d tensor); 1e-3 by default, as ``torch.optim.SGD``.
-        momentum: Momentum factor mu.
-        dampening: Dampening tau for momentum.
-        weight_decay: Coupled L2 penalty lambda.
+        momentum: Momentum factor.
+        dampening: Dampening for momentum.
+        weight_decay: Coupled L2 penalty.
         nesterov: Nesterov momentum (needs momentum > 0 and dampening = 0).
         maximize: Maximize the objective instead of minimizing it.
-        wd_after_momentum: Add ``lambda * w`` after the momentum update instead of to the gradient, so
-            the decay stays out of the buffer (TransformerEngine's option).
-        master_weights: Keep an fp32 copy and fp32 momentum for bf16/fp16 params; the kernel updates the
-            copy and writes the rounded value back to the param. A param written outside the optimizer
-            (``load_state_dict``, ``p.data.copy_``, EMA swaps) no longer holds its copy's rounding: the
-            kernel then takes the param's value as the copy, element by element.
+        wd_after_momentum: Add the decay after the momentum update, keeping it out of the buffer
+            (TransformerEngine's option).
+        master_weights: fp32 master weights and momentum for bf16/fp16 params (``state[p]["master_param"]``).
         set_grad_none: Default of ``zero_grad(set_to_none=...)``.
-        backend: ``"auto"`` (the compiled kernel, or the reference where it cannot be built), ``"compiled"``
-            or ``"reference"`` (the same math in plain PyTorch, ``ops/reference.py``).
-        lars: Apply the LARS trust ratio (a per-group key too: ``param_groups`` sets ``lars=False`` on the
-            groups it excludes, and this argument decides for the others).
+        backend: ``"auto"``, ``"compiled"`` or ``"reference"`` (the same math in plain PyTorch).
+        lars: The LARS trust ratio (You et al. 2017), per group (``param_groups`` turns it off for biases
+            and norms).
         trust_coefficient: LARS eta.
         lars_eps: LARS epsilon in the denominator.
         trust_clip: LARC's clip, ``r <- min(r / lr, 1)``.
-        lars_denominator: ``"grad_plus_decay"`` (``||g|| + lambda ||w||``, You et al., MLPerf) or
-            ``"decayed_grad"`` (``||g + lambda w||``).
-        always_adapt: LARS adapts every group with ``lars`` on; False leaves a group whose weight decay is 0
-            unadapted (timm's switch: lightly, lightning-bolts and, by default, timm do so).
-        lars_zero_norm: Where ``||w||`` or ``||g||`` is 0: ``"unit_ratio"`` takes a ratio of 1 and still
-            applies the decay (timm, torchlars); ``"plain_grad"`` steps the plain gradient, no decay
-            (lightly, lightning-bolts).
-        max_grad_norm: Clip the gradients as ``torch.nn.utils.clip_grad_norm_(params, max_grad_norm)``
-            does, inside the step: one L2 norm over every stepped gradient, unscaled under a GradScaler,
-            and the coefficient ``min(1, max_grad_norm / (norm + 1e-6))`` applied before weight decay and
-            LARS. The norm is computed on the device (no host sync) by one more read of the gradients.
-            The same for every group.
-        max_grad_value: Clip each unscaled gradient element to ``[-max_grad_value, max_grad_value]``, as
-            ``torch.nn.utils.clip_grad_value_`` does (per group; an alternative to ``max_grad_norm``).
-        update_rounding: How bf16 params without master weights take their update (computed in fp32):
-            ``"nearest"`` rounds it to nearest, as torch does, and an update below half a bf16 ulp of the
-            weight is lost; ``"stochastic"`` rounds up with probability (the dropped bits) / 2^16, so the
-            weight moves by the update on average (Zamirai et al. 2020, arXiv:2010.06192), and rounds the
-            bf16 momentum buffer the same way. The random bits are a pure function of ``rounding_seed``, the
-            param's count of stochastic steps (``state[p]["rounding_step"]``, a one-element int64 tensor on
-            its device, as torch keeps ``step``), the tensor's position in the step and the element's index:
-            the same on any thread count, on CPU and CUDA, after a resume, captured and under
-            ``torch.compile``. ``"kahan"`` keeps a bf16 compensation per param
-            (``state[p]["kahan_compensation"]``, 2 bytes per element): the weight is param + compensation,
-            the param takes the update rounded to nearest and the compensation what that rounding dropped, so
-            small updates accumulate until they move the param (deterministic; the buffer is rounded to
-            nearest). Other params of the group are unaffected; fp16 params need master weights.
+        lars_denominator: ``"grad_plus_decay"`` (``||g|| + wd ||w||``) or ``"decayed_grad"``
+            (``||g + wd w||``).
+        always_adapt: False leaves a LARS group without weight decay unadapted (timm's switch).
+        lars_zero_norm: Where a norm is 0: ``"unit_ratio"`` (a ratio of 1) or ``"plain_grad"`` (the plain
+            gradient, no decay).
+        max_grad_norm: Clip by the global norm of every gradient, as ``clip_grad_norm_`` does, inside the
+            step (one value for every group).
+        max_grad_value: Clip each gradient element, as ``clip_grad_value_`` does (per group).
+        update_rounding: How bf16 params without master weights take their update: ``"nearest"``,
+            ``"stochastic"`` or ``"kahan"`` (a bf16 compensation per param).
         rounding_seed: The seed of stochastic rounding (an int in [0, 2**53)).
-        capturable: Keep every per-step value on the params' device, so that a step can be captured in a CUDA
-            graph (``torch.cuda.graph``, ``torch.compile(mode="reduce-overhead")``) and replayed. Each group's
-            lr becomes a 0-d float64 tensor on that device, a view of one ``[groups]`` tensor
-            (:meth:`lr_tensor`) that the kernel reads there; fill it in place to change the lr without a
-            sync (an lr assigned as a number is copied into it at the next step). ``WarmupLR`` then runs
-            its schedule on the device. After the first step (which creates the momentum buffers) a step
-            reads nothing back to the host. All params must be on one device. ``state_dict()`` saves the
-            lrs as numbers, so checkpoints are those of a plain step.
-        foreach: ``torch.optim.SGD``'s choice of implementation, accepted so that code and configs written
-            for it work unchanged; it chooses nothing here, where every step runs the fused kernel
-            (``backend`` chooses between it and the reference).
-        fused: As ``foreach``: accepted, choosing nothing.
-        differentiable: Only False: the fused step writes the params in place, outside autograd
-            (``torch.optim.SGD(differentiable=True)`` differentiates through steps).
+        capturable: Keep every per-step value on the params' device, for CUDA graphs
+            (:meth:`lr_tensor` holds the lrs there).
+        foreach: Accepted as ``torch.optim.SGD`` takes it; chooses nothing (every step runs the kernel).
+        fused: As ``foreach``.
+        differentiable: Only False: the step writes the params in place, outside autograd.
 
     Attributes:
         last_step_applied: Whether the last ``step()`` changed the parameters: ``True``, or under a
-            GradScaler a 0-d bool tensor on the params' device, computed from ``found_inf`` there
-            (reading it synchronizes on CUDA; a capturable optimizer writes the same tensor every step).
-            ``WarmupLR`` reads it so that skipped steps do not advance the schedule.
+            GradScaler a 0-d bool tensor on the params' device (``WarmupLR`` reads it, so that skipped steps
+            do not advance the schedule).
+
+    The guide says the rest: semantics and bits (docs/guide/semantics.md), LARS (lars.md), clipping
+    (clipping.md), precision (precision.md), capturable steps (capturable.md), backends (backends.md).
     """
 
     _step_supports_amp_scaling = True
@@ -142,6 +100,8 @@ class FusedSGD(Optimizer):
         fused: bool | None = None,
         differentiable: bool = False,
     ) -> None:
+        arguments = dict(locals())  # the group options (_abi.options()) are the arguments of their names
+        defaults = {option.key: arguments[option.key] for option in _abi.options() if option.key in arguments}
         _abi.check_flag("set_grad_none", set_grad_none)
         _abi.check_flag("capturable", capturable)
         if backend not in _backends.BACKENDS:
@@ -157,35 +117,11 @@ class FusedSGD(Optimizer):
                 "FusedSGD got an empty parameter list: pass model.parameters() (or parameter groups) "
                 "containing at least one tensor; check that not every parameter is frozen or filtered out."
             )
-        defaults = dict(
-            lr=lr,
-            momentum=momentum,
-            dampening=dampening,
-            weight_decay=weight_decay,
-            nesterov=nesterov,
-            maximize=maximize,
-            wd_after_momentum=wd_after_momentum,
-            master_weights=master_weights,
-            lars=lars,
-            trust_coefficient=trust_coefficient,
-            lars_eps=lars_eps,
-            trust_clip=trust_clip,
-            lars_denominator=lars_denominator,
-            always_adapt=always_adapt,
-            lars_zero_norm=lars_zero_norm,
-            max_grad_norm=max_grad_norm,
-            max_grad_value=max_grad_value,
-            update_rounding=update_rounding,
-            rounding_seed=rounding_seed,
-            foreach=foreach,
-            fused=fused,
-            differentiable=differentiable,
-        )
         _abi.check_group(defaults)
         self.set_grad_none = set_grad_none
         self.capturable = capturable
         self._steps = _step.Steps(backend)
-        self._checked_hparams: list[tuple[Any, ...]] | None = None
+        self._group_checks = _abi.GroupChecks()
         # A dict, updated in place: dynamo replays dict updates of a traced step, not attribute stores.
         self._last_step: dict[str, Tensor | bool] = {"applied": True}
         # capturable: every group's lr a view of one float64 tensor on the params' device.
@@ -235,9 +171,8 @@ class FusedSGD(Optimizer):
             self._lrs.bind(self.param_groups)
 
     def lr_tensor(self) -> Tensor:
-        """The groups' lrs as one float64 ``[groups]`` tensor on the params' device, which a capturable step
-        reads (each ``group["lr"]`` is a view of it). An lr the user replaced (a number, another tensor) is
-        copied into it first, and its group's ``lr`` is the view again."""
+        """The lrs a capturable step reads: one float64 ``[groups]`` tensor on the params' device, of which
+        each ``group["lr"]`` is a view (an lr the user replaced is copied in first)."""
         if self._lrs is None:
             raise RuntimeError(
                 "lr_tensor() is the lr storage of capturable steps: pass FusedSGD(capturable=True)."
@@ -245,9 +180,8 @@ class FusedSGD(Optimizer):
         return self._lrs.of(self.param_groups)
 
     def schedule_lrs(self, position: Tensor, schedule: Tensor, peaks: Tensor, advance: bool) -> None:
-        """Runs the ``schedule_lrs`` op on this capturable optimizer's lrs (``WarmupLR``'s device schedule):
-        after an applied step (``last_step_applied``, read on the device) the position advances and every lr
-        becomes f(position) of its group's peak."""
+        """``WarmupLR``'s schedule on the device: the ``schedule_lrs`` op on :meth:`lr_tensor`, advancing
+        after an applied step (``last_step_applied``, read on the device)."""
         lrs = self.lr_tensor()
         ops = _backends.implementation(self.backend, lrs.device)[1]
         applied = self.last_step_applied
@@ -266,21 +200,13 @@ class FusedSGD(Optimizer):
         super().__setstate__(state)  # also called by load_state_dict, with the state and groups only
         if (
             "_steps" in state
-        ):  # unpickled: its params are new tensors (an engine's, after load_state_dict, not)
+        ):  # unpickled: its params are new tensors (after load_state_dict, an engine's are not)
             _zero.register_given(p for group in self.param_groups for p in group["params"])
         self.__dict__.setdefault("capturable", False)
         self.__dict__.setdefault("_lrs", LrStorage() if self.capturable else None)  # bound at the first step
         self._steps.kept = None
-        self._checked_hparams = None
+        self._group_checks = _abi.GroupChecks()
         self._last_step = {"applied": True}
-
-    def _check_groups(self) -> None:
-        """Validates the groups' hyperparameters when they changed since the last check: a group dict can
-        be edited at any time, and a bad value must fail before anything is written."""
-        values = [tuple(map(group.get, self.defaults)) for group in self.param_groups]
-        if not _same_values(values, self._checked_hparams):
-            _abi.check_groups(self.param_groups)
-            self._checked_hparams = values
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
         """Clears gradients; ``set_to_none`` defaults to the constructor's ``set_grad_none``."""
@@ -298,7 +224,9 @@ class FusedSGD(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._check_groups()  # first: a refused lr must not reach the lr storage
+        self._group_checks(
+            self.param_groups, self.defaults
+        )  # first: a refused lr must not reach the lr storage
         lrs = self.lr_tensor() if self._lrs is not None else stacked_lrs(self.param_groups)
         found_inf: Tensor | int | None = getattr(self, "found_inf", None)
         if found_inf is not None and not isinstance(found_inf, Tensor):
@@ -333,19 +261,8 @@ class FusedSGD(Optimizer):
         return as_numbers(state) if self.capturable else state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Loads optimizer state, validating shapes first (nothing changes on error).
-
-        A state dict grouped differently from this optimizer (for example ``torch.optim.SGD``'s single
-        group where ``param_groups`` makes two) is remapped by parameter name; this optimizer's group
-        hyperparameters are kept in that case.
-
-        Keeps fp32 master weights and fp32 momentum of master-weighted params in fp32, and the counts of
-        stochastic steps in int64 (torch's loader would cast them to the param's dtype), as the loaded groups
-        ask, and fills hyperparameters that a ``torch.optim.SGD`` checkpoint lacks (``lars``,
-        ``master_weights``, ...) from the current groups.
-
-        Hooks work as in torch, for every dtype: ``register_load_state_dict_pre_hook`` hooks run first and
-        what they return or edit is what is checked and loaded; post hooks run once the state is in place,
-        fp32 masters and buffers included.
-        """
+        """Loads optimizer state, checked first (nothing changes on error). A state dict grouped differently
+        (``torch.optim.SGD``'s one group for ``param_groups``' two) is remapped by parameter name; state keeps
+        its slot's dtype (fp32 masters, int64 counts); hyperparameters a ``torch.optim.SGD`` checkpoint lacks
+        come from the current groups; load hooks run as in torch (docs/checkpoints.md)."""
         _state_dict.load(self, state_dict, super().load_state_dict)

@@ -70,11 +70,24 @@ struct Bucket {
   StepRow row;
   bool any_lars = false;
 
-  void* slot(size_t t, Slot s) const { return slots[t][s]; }
+  // Tensor t's momentum buffer, its companion (its master or compensation, by the bucket's weight) and its count
+  // of stochastic steps: null where it has none.
+  void* buffer(size_t t) const { return slots[t][kMomentumBuffer]; }
+  void* companion(size_t t) const { return slots[t][weight == Weight::kKahan ? kKahanCompensation : kMasterParam]; }
+  int64_t* count(size_t t) const { return static_cast<int64_t*>(slots[t][kRoundingStep]); }
 };
 
+// The step's inverse grad scale and clip_grad_norm_ coefficient (1 where it does not clip by norm) from its row,
+// read where the row is: on the host for CPU tensors, on the device in a CUDA kernel.
+LFSGD_HOST_DEVICE inline double row_inverse_scale(const StepRow& row) {
+  return row.grad_scale == nullptr ? 1.0 : inverse_scale(*row.grad_scale);
+}
+LFSGD_HOST_DEVICE inline double row_clip(const StepRow& row, double inv_scale) {
+  return row.grad_sq_sum == nullptr ? 1.0 : clip_coef(*row.grad_sq_sum, *row.max_grad_norm, inv_scale);
+}
+
 // Whether a tensor's update is rounded stochastically: a bf16 param whose weight is the param alone, in a group
-// with update_rounding "stochastic". Such a tensor has a rounding_step.
+// with update_rounding "stochastic". Such a tensor has a count of its stochastic steps.
 inline bool rounds_stochastically(at::ScalarType dtype, Weight weight, const GroupHParams& h) {
   return dtype == at::kBFloat16 && weight == Weight::kParam && h.update_rounding == kStochastic;
 }

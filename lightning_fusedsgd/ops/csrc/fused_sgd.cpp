@@ -123,17 +123,16 @@ class CpuUpdate {
     g_ptr_.resize(n);
     b_ptr_.resize(n);
     m_ptr_.resize(n);
-    step_ptr_.resize(n);
+    count_ptr_.resize(n);
     coeffs_.resize(n);
     lars_.resize(n);
-    const Slot companion = kWeight == Weight::kKahan ? kKahanCompensation : kMasterParam;
     for (size_t t = 0; t < n; ++t) {
       const GroupHParams& h = groups_[tensor_group_[t]];
       w_ptr_[t] = params[t].data_ptr<P>();
       g_ptr_[t] = bucket.grads[t].data_ptr<P>();
-      b_ptr_[t] = static_cast<B*>(bucket.slot(t, kMomentumBuffer));
-      m_ptr_[t] = static_cast<M*>(bucket.slot(t, companion));
-      step_ptr_[t] = static_cast<int64_t*>(bucket.slot(t, kRoundingStep));
+      b_ptr_[t] = static_cast<B*>(bucket.buffer(t));
+      m_ptr_[t] = static_cast<M*>(bucket.companion(t));
+      count_ptr_[t] = bucket.count(t);
       coeffs_[t] = make_coeffs<O>(h, inv_scale, clip, bucket.first_step[t]);
       // Given sums (sharded params, reduced across shards) replace the norm pass: the ratio is set here.
       lars_[t] = lars_adapts(h) && lars_sums == nullptr;
@@ -150,7 +149,7 @@ class CpuUpdate {
   // rounded tensor counts the step (after the region: every chunk of it read the count first).
   void run() {
     update();
-    for (int64_t* step : step_ptr_) {
+    for (int64_t* step : count_ptr_) {
       if (step != nullptr) ++*step;
     }
   }
@@ -225,7 +224,7 @@ class CpuUpdate {
   template <bool kClipValue>
   void update_elements(const Chunk& chunk, int32_t t, const Coeffs<O> c) const {
     if constexpr (kMayRoundStochastically) {
-      if (step_ptr_[t] != nullptr) return update_cases<kClipValue, true>(chunk, t, c);
+      if (count_ptr_[t] != nullptr) return update_cases<kClipValue, true>(chunk, t, c);
     }
     return update_cases<kClipValue, false>(chunk, t, c);
   }
@@ -253,7 +252,7 @@ class CpuUpdate {
     B* b = b_ptr_[t];
     M* m = m_ptr_[t];
     const GroupHParams& h = groups_[tensor_group_[t]];
-    const uint32_t key = kStochastic ? rounding_key(h.rounding_seed, *step_ptr_[t], t) : 0;
+    const uint32_t key = kStochastic ? rounding_key(h.rounding_seed, *count_ptr_[t], t) : 0;
     const auto element = [&](int64_t i) __attribute__((always_inline)) {
       O wi = load_weight<kWeight>(w, m, i);
       O bi = kMomentum && !kFirst ? static_cast<O>(load(b, i)) : O(0);
@@ -312,7 +311,7 @@ class CpuUpdate {
   std::vector<const P*> g_ptr_;
   std::vector<B*> b_ptr_;
   std::vector<M*> m_ptr_;
-  std::vector<int64_t*> step_ptr_;
+  std::vector<int64_t*> count_ptr_;
   std::vector<Coeffs<O>> coeffs_;
   std::vector<bool> lars_;
   double clip_;  // the step's clip_grad_norm_ coefficient, 1 where it does not clip by norm
@@ -329,8 +328,8 @@ void run_cpu(const Bucket& bucket) {
   if (row.lrs != nullptr) {
     for (size_t g = 0; g < groups.size(); ++g) groups[g].lr = row.lrs[g];
   }
-  const double inv_scale = row.grad_scale != nullptr ? inverse_scale(*row.grad_scale) : 1.0;
-  const double clip = row.max_grad_norm != nullptr ? clip_coef(*row.grad_sq_sum, *row.max_grad_norm, inv_scale) : 1.0;
+  const double inv_scale = row_inverse_scale(row);
+  const double clip = row_clip(row, inv_scale);
   dispatch_bucket_types(bucket.params[0].scalar_type(), bucket.weight, [&](auto param, auto buffer, auto weight) {
     CpuUpdate<decltype(param), decltype(buffer), decltype(weight)::value>(bucket, groups, inv_scale, clip).run();
   });
@@ -347,13 +346,12 @@ at::Tensor lars_sq_sums_cpu(const Bucket& bucket) {
   if (n == 0) return out;
   const WorkList work = make_work_list(params, std::vector<bool>(n, false));
   std::vector<double> partials(kNumLarsSums * work.chunks.size(), 0.0);
-  const double inv_scale = bucket.row.grad_scale != nullptr ? inverse_scale(*bucket.row.grad_scale) : 1.0;
+  const double inv_scale = row_inverse_scale(bucket.row);
   dispatch_bucket_types(params[0].scalar_type(), bucket.weight, [&](auto param, auto, auto weight) {
     using P = decltype(param);
     using O = typename OpMath<P>::type;
     constexpr Weight kWeight = decltype(weight)::value;
     using M = Companion<kWeight>;
-    const Slot companion = kWeight == Weight::kKahan ? kKahanCompensation : kMasterParam;
 #pragma omp parallel for schedule(static) num_threads(num_threads_for(work))
     for (int64_t c = 0; c < static_cast<int64_t>(work.chunks.size()); ++c) {
       const Chunk& chunk = work.chunks[c];
@@ -361,7 +359,7 @@ at::Tensor lars_sq_sums_cpu(const Bucket& bucket) {
       const GroupHParams& h = groups[bucket.tensor_group[t]];
       if (!lars_adapts(h)) continue;
       const Coeffs<O> coeffs = make_coeffs<O>(h, inv_scale, /*clip=*/1.0, false);  // sums taken before the clip
-      chunk_lars_sums<kWeight>(params[t].data_ptr<P>(), static_cast<const M*>(bucket.slot(t, companion)),
+      chunk_lars_sums<kWeight>(params[t].data_ptr<P>(), static_cast<const M*>(bucket.companion(t)),
                                bucket.grads[t].data_ptr<P>(), chunk, coeffs, h, &partials[kNumLarsSums * c]);
     }
   });

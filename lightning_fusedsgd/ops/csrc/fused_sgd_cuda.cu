@@ -42,7 +42,7 @@ struct TensorArgs {
   const void* grad;
   void* buffer;            // momentum buffer, or null without momentum
   void* companion;         // fp32 master weight or bf16 Kahan compensation (Companion), or null
-  int64_t* rounding_step;  // the count of a tensor rounded stochastically (rounds_stochastically), or null
+  int64_t* count;          // the count of stochastic steps of a tensor rounded so (rounds_stochastically), or null
   int64_t group;
   int32_t first;  // first step: the buffer is seeded with the gradient
   int32_t lars;
@@ -146,8 +146,8 @@ __global__ void __launch_bounds__(kThreads)
   const TensorArgs t = tensors[chunk.tensor];
   const GroupHParams h = group_of(groups, t.group, row);
   const bool has_momentum = h.momentum != 0.0;
-  const double inv_scale = inverse_scale_of(row.grad_scale);
-  const double clip = row.grad_sq_sum == nullptr ? 1.0 : clip_coef(*row.grad_sq_sum, *row.max_grad_norm, inv_scale);
+  const double inv_scale = row_inverse_scale(row);
+  const double clip = row_clip(row, inv_scale);
   Coeffs<O> c = make_coeffs<O>(h, inv_scale, clip, t.first != 0);
   if (t.lars) {
     const double* sums = row.lars_sq_sums + kNumLarsSums * chunk.tensor;
@@ -158,8 +158,8 @@ __global__ void __launch_bounds__(kThreads)
   B* b = static_cast<B*>(t.buffer);
   M* m = static_cast<M*>(t.companion);
   // Stochastic rounding of the update: bf16 params without masters only (sgd_math.h), those with a count.
-  const bool stochastic = t.rounding_step != nullptr;
-  const uint32_t key = stochastic ? rounding_key(h.rounding_seed, *t.rounding_step, chunk.tensor) : 0;
+  const bool stochastic = t.count != nullptr;
+  const uint32_t key = stochastic ? rounding_key(h.rounding_seed, *t.count, chunk.tensor) : 0;
   for (int64_t base = chunk.begin + threadIdx.x; base < chunk.end; base += kThreads * kUnroll) {
     O wi[kUnroll], gi[kUnroll], bi[kUnroll];
 #pragma unroll
@@ -184,11 +184,11 @@ __global__ void __launch_bounds__(kThreads)
 
 // After the update (whose every block read the counts): each stochastically rounded tensor counts its step,
 // unless the step was skipped.
-__global__ void advance_rounding_steps_kernel(const TensorArgs* tensors, int64_t n, const float* found_inf) {
+__global__ void advance_counts_kernel(const TensorArgs* tensors, int64_t n, const float* found_inf) {
   if (skipped(found_inf)) return;
   for (int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; t < n;
        t += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    if (tensors[t].rounding_step != nullptr) ++*tensors[t].rounding_step;
+    if (tensors[t].count != nullptr) ++*tensors[t].count;
   }
 }
 
@@ -234,16 +234,15 @@ struct Work {
 inline Work make_work(const Bucket& bucket) {
   Work work;
   const size_t n = bucket.params.size();
-  const Slot companion = bucket.weight == Weight::kKahan ? kKahanCompensation : kMasterParam;
   work.tensors.resize(n);
   for (size_t t = 0; t < n; ++t) {
     TensorArgs& args = work.tensors[t];
     args = TensorArgs{};
     args.param = bucket.params[t].data_ptr();
     args.grad = bucket.grads[t].data_ptr();
-    args.buffer = bucket.slot(t, kMomentumBuffer);
-    args.companion = bucket.slot(t, companion);
-    args.rounding_step = static_cast<int64_t*>(bucket.slot(t, kRoundingStep));
+    args.buffer = bucket.buffer(t);
+    args.companion = bucket.companion(t);
+    args.count = bucket.count(t);
     args.group = bucket.tensor_group[t];
     args.first = bucket.first_step[t] ? 1 : 0;
     args.lars = lars_adapts(bucket.groups[args.group]) ? 1 : 0;
@@ -342,7 +341,7 @@ void run_device(const Bucket& bucket) {
   const at::Device device = params[0].device();
   const Work work = make_work(bucket);
   bool any_stochastic = false;
-  for (const TensorArgs& args : work.tensors) any_stochastic = any_stochastic || args.rounding_step != nullptr;
+  for (const TensorArgs& args : work.tensors) any_stochastic = any_stochastic || args.count != nullptr;
   const int64_t num_chunks = static_cast<int64_t>(work.chunks.size());
   if (num_chunks == 0 && !any_stochastic) return;
 
@@ -364,7 +363,7 @@ void run_device(const Bucket& bucket) {
     });
   }
   if (any_stochastic) {
-    device::launch(&advance_rounding_steps_kernel, (n + 255) / 256, 256, stream, tables.table<TensorArgs>(0), n,
+    device::launch(&advance_counts_kernel, (n + 255) / 256, 256, stream, tables.table<TensorArgs>(0), n,
                    row.found_inf);
   }
 }

@@ -94,7 +94,7 @@ LFSGD_HOST_DEVICE inline double inverse_scale(float grad_scale) {
 
 // clip_grad_norm_'s coefficient, min(1, max_norm / (||g|| + 1e-6)), from the sum of squares of every
 // stepped gradient as the kernels receive it (still scaled: ||g|| is unscaled here). A NaN norm gives NaN,
-// as torch's clamp does. max_grad_norm is one value for the whole step (the op's argument, not a column).
+// as torch's clamp does. The threshold is one value for the whole step (a value of the step row, not a column).
 LFSGD_HOST_DEVICE inline double clip_coef(double grad_sq_sum, double max_norm, double inv_scale) {
   const double coef = max_norm / (sqrt(grad_sq_sum) * fabs(inv_scale) + 1e-6);
   return coef > 1.0 ? 1.0 : coef;
@@ -307,10 +307,10 @@ LFSGD_ELEMENT U mix32(U x) {
   return x ^ shift_right_logical<16>(x);
 }
 
-// The key of one tensor's draws at its step `step` (its rounding_steps entry): tensor is its index in the bucket.
-LFSGD_HOST_DEVICE inline uint32_t rounding_key(double rounding_seed, int64_t rounding_step, int64_t tensor) {
+// The key of one tensor's draws at its count of stochastic steps: tensor is its index in the bucket.
+LFSGD_HOST_DEVICE inline uint32_t rounding_key(double rounding_seed, int64_t count, int64_t tensor) {
   const uint64_t seed = static_cast<uint64_t>(rounding_seed);
-  const uint64_t step = static_cast<uint64_t>(rounding_step);
+  const uint64_t step = static_cast<uint64_t>(count);
   uint32_t key = mix32(static_cast<uint32_t>(seed) ^ 0x9E3779B9u);
   key = mix32(key ^ static_cast<uint32_t>(seed >> 32));
   key = mix32(key ^ static_cast<uint32_t>(step));
