@@ -12,10 +12,12 @@ they accept.
   derive their state handling from these.
 * **The step row** (:class:`StepValue`, ``STEP_ROW``): the values that belong to a step rather than a group
   (GradScaler's scale and found-inf, the clip threshold and the gradients' sum of squares, the LARS sums
-  reduced across shards, the lrs on the device), handed to the ops as one list (``LFSGD_STEP_ROW``).
+  reduced across shards, the lrs on the device, schedule-free's average weights), handed to the ops as one
+  list (``LFSGD_STEP_ROW``).
 
 The schedule op reads a schedule as a row (``SCHEDULE_HEADER`` then the milestones, decays numbered as
-``DECAYS``); ``lars_sq_sums`` returns ``LARS_SUM_NAMES`` sums per tensor. The C++ side exports its order of
+``DECAYS``); ``lars_sq_sums`` returns ``LARS_SUM_NAMES`` sums per tensor; a schedule-free optimizer keeps its
+per-group scalars as ``SCHEDULE_FREE_SCALARS`` rows on the device. The C++ side exports its order of
 every table (``kernel_tables``), compared when the library loads.
 
 A group's values are checked here too, before anything is written: each option's own check
@@ -49,6 +51,7 @@ __all__ = [
     "LARS_SUM_NAMES",
     "LARS_ZERO_NORMS",
     "LOW_PRECISION",
+    "SCHEDULE_FREE_SCALARS",
     "SCHEDULE_HEADER",
     "SLOTS",
     "STEP_ROW",
@@ -62,6 +65,7 @@ __all__ = [
     "check_flag",
     "check_group",
     "check_groups",
+    "defaults",
     "hparam_names",
     "kernel_tables",
     "options",
@@ -137,6 +141,10 @@ def _is_set(value: Any) -> bool:
     return value is not None
 
 
+ARGUMENT: Any = type("Argument", (), {"__repr__": lambda self: "ARGUMENT"})()
+"""An :class:`Option`'s default where every optimizer takes it as an argument (it has no other default)."""
+
+
 LARS_DENOMINATORS = ("grad_plus_decay", "decayed_grad")
 """LARS denominators: ``||g|| + lambda ||w||`` (You et al., MLPerf) or ``||g + lambda w||``; numbered as
 ``kLarsDenominatorNames`` in ops/csrc/sgd_math.h."""
@@ -167,6 +175,8 @@ class Option:
         needs_norms: Where it is on, a step takes each tensor's or the global gradient norm (which sharded
             and flat-partition steps must reduce across ranks).
         fused_only: Only the fused kernel does it (torch's own SGD steps sparse gradients without it).
+        default: Its value in the groups of an optimizer that takes no argument of its name (FusedSGD's groups
+            hold ``schedule_free=False``); ``ARGUMENT`` where every optimizer takes it (:func:`defaults`).
     """
 
     key: str
@@ -176,6 +186,7 @@ class Option:
     step_wide: bool = False
     needs_norms: bool = False
     fused_only: bool = False
+    default: Any = ARGUMENT
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -216,6 +227,12 @@ HPARAMS: tuple[Column, ...] = (
         plan=lambda v: v,
     ),
     Column(key="rounding_seed", check=_seed),
+    # Schedule-free SGD (FusedSGDScheduleFree, as schedulefree.SGDScheduleFree): its groups hold z and no
+    # momentum buffer (momentum is its interpolation, in (0, 1)); the scalars' warmup and average weights.
+    Column(key="schedule_free", encode=_flag, check=_bool, plan=bool, fused_only=True, default=False),
+    Column(key="warmup_steps", check=_non_negative, default=0),
+    Column(key="r", check=_finite, default=0.0),
+    Column(key="weight_lr_power", check=_non_negative, default=2.0),
 )
 """The table's columns, in the kernel's order."""
 
@@ -243,6 +260,16 @@ GROUP_OPTIONS: tuple[Option, ...] = (
 def options() -> tuple[Option, ...]:
     """Every group option: the columns, then the others."""
     return (*HPARAMS, *GROUP_OPTIONS)
+
+
+def defaults(arguments: Mapping[str, Any]) -> dict[str, Any]:
+    """An optimizer's defaults: each option's argument of its name in ``arguments``, or the option's declared
+    ``default`` where the optimizer takes no such argument."""
+    return {
+        o.key: arguments[o.key] if o.key in arguments else o.default
+        for o in options()
+        if o.key in arguments or o.default is not ARGUMENT
+    }
 
 
 def options_on(group: Mapping[str, Any], kind: str) -> list[str]:
@@ -319,12 +346,17 @@ def _rounds(rounding: str) -> Callable[[Mapping[str, Any], torch.dtype], bool]:
     )
 
 
+def _buffer_dtype(group: Mapping[str, Any], dtype: torch.dtype) -> torch.dtype:
+    """The dtype of a buffer the update reads and writes beside the weight: fp32 beside fp32 masters."""
+    return torch.float32 if _masters(group, dtype) else dtype
+
+
 SLOTS: tuple[Slot, ...] = (
-    # As torch.optim.SGD keeps it (none when momentum is 0); fp32 beside fp32 master weights.
+    # As torch.optim.SGD keeps it (none when momentum is 0, or schedule-free, whose momentum interpolates).
     Slot(
         key="momentum_buffer",
-        held=lambda group, dtype: group["momentum"] != 0,
-        dtype=lambda group, dtype: torch.float32 if _masters(group, dtype) else dtype,
+        held=lambda group, dtype: group["momentum"] != 0 and not group["schedule_free"],
+        dtype=_buffer_dtype,
         seed="gradient",
         option="momentum",
         torch_sgd=True,
@@ -357,6 +389,15 @@ SLOTS: tuple[Slot, ...] = (
         seed="zeros",
         option="update_rounding",
         count=True,
+    ),
+    # Schedule-free SGD's z (schedulefree's state key), the sequence of plain SGD steps that the param's y and
+    # x average; started from the weight.
+    Slot(
+        key="z",
+        held=lambda group, dtype: bool(group["schedule_free"]),
+        dtype=_buffer_dtype,
+        seed="weight",
+        option="schedule_free",
     ),
 )
 """Every kind of per-parameter state, in the kernels' order (``LFSGD_SLOTS``): the op's ``state`` holds each
@@ -440,6 +481,8 @@ STEP_ROW: tuple[StepValue, ...] = (
     StepValue("max_grad_norm", torch.float64, paired_with="grad_sq_sum"),
     StepValue("lars_sq_sums", torch.float64, "lars_sums"),  # LARS sums reduced across shards
     StepValue("lrs", torch.float64, "groups"),  # the lrs on the device, in place of the table's lr column
+    # Schedule-free steps: each group's c_{k+1}, the weight of z in this step's average of y.
+    StepValue("ckp1", torch.float64, "groups"),
 )
 """The step row, in the kernels' order (``LFSGD_STEP_ROW``)."""
 
@@ -507,6 +550,13 @@ the order of ``kLarsSumNames`` in ops/csrc/sgd_math.h."""
 
 LARS_SUMS = len(LARS_SUM_NAMES)
 
+SCHEDULE_FREE_SCALARS: tuple[str, ...] = ("k", "lr_max", "weight_sum", "scheduled_lr", "ckp1")
+"""A schedule-free optimizer's per-group scalars, the rows of one float64 ``[len, groups]`` tensor on the
+params' device that the ``schedule_free_scalars`` op advances each applied step: the group keys of these names
+of schedulefree.SGDScheduleFree (the step count, the largest lr so far, the sum of the average's weights, this
+step's lr after warmup) and ``ckp1``, this step's weight of z in the average; in the order of
+``LFSGD_SCHEDULE_FREE_SCALARS`` in ops/csrc/schedule_free.h."""
+
 
 def kernel_tables() -> tuple[tuple[str, tuple[str, ...], str], ...]:
     """Every table the kernels read, as (the library op that exports the kernels' order, the order here, what
@@ -521,6 +571,7 @@ def kernel_tables() -> tuple[tuple[str, tuple[str, ...], str], ...]:
         ("lars_zero_norm_names", LARS_ZERO_NORMS, "LARS zero-norm rules"),
         ("schedule_header_names", SCHEDULE_HEADER, "schedule row"),
         ("lars_sum_names", LARS_SUM_NAMES, "LARS sums"),
+        ("schedule_free_scalar_names", SCHEDULE_FREE_SCALARS, "schedule-free scalars"),
     )
 
 
@@ -547,6 +598,8 @@ def check_group(group: Mapping[str, Any]) -> None:
         raise ValueError(
             f"Tensor lr must be 1-element, got shape {tuple(lr.shape)}: set a float or a 0-d tensor."
         )
+    if group.get("schedule_free"):
+        _check_schedule_free(group)
     for option in options():
         value = group.get(option.key)
         if option.check is None or option.key not in group:
@@ -576,6 +629,25 @@ def check_group(group: Mapping[str, Any]) -> None:
         )
 
 
+def _check_schedule_free(group: Mapping[str, Any]) -> None:
+    """A schedule-free group's rules (schedulefree.SGDScheduleFree's words where it refuses the same): its
+    momentum interpolates, so it lies in (0, 1), and the options of SGD's momentum and of LARS are off."""
+    momentum = group["momentum"]
+    if _type_problem(momentum) is None and not 0 < momentum < 1:
+        raise ValueError(
+            f"Momentum must be between 0 and 1 exclusive: {_shown(momentum)}. Schedule-free SGD's momentum "
+            "interpolates between the average x and the SGD sequence z: choose one in (0, 1), e.g. 0.9."
+        )
+    sgd_only = [key for key in ("nesterov", "wd_after_momentum", "lars") if group.get(key) is True]
+    sgd_only += ["dampening"] if group.get("dampening", 0) != 0 else []
+    if sgd_only:
+        raise ValueError(
+            f"A schedule-free group steps without {', '.join(sgd_only)} (options of SGD's momentum buffer "
+            "and of LARS, which schedule-free SGD has not): leave them out of the group, or step it with "
+            "FusedSGD."
+        )
+
+
 def check_groups(groups: Sequence[Mapping[str, Any]], label: str = "param_groups") -> None:
     """Every group's check, naming the group, and the values one for the whole step."""
     for index, group in enumerate(groups):
@@ -591,6 +663,12 @@ def check_groups(groups: Sequence[Mapping[str, Any]], label: str = "param_groups
                 "value for the whole step (max_grad_norm clips the one global norm of every group's "
                 f"gradients): set it on the optimizer (FusedSGD(..., {option.key}=...)), not per group."
             )
+    if len({bool(group.get("schedule_free")) for group in groups}) > 1:
+        raise ValueError(
+            "schedule_free differs between parameter groups: it is the optimizer's, not a group's "
+            "(FusedSGDScheduleFree steps every group schedule-free, FusedSGD none): leave it out of the "
+            "groups."
+        )
 
 
 class GroupChecks:

@@ -67,7 +67,12 @@ Arguments:
         ``lars_sq_sums`` op's rows all-reduced over the shards of sharded params: the trust ratios are taken
         from it instead of the kernel's own norm pass); ``lrs`` (float64 [groups]: each group's lr, read
         there instead of the table's lr column, NaN then: capturable steps, and tensor lrs under
-        torch.compile).
+        torch.compile); ``ckp1`` (float64 [groups]: schedule-free groups' weight of z in this step's average,
+        from ``schedule_free_scalars``, as the lrs after warmup in ``lrs``).
+
+A schedule-free bucket (every group ``schedule_free``: ``FusedSGDScheduleFree``) holds each param's y, and its
+``z`` slot where SGD's momentum buffer is; its step is schedulefree.SGDScheduleFree's
+(``schedule_free_element`` in csrc/sgd_math.h).
 """
 
 SCHEMAS["grad_sq_sum"] = "grad_sq_sum(Tensor[] grads) -> Tensor"
@@ -97,6 +102,30 @@ Arguments:
     applied: a one-element bool, whether the optimizer's last step was applied (None: it was).
     advance: False only sets the lrs from the position (a new or resumed scheduler).
 """
+
+SCHEMAS["schedule_free_scalars"] = (
+    "schedule_free_scalars(Tensor(a!) scalars, Tensor group_hparams, Tensor?[] step) -> ()"
+)
+"""One applied step of a schedule-free optimizer's per-group scalars, on their device (before the step's
+``sgd_step`` calls, which read its ``scheduled_lr`` and ``ckp1`` rows as their row's ``lrs`` and ``ckp1``).
+
+Arguments:
+    scalars: float64 [len(_abi.SCHEDULE_FREE_SCALARS), groups], advanced in place as
+        schedulefree.SGDScheduleFree advances its groups' ``k``, ``lr_max``, ``weight_sum`` and
+        ``scheduled_lr`` (its warmup and average weights), ``ckp1`` set to this step's weight of z.
+    group_hparams: the hyperparameter table (each group's lr, ``warmup_steps``, ``r``, ``weight_lr_power``).
+    step: the step row, on the scalars' device; of it only ``found_inf`` (a skipped step changes nothing) and
+        ``lrs`` (each group's lr before warmup, read there instead of the table's lr column) are read.
+"""
+
+SCHEMAS["schedule_free_switch"] = (
+    "schedule_free_switch(Tensor(a!)[] params, Tensor(b!)[] state, int[] state_slots, Tensor group_hparams, "
+    "int[] tensor_group, bool train) -> ()"
+)
+"""A schedule-free bucket's params switched between y (``train``: ``optimizer.train()``) and their average x
+(``optimizer.eval()``), one pass over each weight and its z: ``lerp(w, z, 1 - beta)`` to y,
+``lerp(w, z, 1 - 1 / beta)`` to x, each rounded to nearest into the param (and its master or compensation);
+arguments as ``sgd_step``'s without the gradients and the step row."""
 
 
 # The op libraries, each defining every op: the compiled libraries register their kernels there, the CPU and
@@ -129,3 +158,13 @@ def _lars_sq_sums_fake(params: list[Tensor], *args: object) -> Tensor:
 @torch.library.register_fake("lightning_fusedsgd::schedule_lrs")
 def _schedule_lrs_fake(*args: object) -> None:
     """Writes the lrs and the position in place."""
+
+
+@torch.library.register_fake("lightning_fusedsgd::schedule_free_scalars")
+def _schedule_free_scalars_fake(*args: object) -> None:
+    """Writes the scalars in place."""
+
+
+@torch.library.register_fake("lightning_fusedsgd::schedule_free_switch")
+def _schedule_free_switch_fake(*args: object) -> None:
+    """Writes the params and their weights' state in place."""

@@ -2,12 +2,14 @@
 
 ``clip_coef``, ``make_coeffs``, ``clipped_grad``, ``sgd_element``, ``lars_norm_term``, ``trust_ratio``,
 ``lars_adapts``, ``lars_trust``, ``apply_lars``, ``clipped_term_sq_sum``, ``synced_master``,
-``kahan_compensation``, ``mix32``, ``rounding_key``, ``element_random_bits`` and ``stochastic_bf16`` mirror
-``csrc/sgd_math.h`` function for function, with ATen's ops where the kernel rounds as they do (``x.add(y,
-alpha=a)`` is the kernel's ``mul_add``); ``sgd_step``, ``grad_sq_sum``, ``lars_sq_sums`` and ``schedule_lrs``
-implement the contract documented with the ops' schemas in ``ops/__init__.py``, so either implementation can
-run a bucket. Unlike the kernels, these read device values on the host (``found_inf``, the lrs and the
-schedule position): they are not capturable."""
+``kahan_compensation``, ``mix32``, ``rounding_key``, ``element_random_bits``, ``stochastic_bf16``,
+``apply_schedule_free`` and ``schedule_free_element`` mirror ``csrc/sgd_math.h`` function for function,
+``advance_schedule_free`` and ``switch_weight`` ``csrc/schedule_free.h``, with ATen's ops where the kernel
+rounds as they do (``x.add(y, alpha=a)`` is the kernel's ``mul_add``, ``x.lerp(y, w)`` its ``lerp``);
+``sgd_step``, ``grad_sq_sum``, ``lars_sq_sums``, ``schedule_lrs``, ``schedule_free_scalars`` and
+``schedule_free_switch`` implement the contract documented with the ops' schemas in ``ops/__init__.py``, so
+either implementation can run a bucket. Unlike the kernels, these read device values on the host
+(``found_inf``, the lrs, the schedule position and the schedule-free scalars): they are not capturable."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from lightning_fusedsgd._abi import (
     LARS_DENOMINATORS,
     LARS_SUMS,
     LARS_ZERO_NORMS,
+    SCHEDULE_FREE_SCALARS,
     hparam_names,
     slot_keys,
     slots_in,
@@ -44,6 +47,8 @@ class Coeffs:
     has_momentum: bool
     first: bool
     nesterov: bool
+    ckp1: float = 0.0
+    y_grad: float = 0.0
 
 
 def clipped_grad(g: Tensor, c: Coeffs) -> Tensor:
@@ -66,6 +71,22 @@ def sgd_element(w: Tensor, g: Tensor, b: Tensor | None, c: Coeffs) -> tuple[Tens
     if c.wd_after != 0:
         g = g.add(w, alpha=c.wd_after)
     return w.add(g, alpha=-c.lr), b
+
+
+def apply_schedule_free(c: Coeffs, h: dict[str, float], ckp1: float) -> None:
+    """A schedule-free tensor's coefficients from the step's lr (after warmup) and ckp1
+    (``apply_schedule_free`` in sgd_math.h)."""
+    c.ckp1 = ckp1
+    c.y_grad = h["lr"] * (h["momentum"] * (1.0 - ckp1) - 1.0)
+
+
+def schedule_free_element(y: Tensor, g: Tensor, z: Tensor, c: Coeffs) -> tuple[Tensor, Tensor]:
+    """One schedule-free step in opmath, schedulefree.SGDScheduleFree's foreach ops in its order; returns the
+    new y and z (``schedule_free_element`` in sgd_math.h)."""
+    g = clipped_grad(g, c)
+    if c.wd_coupled != 0:
+        g = g.add(y, alpha=c.wd_coupled)
+    return y.lerp(z, c.ckp1).add(g, alpha=c.y_grad), z.add(g, alpha=-c.lr)
 
 
 def trust_ratio(
@@ -206,6 +227,12 @@ def clipped_term_sq_sum(sum_w: Tensor, sum_t: Tensor, sum_wt: Tensor, c: float |
     return torch.clamp(c * c * sum_t + 2.0 * c * d * sum_wt + d * d * sum_w, min=0.0)
 
 
+def buffer(slots: dict[str, Tensor | None]) -> Tensor | None:
+    """The stream the update reads and writes beside the weight: the momentum buffer, or a schedule-free
+    tensor's z (``Bucket::buffer`` in bucket.h)."""
+    return slots["z"] if slots["z"] is not None else slots["momentum_buffer"]
+
+
 def _slots(state: list[Tensor], state_slots: list[int]) -> list[dict[str, Tensor | None]]:
     """Each tensor's state by slot key (None where it holds no such state), and whether the kernel seeds its
     momentum buffer this step, from the ops' ``state`` and ``state_slots``."""
@@ -234,6 +261,14 @@ def sgd_step(
     if not params or (row["found_inf"] is not None and bool(row["found_inf"].item())):
         return
     hparams = group_hparams.tolist()
+    if any(hparams[g][hparam_names().index("schedule_free")] for g in tensor_group) and (
+        row["ckp1"] is None or row["lrs"] is None
+    ):
+        raise RuntimeError(
+            "lightning_fusedsgd::sgd_step: a schedule-free step takes the step row's ckp1 and lrs, which the "
+            "schedule_free_scalars op gives (FusedSGDScheduleFree)"
+        )
+    ckp1s = None if row["ckp1"] is None else row["ckp1"].tolist()
     if row["lrs"] is not None:
         for hparam_row, lr in zip(hparams, row["lrs"].tolist(), strict=True):
             hparam_row[hparam_names().index("lr")] = lr
@@ -247,7 +282,7 @@ def sgd_step(
         opmath = _opmath(param.dtype)
         w = load_weight(param, slots)
         g = grads[i].to(opmath)
-        b = slots["momentum_buffer"]
+        b = buffer(slots)
         coeffs = make_coeffs(h, inv_scale, clip, slots["first_step"])
         if isinstance(coeffs.clip_coef, Tensor):
             coeffs.clip_coef = coeffs.clip_coef.to(opmath)
@@ -256,7 +291,11 @@ def sgd_step(
             sums = row["lars_sq_sums"]
             sum_w, sum_t, sum_wt = sums[i] if sums is not None else lars_row(w, g, h, inv_scale)
             apply_lars(coeffs, sum_w, clipped_term_sq_sum(sum_w, sum_t, sum_wt, clip, h), h, opmath)
-        w_new, b_new = sgd_element(w, g, None if b is None or coeffs.first else b.to(opmath), coeffs)
+        if h["schedule_free"]:
+            apply_schedule_free(coeffs, h, ckp1s[tensor_group[i]])
+            w_new, b_new = schedule_free_element(w, g, b.to(opmath), coeffs)
+        else:
+            w_new, b_new = sgd_element(w, g, None if b is None or coeffs.first else b.to(opmath), coeffs)
         if slots["kahan_compensation"] is not None:
             rounded = w_new.to(torch.bfloat16)
             slots["kahan_compensation"].copy_(kahan_compensation(w_new, rounded))
@@ -353,6 +392,69 @@ def lars_sq_sums(
     if not rows:
         return torch.zeros(0, LARS_SUMS, dtype=torch.float64)
     return torch.stack(rows)
+
+
+def advance_schedule_free(scalars: dict[str, float], lr: float, h: dict[str, float]) -> None:
+    """One applied step of a group's schedule-free scalars (by ``SCHEDULE_FREE_SCALARS`` name), as
+    schedulefree.SGDScheduleFree.step computes them (``advance_schedule_free`` in schedule_free.h)."""
+    k = scalars["k"]
+    sched = (k + 1) / h["warmup_steps"] if k < h["warmup_steps"] else 1.0
+    scheduled = lr * sched
+    lr_max = scalars["lr_max"] = max(scheduled, scalars["lr_max"])
+    weight = ((k + 1) ** h["r"]) * (lr_max ** h["weight_lr_power"])
+    weight_sum = scalars["weight_sum"] = scalars["weight_sum"] + weight
+    scalars["scheduled_lr"] = scheduled
+    scalars["ckp1"] = 0.0 if weight_sum == 0 else weight / weight_sum
+    scalars["k"] = k + 1
+
+
+def switch_weight(h: dict[str, float], train: bool) -> float:
+    """The weight of z that moves a param from x to y (``train``) or from y to x (``switch_weight`` in
+    schedule_free.h)."""
+    return 1.0 - h["momentum"] if train else 1.0 - 1.0 / h["momentum"]
+
+
+def schedule_free_scalars(scalars: Tensor, group_hparams: Tensor, step: list[Tensor | None]) -> None:
+    """Same contract as ``torch.ops.lightning_fusedsgd.schedule_free_scalars``: every group's scalars advanced
+    one applied step, nothing where the step was skipped."""
+    row = dict(zip(step_row_names(), step, strict=True))
+    if row["found_inf"] is not None and bool(row["found_inf"].item()):
+        return
+    names = hparam_names()
+    lrs = None if row["lrs"] is None else row["lrs"].tolist()
+    columns = scalars.T.tolist()
+    for g, hparam_row in enumerate(group_hparams.tolist()):
+        h = dict(zip(names, hparam_row))
+        values = dict(zip(SCHEDULE_FREE_SCALARS, columns[g]))
+        advance_schedule_free(values, h["lr"] if lrs is None else lrs[g], h)
+        columns[g] = [values[name] for name in SCHEDULE_FREE_SCALARS]
+    scalars.copy_(torch.tensor(columns, dtype=torch.float64).T)
+
+
+def schedule_free_switch(
+    params: list[Tensor],
+    state: list[Tensor],
+    state_slots: list[int],
+    group_hparams: Tensor,
+    tensor_group: list[int],
+    train: bool,
+) -> None:
+    """Same contract as ``torch.ops.lightning_fusedsgd.schedule_free_switch``: each param's weight moved to y
+    (``train``) or to x on its line through z, rounded to nearest into the param and its master or
+    compensation."""
+    names = hparam_names()
+    hparams = group_hparams.tolist()
+    for i, (param, slots) in enumerate(zip(params, _slots(state, state_slots), strict=True)):
+        h = dict(zip(names, hparams[tensor_group[i]]))
+        opmath = _opmath(param.dtype)
+        w_new = load_weight(param, slots).lerp(slots["z"].to(opmath), switch_weight(h, train))
+        if slots["kahan_compensation"] is not None:
+            rounded = w_new.to(torch.bfloat16)
+            slots["kahan_compensation"].copy_(kahan_compensation(w_new, rounded))
+            w_new = rounded
+        elif slots["master_param"] is not None:
+            slots["master_param"].copy_(w_new)
+        param.copy_(w_new)
 
 
 def schedule_lrs(

@@ -1,4 +1,5 @@
-"""The optimizers: :class:`FusedSGD` (``sgd.py``) and :class:`FusedLARS` (``lars.py``), and how a step runs.
+"""The optimizers: :class:`FusedSGD` (``sgd.py``), :class:`FusedLARS` (``lars.py``) and
+:class:`FusedSGDScheduleFree` (``schedule_free.py``), and how a step runs.
 
 Inside, each module owns one part of a step: ``_step`` (the one path: which buckets run, norms, reduction,
 update), ``_kept`` (a plan kept for the next steps), ``_state_dict`` (loading state dicts), ``_sparse``
@@ -11,6 +12,7 @@ encodings are the kernel ABI's (``lightning_fusedsgd._abi``).
 
 from lightning_fusedsgd.optim._zero import attach_deepspeed
 from lightning_fusedsgd.optim.lars import FusedLARS
+from lightning_fusedsgd.optim.schedule_free import FusedSGDScheduleFree
 from lightning_fusedsgd.optim.sgd import FusedSGD
 
-__all__ = ["FusedLARS", "FusedSGD", "attach_deepspeed"]
+__all__ = ["FusedLARS", "FusedSGD", "FusedSGDScheduleFree", "attach_deepspeed"]

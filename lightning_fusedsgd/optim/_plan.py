@@ -43,10 +43,13 @@ class Bucket:
 
 @dataclass
 class StepInputs:
-    """A step's inputs besides the buckets: the hyperparameter table (on the CPU) and the step row."""
+    """A step's inputs besides the buckets: the hyperparameter table (on the CPU), the step row, and a
+    schedule-free step's per-group scalars (``_abi.SCHEDULE_FREE_SCALARS`` rows on the params' device), which
+    the step advances before its buckets run."""
 
     table: Tensor
     row: StepRow
+    scalars: Tensor | None = None
 
 
 @dataclass
@@ -198,7 +201,9 @@ def plan_step(
             label = functools.partial(param_label, *place, param)
             fragments = _zero.fragments(param, group, label)
             before = None if fragments is None else _zero.mark(plan)
-            _plan_param(plan, state.get(param, _NO_STATE), param, group, group_index, param_index, tracing)
+            _plan_param(
+                plan, state.get(param, _NO_STATE), param, param.grad, group, group_index, param_index, tracing
+            )
             if fragments is not None:
                 _zero.split(plan, before, fragments, label)
     if not tracing:
@@ -208,24 +213,41 @@ def plan_step(
     return plan
 
 
+def plan_switch(
+    groups: Sequence[dict[str, Any]], state: Mapping[Tensor, dict[str, Any]], switching: Sequence[int]
+) -> Plan:
+    """The buckets of a schedule-free mode switch (``schedule_free_switch``): every param of the ``switching``
+    groups that holds a z, with its state as a step takes it (the param standing in for its gradient, which a
+    switch does not read)."""
+    plan = Plan()
+    for group_index in switching:
+        group = groups[group_index]
+        for param_index, param in enumerate(group["params"]):
+            param_state = state.get(param, _NO_STATE)
+            if param_state.get("z") is not None:
+                _plan_param(plan, param_state, param, param, group, group_index, param_index, tracing=False)
+    return plan
+
+
 def _plan_param(
     plan: Plan,
     state: dict[str, Any],
     param: Tensor,
+    grad: Tensor,
     group: dict[str, Any],
     group_index: int,
     param_index: int,
     tracing: bool,
 ) -> None:
-    """Adds one param to its bucket: dense views of param and grad (real views of complex ones), and its state
-    slot by slot (``_abi.SLOTS``): as stored, converted to the param's layout and the slot's dtype, or seeded
-    anew."""
+    """Adds one param to its bucket: dense views of param and ``grad`` (real views of complex ones), and its
+    state slot by slot (``_abi.SLOTS``): as stored, converted to the param's layout and the slot's dtype, or
+    seeded anew."""
     # A DTensor param is stepped as its local shard; its state is stored as DTensors placed like it.
     shard = _dtensor.local(param)
     dense = shard if _is_dense(shard) else shard.contiguous()
     if dense is not shard:
         plan.staged.append((shard, dense))
-    grad = _dtensor.local(param.grad)
+    grad = _dtensor.local(grad)
     if grad.dtype != param.dtype or grad.stride() != dense.stride():
         grad = torch.empty_like(dense).copy_(grad)
 

@@ -11,7 +11,8 @@ device for capturable steps); :func:`run` is the same for all of them:
    total.
 
 Unsharded LARS needs no separate pass: ``sgd_step`` takes each tensor's norms itself. :class:`Steps` chooses
-the buckets and keeps plans.
+the buckets and keeps plans; a schedule-free step first advances its per-group scalars
+(``schedule_free_scalars``), whose lrs and average weights the buckets' row then holds.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from lightning_fusedsgd._abi import LARS_SUMS, StepRow
+from lightning_fusedsgd._abi import LARS_SUMS, SCHEDULE_FREE_SCALARS, StepRow
 from lightning_fusedsgd.optim import _backends, _kept, _sparse
 from lightning_fusedsgd.optim._dtensor import ReduceKey
 from lightning_fusedsgd.optim._plan import Bucket, BucketKey, Plan, StepInputs, bucket_name, plan_step
@@ -122,11 +123,24 @@ class Steps:
         else:
             buckets, names = self._planned_buckets(plan)
             sharded = plan.sharded
+        if inputs.scalars is not None:
+            inputs = self._advance_schedule_free(inputs)
         run(buckets, inputs, sharded, [bool(group["lars"]) for group in groups])
         self.last_backends.clear()
         self.last_backends.update(names)
         if plan is not None:
             self._finish(groups, state, plan, inputs.row["grad_scale"], tracing, buckets)
+
+    def _advance_schedule_free(self, inputs: StepInputs) -> StepInputs:
+        """A schedule-free step's scalars advanced on their device (nothing where the step was skipped), every
+        group's, whether or not its params have grads; the inputs of its buckets, whose row reads this step's
+        lrs (after warmup) and average weights from them."""
+        scalars = inputs.scalars
+        ops = _backends.implementation(self.backend, scalars.device)[1]
+        read = StepRow({name: inputs.row[name] for name in ("found_inf", "lrs")})  # what the op reads
+        ops.schedule_free_scalars(scalars, inputs.table, read.on(scalars.device))
+        rows = dict(zip(SCHEDULE_FREE_SCALARS, scalars))
+        return StepInputs(inputs.table, inputs.row.with_values(lrs=rows["scheduled_lr"], ckp1=rows["ckp1"]))
 
     def _kept_buckets(
         self, groups: Sequence[dict[str, Any]], state: Mapping[Tensor, dict[str, Any]]

@@ -100,8 +100,18 @@ class FusedSGD(Optimizer):
         fused: bool | None = None,
         differentiable: bool = False,
     ) -> None:
-        arguments = dict(locals())  # the group options (_abi.options()) are the arguments of their names
-        defaults = {option.key: arguments[option.key] for option in _abi.options() if option.key in arguments}
+        # The group options (_abi.options()) are the arguments of their names, others their declared defaults.
+        self._start(params, _abi.defaults(dict(locals())), set_grad_none, backend, capturable)
+
+    def _start(
+        self,
+        params: Iterable[Any],
+        defaults: dict[str, Any],
+        set_grad_none: bool,
+        backend: str,
+        capturable: bool,
+    ) -> None:
+        """The constructor, from the groups' defaults (a subclass with other arguments makes its own)."""
         _abi.check_flag("set_grad_none", set_grad_none)
         _abi.check_flag("capturable", capturable)
         if backend not in _backends.BACKENDS:
@@ -114,8 +124,9 @@ class FusedSGD(Optimizer):
         params = list(params)
         if not params:
             raise ValueError(
-                "FusedSGD got an empty parameter list: pass model.parameters() (or parameter groups) "
-                "containing at least one tensor; check that not every parameter is frozen or filtered out."
+                f"{type(self).__name__} got an empty parameter list: pass model.parameters() (or parameter "
+                "groups) containing at least one tensor; check that not every parameter is frozen or "
+                "filtered out."
             )
         _abi.check_group(defaults)
         self.set_grad_none = set_grad_none
@@ -237,11 +248,16 @@ class FusedSGD(Optimizer):
             _abi.step_row(
                 self.param_groups, grad_scale=getattr(self, "grad_scale", None), found_inf=found_inf, lrs=lrs
             ),
+            self._schedule_free_scalars(),
         )
         applied = True if found_inf is None else self._applied(found_inf)
         self._steps.step(self.param_groups, self.state, inputs)
         self._last_step["applied"] = applied  # set once the step went through: a refused one changes nothing
         return loss
+
+    def _schedule_free_scalars(self) -> Tensor | None:
+        """The per-group scalars a schedule-free step advances (FusedSGDScheduleFree); SGD has none."""
+        return None
 
     def _applied(self, found_inf: Tensor) -> Tensor:
         """``found_inf == 0`` as a 0-d bool; a capturable step writes it into the same tensor every step."""

@@ -13,6 +13,7 @@
 
 #include "elements.h"
 #include "schedule.h"
+#include "schedule_free.h"
 #include "sgd_math.h"
 
 namespace lfsgd {
@@ -24,7 +25,8 @@ namespace lfsgd {
   X(kMomentumBuffer, momentum_buffer)       \
   X(kMasterParam, master_param)             \
   X(kKahanCompensation, kahan_compensation) \
-  X(kRoundingStep, rounding_step)
+  X(kRoundingStep, rounding_step)           \
+  X(kZ, z)
 
 #define LFSGD_SLOT_ENUM(constant, name) constant,
 enum Slot : int { LFSGD_SLOTS(LFSGD_SLOT_ENUM) kNumSlots };
@@ -41,7 +43,8 @@ enum class RowShape { kOne, kGroups, kLarsSums };
   X(double, grad_sq_sum, RowShape::kOne)        \
   X(double, max_grad_norm, RowShape::kOne)      \
   X(double, lars_sq_sums, RowShape::kLarsSums)  \
-  X(double, lrs, RowShape::kGroups)
+  X(double, lrs, RowShape::kGroups)             \
+  X(double, ckp1, RowShape::kGroups)
 
 // The step row as the kernels read it: each value's device pointer, null where absent.
 struct StepRow {
@@ -58,7 +61,7 @@ using OptionalTensors = c10::List<std::optional<at::Tensor>>;
 
 // A checked bucket: its tensors, each group's hyperparameters (the lrs of the row not yet read: a CUDA step
 // reads them on the device), each tensor's slots' data (null where absent) and whether the kernel seeds its
-// momentum buffer this step, how its weights are stored, and the step row.
+// momentum buffer this step, how its weights are stored, the step row, and whether it steps schedule-free.
 struct Bucket {
   at::TensorList params;
   at::TensorList grads;
@@ -69,10 +72,12 @@ struct Bucket {
   Weight weight = Weight::kParam;
   StepRow row;
   bool any_lars = false;
+  bool schedule_free = false;
 
-  // Tensor t's momentum buffer, its companion (its master or compensation, by the bucket's weight) and its count
+  // Tensor t's buffer (the stream the update reads and writes beside the weight: its momentum buffer, or a
+  // schedule-free tensor's z), its companion (its master or compensation, by the bucket's weight) and its count
   // of stochastic steps: null where it has none.
-  void* buffer(size_t t) const { return slots[t][kMomentumBuffer]; }
+  void* buffer(size_t t) const { return schedule_free ? slots[t][kZ] : slots[t][kMomentumBuffer]; }
   void* companion(size_t t) const { return slots[t][weight == Weight::kKahan ? kKahanCompensation : kMasterParam]; }
   int64_t* count(size_t t) const { return static_cast<int64_t*>(slots[t][kRoundingStep]); }
 };
@@ -203,7 +208,7 @@ inline Bucket check_bucket(at::TensorList params, at::TensorList grads, at::Tens
               ": kahan_compensations are of bf16 params without master_params, not of ", dtype, " params");
   bucket.weight = masters ? Weight::kMaster : compensations ? Weight::kKahan : Weight::kParam;
   const auto buffer_dtype = masters ? at::kFloat : dtype;
-  const at::ScalarType dtypes[kNumSlots] = {buffer_dtype, at::kFloat, at::kBFloat16, at::kLong};
+  const at::ScalarType dtypes[kNumSlots] = {buffer_dtype, at::kFloat, at::kBFloat16, at::kLong, buffer_dtype};
   size_t entry = 0;
   for (size_t t = 0; t < n; ++t) {
     const at::Tensor& p = params[t];
@@ -219,13 +224,16 @@ inline Bucket check_bucket(at::TensorList params, at::TensorList grads, at::Tens
     TORCH_CHECK(h.update_rounding >= kNearest && h.update_rounding <= kKahan && h.lars_denominator >= kGradPlusDecay &&
                     h.lars_denominator <= kDecayedGrad && h.lars_zero_norm >= kUnitRatio && h.lars_zero_norm <= kPlainGrad,
                 "lightning_fusedsgd::", op, ": an option column out of range");
+    if (t == 0) bucket.schedule_free = h.schedule_free;
+    TORCH_CHECK(h.schedule_free == bucket.schedule_free, "lightning_fusedsgd::", op,
+                ": the tensors of one call step schedule-free, or none of them");
     TORCH_CHECK(compensations == (dtype == at::kBFloat16 && !masters && h.update_rounding == kKahan),
                 "lightning_fusedsgd::", op, ": bf16 params of a group with update_rounding 'kahan' (and no fp32 "
                 "masters) come with their kahan_compensations, and only they");
     // Which slots the tensor holds follows from its group and dtype, as _abi.SLOTS' `held` says; the kernel seeds
     // only a momentum buffer (from the gradient).
-    const bool held[kNumSlots] = {h.momentum != 0.0, masters, compensations,
-                                  rounds_stochastically(dtype, bucket.weight, h)};
+    const bool held[kNumSlots] = {h.momentum != 0.0 && !h.schedule_free, masters, compensations,
+                                  rounds_stochastically(dtype, bucket.weight, h), h.schedule_free};
     TORCH_CHECK(state_slots[t] >= 0 && state_slots[t] < (int64_t{1} << (2 * kNumSlots)) &&
                     (state_slots[t] >> kNumSlots & ~int64_t{1}) == 0 &&
                     (state_slots[t] >> kNumSlots & 1) <= (state_slots[t] >> kMomentumBuffer & 1),
@@ -252,7 +260,11 @@ inline Bucket check_bucket(at::TensorList params, at::TensorList grads, at::Tens
 template <void (*Run)(const Bucket&)>
 void sgd_step_op(at::TensorList params, at::TensorList grads, at::TensorList state, at::IntArrayRef state_slots,
                  const at::Tensor& group_hparams, at::IntArrayRef tensor_group, const OptionalTensors& step) {
-  Run(check_bucket(params, grads, state, state_slots, group_hparams, tensor_group, step, "sgd_step"));
+  const Bucket bucket = check_bucket(params, grads, state, state_slots, group_hparams, tensor_group, step, "sgd_step");
+  TORCH_CHECK(!bucket.schedule_free || (bucket.row.ckp1 != nullptr && bucket.row.lrs != nullptr),
+              "lightning_fusedsgd::sgd_step: a schedule-free step takes the step row's ckp1 and lrs, which the "
+              "schedule_free_scalars op gives (FusedSGDScheduleFree)");
+  Run(bucket);
 }
 
 // The op's function type, for typed calls through the dispatcher (PlanArguments).
@@ -284,6 +296,39 @@ inline void check_schedule_inputs(const at::Tensor& lrs, const at::Tensor& posit
   TORCH_CHECK(!applied.has_value() || (applied->device() == lrs.device() && applied->scalar_type() == at::kBool &&
                                        applied->numel() == 1),
               "lightning_fusedsgd::schedule_lrs: applied must be a one-element bool tensor on the lrs' device");
+}
+
+// schedule_free_scalars's scalars: float64 [kNumScheduleFreeScalars, groups] rows, contiguous.
+inline void check_schedule_free_scalars(const at::Tensor& scalars, int64_t groups) {
+  TORCH_CHECK(scalars.scalar_type() == at::kDouble && scalars.dim() == 2 && scalars.size(0) == kNumScheduleFreeScalars &&
+                  scalars.size(1) == groups && scalars.is_contiguous(),
+              "lightning_fusedsgd::schedule_free_scalars: scalars must be a contiguous float64 [",
+              kNumScheduleFreeScalars, ", groups] tensor (_abi.SCHEDULE_FREE_SCALARS), with a column per row of "
+              "group_hparams");
+}
+
+// The schedule_free_scalars op of both kernels: checks the scalars and the step row (of which it reads found_inf and
+// lrs), then a device's `Run(scalars, groups, row)`.
+template <void (*Run)(const at::Tensor&, const std::vector<GroupHParams>&, const StepRow&)>
+void schedule_free_scalars_op(const at::Tensor& scalars, const at::Tensor& group_hparams, const OptionalTensors& step) {
+  const char* op = "schedule_free_scalars";
+  const std::vector<GroupHParams> groups = decode_table(group_hparams, op);
+  check_schedule_free_scalars(scalars, static_cast<int64_t>(groups.size()));
+  Run(scalars, groups, read_row(step, scalars.device(), 0, static_cast<int64_t>(groups.size()), op));
+}
+
+// The schedule_free_switch op of both kernels: checks the bucket as sgd_step's (the params standing in for the
+// gradients, which a switch does not read), then a device's `Run(checked bucket, train)`.
+template <void (*Run)(const Bucket&, bool)>
+void schedule_free_switch_op(at::TensorList params, at::TensorList state, at::IntArrayRef state_slots,
+                             const at::Tensor& group_hparams, at::IntArrayRef tensor_group, bool train) {
+  const char* op = "schedule_free_switch";
+  OptionalTensors no_row;
+  for (int i = 0; i < kNumRowValues; ++i) no_row.push_back(std::nullopt);
+  const Bucket bucket = check_bucket(params, params, state, state_slots, group_hparams, tensor_group, no_row, op);
+  TORCH_CHECK(params.empty() || bucket.schedule_free, "lightning_fusedsgd::", op,
+              ": the params of schedule-free groups only (their z is where they switch towards)");
+  Run(bucket, train);
 }
 
 template <Weight kWeight>

@@ -22,6 +22,7 @@
 #include "elements.h"
 #include "plan_arguments.h"
 #include "schedule.h"
+#include "schedule_free.h"
 #include "sgd_math.h"
 #include "work_list.h"
 #ifdef LFSGD_CPU_VECTORS
@@ -115,7 +116,7 @@ class CpuUpdate {
 
   // `groups`: the bucket's, with the step's lrs; `clip`: the step's clip_grad_norm_ coefficient.
   CpuUpdate(const Bucket& bucket, const std::vector<GroupHParams>& groups, double inv_scale, double clip)
-      : groups_(groups), tensor_group_(bucket.tensor_group), clip_(clip) {
+      : groups_(groups), tensor_group_(bucket.tensor_group), clip_(clip), schedule_free_(bucket.schedule_free) {
     const at::TensorList params = bucket.params;
     const size_t n = params.size();
     const double* lars_sums = bucket.row.lars_sq_sums;
@@ -134,6 +135,7 @@ class CpuUpdate {
       m_ptr_[t] = static_cast<M*>(bucket.companion(t));
       count_ptr_[t] = bucket.count(t);
       coeffs_[t] = make_coeffs<O>(h, inv_scale, clip, bucket.first_step[t]);
+      if (schedule_free_) apply_schedule_free(coeffs_[t], h, bucket.row.ckp1[tensor_group_[t]]);
       // Given sums (sharded params, reduced across shards) replace the norm pass: the ratio is set here.
       lars_[t] = lars_adapts(h) && lars_sums == nullptr;
       if (lars_adapts(h) && lars_sums != nullptr) {
@@ -233,6 +235,8 @@ class CpuUpdate {
   // bf16 loops.
   template <bool kClipValue, bool kStochastic>
   void update_cases(const Chunk& chunk, int32_t t, const Coeffs<O> c) const {
+    // Schedule-free: z is the buffer the loop reads and writes beside the weight (Bucket::buffer).
+    if (schedule_free_) return update_loop<kClipValue, true, false, false, kStochastic, true>(chunk, t, c);
     if (!c.has_momentum) return update_loop<kClipValue, false, false, false, kStochastic>(chunk, t, c);
     if (c.nesterov) {
       return c.first ? update_loop<kClipValue, true, true, true, kStochastic>(chunk, t, c)
@@ -242,7 +246,7 @@ class CpuUpdate {
                    : update_loop<kClipValue, true, false, false, kStochastic>(chunk, t, c);
   }
 
-  template <bool kClipValue, bool kMomentum, bool kFirst, bool kNesterov, bool kStochastic>
+  template <bool kClipValue, bool kMomentum, bool kFirst, bool kNesterov, bool kStochastic, bool kScheduleFree = false>
   void update_loop(const Chunk& chunk, int32_t t, Coeffs<O> c) const {
     c.has_momentum = kMomentum;
     c.first = kFirst;
@@ -256,7 +260,11 @@ class CpuUpdate {
     const auto element = [&](int64_t i) __attribute__((always_inline)) {
       O wi = load_weight<kWeight>(w, m, i);
       O bi = kMomentum && !kFirst ? static_cast<O>(load(b, i)) : O(0);
-      sgd_element<kClipValue>(wi, static_cast<O>(load(gr, i)), bi, c);
+      if constexpr (kScheduleFree) {
+        schedule_free_element<kClipValue>(wi, static_cast<O>(load(gr, i)), bi, c);
+      } else {
+        sgd_element<kClipValue>(wi, static_cast<O>(load(gr, i)), bi, c);
+      }
       store_update<kWeight>(w, b, m, i, wi, bi, kMomentum, kStochastic, key);
     };
     // Blocks, each asking for the lines of the block kPrefetchElems ahead in every stream, then the tail element
@@ -272,7 +280,7 @@ class CpuUpdate {
       if constexpr (kWeight != Weight::kParam) prefetch_ahead<1>(m, begin, kBlock);
 #ifdef LFSGD_CPU_VECTORS
       if constexpr (!std::is_same_v<P, O>) {
-        update_block<kClipValue, kMomentum, kFirst, kStochastic>(w, gr, b, m, begin, c, key);
+        update_block<kClipValue, kMomentum, kFirst, kStochastic, kScheduleFree>(w, gr, b, m, begin, c, key);
         continue;
       }
 #endif
@@ -294,13 +302,18 @@ class CpuUpdate {
 #ifdef LFSGD_CPU_VECTORS
   // 16-bit params in the AVX2 and AVX-512 builds run on ATen's vectors (vec_elements.h): the compiler vectorizes
   // neither c10::Half's conversions nor the bf16 roundings' selects well.
-  template <bool kClipValue, bool kMomentum, bool kFirst, bool kStochastic>
+  template <bool kClipValue, bool kMomentum, bool kFirst, bool kStochastic, bool kScheduleFree>
   LFSGD_ELEMENT static void update_block(P* w, const P* gr, B* b, M* m, int64_t i, const Coeffs<O>& c, uint32_t key) {
     FloatPair wi = load_weight_block<kWeight>(w, m, i);
     FloatPair bi = kMomentum && !kFirst ? load_block<P>(b, i) : FloatPair{FloatVec(0.0f), FloatVec(0.0f)};
     const FloatPair gi = load_block<P>(gr, i);
-    sgd_element<kClipValue>(wi.low, gi.low, bi.low, c);
-    sgd_element<kClipValue>(wi.high, gi.high, bi.high, c);
+    if constexpr (kScheduleFree) {
+      schedule_free_element<kClipValue>(wi.low, gi.low, bi.low, c);
+      schedule_free_element<kClipValue>(wi.high, gi.high, bi.high, c);
+    } else {
+      sgd_element<kClipValue>(wi.low, gi.low, bi.low, c);
+      sgd_element<kClipValue>(wi.high, gi.high, bi.high, c);
+    }
     store_update<kWeight>(w, b, m, i, wi, bi, kMomentum, kStochastic, key);
   }
 #endif
@@ -315,6 +328,7 @@ class CpuUpdate {
   std::vector<Coeffs<O>> coeffs_;
   std::vector<bool> lars_;
   double clip_;  // the step's clip_grad_norm_ coefficient, 1 where it does not clip by norm
+  bool schedule_free_;
   WorkList work_;
   std::vector<double> sums_;  // kNumLarsSums per chunk of a LARS tensor
 };
@@ -404,6 +418,56 @@ void schedule_lrs_cpu(const at::Tensor& lrs, const at::Tensor& position, const a
                 advance);
 }
 
+// lightning_fusedsgd::schedule_free_scalars for CPU tensors (the op: schedule_free_scalars_op in bucket.h): each
+// group's scalars advanced (advance_schedule_free), unless the step was skipped.
+void schedule_free_scalars_cpu(const at::Tensor& scalars, const std::vector<GroupHParams>& groups, const StepRow& row) {
+  if (row.found_inf != nullptr && *row.found_inf != 0.0f) return;
+  const int64_t n = static_cast<int64_t>(groups.size());
+  for (int64_t g = 0; g < n; ++g) {
+    advance_schedule_free(scalars.data_ptr<double>(), n, g, row.lrs != nullptr ? row.lrs[g] : groups[g].lr, groups[g]);
+  }
+}
+
+// lightning_fusedsgd::schedule_free_switch for CPU tensors (the op: schedule_free_switch_op in bucket.h): each
+// weight moved on its line through z (switch_weight), one pass reading weight and z and writing the weight.
+void schedule_free_switch_cpu(const Bucket& bucket, bool train) {
+  const at::TensorList params = bucket.params;
+  if (params.empty()) return;
+  const WorkList work = make_work_list(params, std::vector<bool>(params.size(), false));
+  dispatch_bucket_types(params[0].scalar_type(), bucket.weight, [&](auto param, auto buffer, auto weight) {
+    using P = decltype(param);
+    using B = decltype(buffer);
+    using O = typename OpMath<P>::type;
+    constexpr Weight kWeight = decltype(weight)::value;
+    using M = Companion<kWeight>;
+#pragma omp parallel for schedule(static) num_threads(num_threads_for(work))
+    for (int64_t c = 0; c < static_cast<int64_t>(work.chunks.size()); ++c) {
+      const Chunk& chunk = work.chunks[c];
+      const int32_t t = chunk.tensor;
+      P* w = params[t].data_ptr<P>();
+      const B* z = static_cast<const B*>(bucket.buffer(t));
+      M* m = static_cast<M*>(bucket.companion(t));
+      const O to = static_cast<O>(switch_weight(bucket.groups[bucket.tensor_group[t]], train));
+      int64_t i = chunk.begin;
+#ifdef LFSGD_CPU_VECTORS
+      if constexpr (!std::is_same_v<P, O>) {
+        for (; i + kBlockElems<P> <= chunk.end; i += kBlockElems<P>) {
+          FloatPair wi = load_weight_block<kWeight>(w, m, i);
+          const FloatPair zi = load_block<P>(z, i);
+          wi = {lerp(wi.low, zi.low, to), lerp(wi.high, zi.high, to)};
+          store_update<kWeight>(w, static_cast<B*>(nullptr), m, i, wi, wi, false, false, 0);
+        }
+      }
+#endif
+#pragma omp simd
+      for (int64_t e = i; e < chunk.end; ++e) {
+        const O wi = lerp(load_weight<kWeight>(w, m, e), static_cast<O>(load(z, e)), to);
+        store_update<kWeight>(w, static_cast<B*>(nullptr), m, e, wi, wi, false, false, 0);
+      }
+    }
+  });
+}
+
 // The kernels' order of each table they read (_abi.KERNEL_TABLES, compared when the library loads).
 template <size_t N>
 std::vector<std::string> names(const char* const (&table)[N]) {
@@ -426,6 +490,7 @@ TORCH_LIBRARY_FRAGMENT(lightning_fusedsgd, m) {
   m.def("lars_zero_norm_names() -> str[]", [] { return lfsgd::names(lfsgd::kLarsZeroNormNames); });
   m.def("schedule_header_names() -> str[]", [] { return lfsgd::names(lfsgd::kScheduleHeaderNames); });
   m.def("lars_sum_names() -> str[]", [] { return lfsgd::names(lfsgd::kLarsSumNames); });
+  m.def("schedule_free_scalar_names() -> str[]", [] { return lfsgd::names(lfsgd::kScheduleFreeScalarNames); });
   lfsgd::register_plan_arguments(m);
 }
 
@@ -434,4 +499,6 @@ TORCH_LIBRARY_IMPL(lightning_fusedsgd, CPU, m) {
   m.impl("grad_sq_sum", &lfsgd::grad_sq_sum_cpu);
   m.impl("lars_sq_sums", &lfsgd::lars_sq_sums_op<lfsgd::lars_sq_sums_cpu>);
   m.impl("schedule_lrs", &lfsgd::schedule_lrs_cpu);
+  m.impl("schedule_free_scalars", &lfsgd::schedule_free_scalars_op<lfsgd::schedule_free_scalars_cpu>);
+  m.impl("schedule_free_switch", &lfsgd::schedule_free_switch_op<lfsgd::schedule_free_switch_cpu>);
 }

@@ -22,6 +22,7 @@
 #include "bucket.h"
 #include "elements.h"
 #include "schedule.h"
+#include "schedule_free.h"
 #include "sgd_math.h"
 #include "work_list.h"
 // Last: the emulation spells CUDA's keywords as macros.
@@ -179,6 +180,77 @@ __global__ void __launch_bounds__(kThreads)
         store_update<kWeight>(w, b, m, i, wi[u], bi[u], has_momentum, stochastic, key);
       }
     }
+  }
+}
+
+// The update of a schedule-free bucket (schedule_free_element): as update_kernel, with each tensor's z where
+// SGD's momentum buffer is (TensorArgs::buffer) and the group's ckp1 from the step row.
+template <typename P, typename B, Weight kWeight>
+__global__ void __launch_bounds__(kThreads)
+    schedule_free_kernel(const TensorArgs* tensors, const ChunkArgs* chunks, const GroupHParams* groups, StepRow row) {
+  using O = typename OpMath<P>::type;
+  using M = Companion<kWeight>;
+  if (skipped(row.found_inf)) return;
+  const ChunkArgs chunk = chunks[blockIdx.x];
+  const TensorArgs t = tensors[chunk.tensor];
+  const GroupHParams h = group_of(groups, t.group, row);
+  const double inv_scale = row_inverse_scale(row);
+  Coeffs<O> c = make_coeffs<O>(h, inv_scale, row_clip(row, inv_scale), false);
+  apply_schedule_free(c, h, row.ckp1[t.group]);
+  P* w = static_cast<P*>(t.param);
+  const P* g = static_cast<const P*>(t.grad);
+  B* z = static_cast<B*>(t.buffer);
+  M* m = static_cast<M*>(t.companion);
+  const bool stochastic = t.count != nullptr;
+  const uint32_t key = stochastic ? rounding_key(h.rounding_seed, *t.count, chunk.tensor) : 0;
+  for (int64_t base = chunk.begin + threadIdx.x; base < chunk.end; base += kThreads * kUnroll) {
+    O wi[kUnroll], gi[kUnroll], zi[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = base + u * kThreads;
+      if (i < chunk.end) {
+        wi[u] = load_weight<kWeight>(w, m, i);
+        gi[u] = load(g, i);
+        zi[u] = load(z, i);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = base + u * kThreads;
+      if (i < chunk.end) {
+        schedule_free_element(wi[u], gi[u], zi[u], c);
+        store_update<kWeight>(w, z, m, i, wi[u], zi[u], true, stochastic, key);
+      }
+    }
+  }
+}
+
+// schedule_free_switch: each weight moved on its line through z (switch_weight), rounded to nearest into the
+// param (and its master or compensation).
+template <typename P, typename B, Weight kWeight>
+__global__ void __launch_bounds__(kThreads)
+    schedule_free_switch_kernel(const TensorArgs* tensors, const ChunkArgs* chunks, const GroupHParams* groups,
+                                bool train) {
+  using O = typename OpMath<P>::type;
+  using M = Companion<kWeight>;
+  const ChunkArgs chunk = chunks[blockIdx.x];
+  const TensorArgs t = tensors[chunk.tensor];
+  const O to = static_cast<O>(switch_weight(groups[t.group], train));
+  P* w = static_cast<P*>(t.param);
+  const B* z = static_cast<const B*>(t.buffer);
+  M* m = static_cast<M*>(t.companion);
+  for (int64_t i = chunk.begin + threadIdx.x; i < chunk.end; i += kThreads) {
+    const O wi = lerp(load_weight<kWeight>(w, m, i), static_cast<O>(load(z, i)), to);
+    store_update<kWeight>(w, static_cast<B*>(nullptr), m, i, wi, wi, false, false, 0);
+  }
+}
+
+// schedule_free_scalars: one thread advances every group's scalars (advance_schedule_free), unless the step was
+// skipped.
+__global__ void schedule_free_scalars_kernel(double* scalars, const GroupHParams* groups, int64_t n, StepRow row) {
+  if (skipped(row.found_inf)) return;
+  for (int64_t g = 0; g < n; ++g) {
+    advance_schedule_free(scalars, n, g, row.lrs != nullptr ? row.lrs[g] : groups[g].lr, groups[g]);
   }
 }
 
@@ -357,8 +429,11 @@ void run_device(const Bucket& bucket) {
   if (rows.defined()) row.lars_sq_sums = rows.data_ptr<double>();
   if (num_chunks > 0) {
     dispatch_bucket_types(params[0].scalar_type(), bucket.weight, [&](auto param, auto buffer, auto weight) {
-      device::launch(&update_kernel<decltype(param), decltype(buffer), decltype(weight)::value>, num_chunks,
-                     kThreads, stream, tables.table<TensorArgs>(0), tables.table<ChunkArgs>(1),
+      using P = decltype(param);
+      using B = decltype(buffer);
+      constexpr Weight kWeight = decltype(weight)::value;
+      device::launch(bucket.schedule_free ? &schedule_free_kernel<P, B, kWeight> : &update_kernel<P, B, kWeight>,
+                     num_chunks, kThreads, stream, tables.table<TensorArgs>(0), tables.table<ChunkArgs>(1),
                      tables.table<GroupHParams>(2), row);
     });
   }
@@ -424,6 +499,36 @@ void schedule_lrs_device(const at::Tensor& lrs, const at::Tensor& position, cons
                  lrs.numel(), applied.has_value() ? applied->data_ptr<bool>() : nullptr, advance);
 }
 
+// lightning_fusedsgd::schedule_free_scalars on the device (the op: schedule_free_scalars_op in bucket.h).
+void schedule_free_scalars_device(const at::Tensor& scalars, const std::vector<GroupHParams>& groups,
+                                  const StepRow& row) {
+  check_on_device(scalars, "schedule_free_scalars");
+  if (groups.empty()) return;
+  const device::Guard guard(scalars.device());
+  const device::Stream stream = device::current_stream();
+  const DeviceTables tables = upload(scalars.device(), stream, {{groups.data(), groups.size() * sizeof(GroupHParams)}});
+  device::launch(&schedule_free_scalars_kernel, 1, 1, stream, scalars.data_ptr<double>(),
+                 tables.table<GroupHParams>(0), static_cast<int64_t>(groups.size()), row);
+}
+
+// lightning_fusedsgd::schedule_free_switch on the device (the op: schedule_free_switch_op in bucket.h).
+void schedule_free_switch_device(const Bucket& bucket, bool train) {
+  const at::TensorList params = bucket.params;
+  if (params.empty()) return;
+  check_on_device(params[0], "schedule_free_switch");
+  const Work work = make_work(bucket);
+  const int64_t num_chunks = static_cast<int64_t>(work.chunks.size());
+  if (num_chunks == 0) return;
+  const device::Guard guard(params[0].device());
+  const device::Stream stream = device::current_stream();
+  const DeviceTables tables = upload_work(params[0].device(), stream, work, bucket.groups);
+  dispatch_bucket_types(params[0].scalar_type(), bucket.weight, [&](auto param, auto buffer, auto weight) {
+    device::launch(&schedule_free_switch_kernel<decltype(param), decltype(buffer), decltype(weight)::value>,
+                   num_chunks, kThreads, stream, tables.table<TensorArgs>(0), tables.table<ChunkArgs>(1),
+                   tables.table<GroupHParams>(2), train);
+  });
+}
+
 }  // namespace
 }  // namespace lfsgd
 
@@ -432,4 +537,6 @@ TORCH_LIBRARY_IMPL(LFSGD_DEVICE_LIBRARY, LFSGD_DEVICE_DISPATCH, m) {
   m.impl("grad_sq_sum", &lfsgd::grad_sq_sum_device);
   m.impl("lars_sq_sums", &lfsgd::lars_sq_sums_op<lfsgd::lars_sq_sums_device>);
   m.impl("schedule_lrs", &lfsgd::schedule_lrs_device);
+  m.impl("schedule_free_scalars", &lfsgd::schedule_free_scalars_op<lfsgd::schedule_free_scalars_device>);
+  m.impl("schedule_free_switch", &lfsgd::schedule_free_switch_op<lfsgd::schedule_free_switch_device>);
 }

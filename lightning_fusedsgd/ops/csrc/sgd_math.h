@@ -44,7 +44,11 @@ namespace lfsgd {
   X(bool, always_adapt)         \
   X(int, lars_zero_norm)        \
   X(int, update_rounding)       \
-  X(double, rounding_seed)
+  X(double, rounding_seed)      \
+  X(bool, schedule_free)        \
+  X(double, warmup_steps)       \
+  X(double, r)                  \
+  X(double, weight_lr_power)
 
 // The options a column numbers, in the order of _abi's tuples of their names (checked when the library loads):
 // how bf16 params without master weights take their update (update_rounding: kKahan keeps a compensation), the
@@ -129,6 +133,8 @@ struct Coeffs {
   bool has_momentum;      // mu != 0: a buffer exists
   bool first;             // this parameter's first step: seed the buffer with g
   bool nesterov;
+  T ckp1;                 // schedule-free: the weight of z in this step's average (apply_schedule_free)
+  T y_grad;               // schedule-free: the gradient's coefficient in y's step
 };
 
 // `clip`: the step's clip_grad_norm_ coefficient (clip_coef), 1 where it does not clip by norm.
@@ -146,7 +152,9 @@ LFSGD_HOST_DEVICE inline Coeffs<T> make_coeffs(const GroupHParams& h, double inv
                    static_cast<T>(h.lr),
                    h.momentum != 0.0,
                    first,
-                   h.nesterov};
+                   h.nesterov,
+                   T(0),
+                   T(0)};
 }
 
 // a where `condition`, else b, for a condition that holds for the whole loop (a coefficient's test).
@@ -195,6 +203,38 @@ LFSGD_ELEMENT void sgd_element(V& w, V g, V& b, const Coeffs<S>& c) {
   const V decayed_after = mul_add(w, V(c.wd_after), g);
   g = pick(c.wd_after != S(0), decayed_after, g);
   w = mul_add(g, V(-c.lr), w);
+}
+
+// torch.lerp(self, end, weight) for one weight, rounding as ATen's kernels do: self + weight (end - self) where
+// |weight| < 0.5, else end + (weight - 1)(end - self), each one multiply-add (the weight - 1 in the opmath type).
+template <typename V, typename S>
+LFSGD_ELEMENT V lerp(V self, V end, S weight) {
+  const V difference = end - self;
+  const bool small = weight < S(0.5) && weight > S(-0.5);
+  return pick(small, mul_add(V(weight), difference, self), mul_add(V(weight - S(1)), difference, end));
+}
+
+// Schedule-free SGD (Defazio et al. 2024), as schedulefree.SGDScheduleFree steps it: the param holds
+// y = (1 - beta) z + beta x, z takes plain SGD steps and x is the average of the z's, with weight c_{k+1}
+// (ckp1) on the newest. Its step in y and z alone (x is never formed): y <- lerp(y, z, ckp1) + lr (beta (1 - ckp1)
+// - 1) g, z <- z - lr g, with g the gradient decayed at y; the coefficients from the step's lr (after warmup) and
+// ckp1 (schedule_free_scalars), in double, then in the opmath type, as the peer's Python floats reach its ops.
+template <typename T>
+LFSGD_HOST_DEVICE inline void apply_schedule_free(Coeffs<T>& c, const GroupHParams& h, double ckp1) {
+  c.ckp1 = static_cast<T>(ckp1);
+  c.y_grad = static_cast<T>(h.lr * (h.momentum * (1.0 - ckp1) - 1.0));
+}
+
+// One element's schedule-free step (`z` the update's second stream, where SGD has its buffer), in the peer's
+// foreach operations and their roundings: grad.add_(y, alpha=wd), y.lerp_(z, ckp1), y.add_(grad, alpha=y_grad),
+// z.sub_(grad, alpha=lr).
+template <bool kClipValue = true, typename V, typename S>
+LFSGD_ELEMENT void schedule_free_element(V& y, V g, V& z, const Coeffs<S>& c) {
+  g = clipped_grad<kClipValue>(g, c);
+  const V decayed = mul_add(y, V(c.wd_coupled), g);
+  g = pick(c.wd_coupled != S(0), decayed, g);
+  y = mul_add(g, V(c.y_grad), lerp(y, z, c.ckp1));
+  z = mul_add(g, V(-c.lr), z);
 }
 
 // Whether the LARS denominator is ||g_raw + lambda w|| ("decayed_grad") rather than ||g_raw|| + lambda ||w||.
