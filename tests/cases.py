@@ -14,7 +14,7 @@ import torch
 from helpers import make_params
 from torch import nn
 
-from lightning_fusedsgd import FusedSGD
+from lightning_fusedsgd import FusedSGD, FusedSGDScheduleFree
 
 
 @dataclass(frozen=True)
@@ -245,6 +245,38 @@ def _add_group(group: dict[str, Any], **hparams: Any) -> Scenario:
     return Scenario(optimizer, params, lambda: optimizer.add_param_group({"params": params[1:], **group}))
 
 
+def _schedule_free(act: Callable[[FusedSGDScheduleFree, list[nn.Parameter]], Any]) -> Callable[[], Scenario]:
+    """A named two-param FusedSGDScheduleFree that took three steps in train mode (its plan kept), then asked
+    ``act(optimizer, params)`` (which may edit it first and returns what to call)."""
+
+    def scenario() -> Scenario:
+        params = make_params([(5,), (3,)])
+        optimizer = FusedSGDScheduleFree(list(zip("ab", params)), lr=0.1, weight_decay=1e-4, warmup_steps=2)
+        optimizer.train()
+        for _ in range(3):
+            _with_grad(optimizer, *params).step()
+        return Scenario(optimizer, params, act(optimizer, params))
+
+    return scenario
+
+
+def _edited_step(key: str, value: Any) -> Callable[[FusedSGDScheduleFree, list], Any]:
+    def act(optimizer: FusedSGDScheduleFree, params: list) -> Any:
+        optimizer.param_groups[0][key] = value
+        return optimizer.step
+
+    return act
+
+
+def _loaded_with(edit: Callable[[dict], Any]) -> Callable[[FusedSGDScheduleFree, list], Any]:
+    def act(optimizer: FusedSGDScheduleFree, params: list) -> Any:
+        state = copy.deepcopy(optimizer.state_dict())
+        edit(state)
+        return lambda: optimizer.load_state_dict(state)
+
+    return act
+
+
 def _set(key: str, value: Any) -> Callable[[FusedSGD], None]:
     return lambda optimizer: optimizer.param_groups[0].__setitem__(key, value)
 
@@ -425,6 +457,68 @@ REFUSALS = [
     ),
 ]
 """Inputs FusedSGD refuses before anything is written, with an error that names the problem and the fix."""
+
+SCHEDULE_FREE_REFUSALS = [
+    Refusal(
+        "step-in-eval-mode",
+        _schedule_free(lambda optimizer, params: (optimizer.eval(), optimizer.step)[1]),
+        RuntimeError,
+        r"Optimizer was not in train mode when step is called\. Please insert \.train\(\) and \.eval\(\)",
+    ),
+    Refusal(
+        "group-edited-to-a-momentum-of-one",
+        _schedule_free(_edited_step("momentum", 1.0)),
+        ValueError,
+        r"param_groups\[0\]: Momentum must be between 0 and 1 exclusive: 1.0\. .*choose one in \(0, 1\)",
+    ),
+    Refusal(
+        "eval-after-a-momentum-edited-to-zero",
+        _schedule_free(lambda optimizer, params: (_set("momentum", 0.0)(optimizer), optimizer.eval)[1]),
+        ValueError,
+        r"Momentum must be between 0 and 1 exclusive: 0.0",
+    ),
+    Refusal(
+        "group-edited-to-a-negative-warmup",
+        _schedule_free(_edited_step("warmup_steps", -5)),
+        ValueError,
+        r"param_groups\[0\]: Invalid warmup_steps: -5\. It must be >= 0",
+    ),
+    Refusal(
+        "group-edited-to-nesterov",
+        _schedule_free(_edited_step("nesterov", True)),
+        ValueError,
+        "A schedule-free group steps without nesterov .*or step it with FusedSGD",
+    ),
+    Refusal(
+        "state-dict-z-of-another-shape",
+        _schedule_free(_loaded_with(lambda state: state["state"][1].__setitem__("z", torch.zeros(7, 3)))),
+        ValueError,
+        r"The z of 'b' has shape \(7, 3\) but the parameter has shape \(3,\)",
+    ),
+    Refusal(
+        "state-dict-group-with-a-momentum-of-one",
+        _schedule_free(_loaded_with(lambda state: state["param_groups"][0].__setitem__("momentum", 1))),
+        ValueError,
+        r"saved param_groups\[0\]: Momentum must be between 0 and 1 exclusive: 1",
+    ),
+]
+"""Inputs FusedSGDScheduleFree refuses before anything is written (its scalars and mode included)."""
+
+SCHEDULE_FREE_CONSTRUCTION_REFUSALS = [
+    (dict(momentum=0.0), r"Momentum must be between 0 and 1 exclusive: 0.0"),
+    (dict(momentum=1.0), r"Momentum must be between 0 and 1 exclusive: 1.0"),
+    (dict(momentum=-0.1), r"Momentum must be between 0 and 1 exclusive: -0.1"),
+    (dict(momentum=1.5), r"Momentum must be between 0 and 1 exclusive: 1.5"),
+    (dict(lr=-1.0), r"Invalid learning rate: -1.0\. It must be >= 0"),
+    (dict(weight_decay=-1e-4), r"Invalid weight_decay value: -0.0001\. It must be >= 0"),
+    (dict(warmup_steps=-1), r"Invalid warmup_steps: -1\. It must be >= 0"),
+    (dict(warmup_steps="10"), r"Invalid warmup_steps: '10'\. It must be a number .*got a str"),
+    (dict(weight_lr_power=-2.0), r"Invalid weight_lr_power: -2.0\. It must be >= 0"),
+    (dict(r=float("nan")), r"Invalid r: nan\. It must be a finite number"),
+    (dict(update_rounding="up"), r"Invalid update_rounding: 'up'"),
+    (dict(max_grad_norm=0.0), r"Invalid max_grad_norm: 0.0"),
+]
+"""FusedSGDScheduleFree's arguments it refuses at construction: (kwargs, what the message says)."""
 
 CONSTRUCTION_REFUSALS = [
     (dict(lr=-0.1), "Invalid learning rate: -0.1. It must be >= 0"),

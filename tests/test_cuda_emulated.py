@@ -20,7 +20,7 @@ from helpers import make_params, op_row
 from oracles import assert_close_rel
 from torch import nn
 
-from lightning_fusedsgd import FusedSGD, ops
+from lightning_fusedsgd import FusedSGD, FusedSGDScheduleFree, ops
 from lightning_fusedsgd._abi import (
     DECAYS,
     LARS_DENOMINATORS,
@@ -440,3 +440,46 @@ def test_lars_training_through_the_cuda_kernels_equals_the_cpu_kernels(seed):
             optimizer.step()
         runs.append(list(model.parameters()))
     assert_close_rel(runs[1], runs[0], 1e-5)
+
+
+@pytest.mark.parametrize(
+    "options, dtype",
+    [
+        (dict(weight_decay=1e-3, momentum=0.5), torch.float32),
+        (dict(master_weights=True, max_grad_value=0.5), torch.bfloat16),
+        (dict(update_rounding="stochastic", capturable=True), torch.bfloat16),
+    ],
+    ids=["fp32", "bf16-masters-value-clip", "bf16-stochastic-capturable"],
+)
+def test_schedule_free_steps_and_switches_through_the_cuda_kernels(options, dtype, seed, capturing):
+    """FusedSGDScheduleFree(backend="cuda_emulated"): its scalars advanced on the device (a skipped step
+    leaving them), its updates (kept plans among them) and its train/eval switches equal the compiled CPU
+    kernel's bit for bit."""
+    runs = []
+    for backend in ("compiled", "cuda_emulated"):
+        params = make_params([(70_000,), (33, 17), (8,), (3, 5, 4, 4)], dtype=dtype)
+        optimizer = FusedSGDScheduleFree(params, lr=0.5, warmup_steps=2, r=0.5, backend=backend, **options)
+        optimizer.train()
+        generator = torch.Generator().manual_seed(1)
+        for step in range(5):
+            for p in params:
+                p.grad = torch.empty_like(p).copy_(torch.randn(p.shape, generator=generator))
+            optimizer.found_inf = torch.tensor(float(step == 3))
+            optimizer.step()
+            if step == 1:
+                optimizer.eval()
+                optimizer.train()
+        optimizer.eval()
+        state = [value for p in params for _, value in sorted(optimizer.state[p].items())]
+        runs.append([*params, *state, optimizer._scalars.tensor])
+    assert set(optimizer.last_backends.values()) == {"cuda_emulated (kept plan)"}
+    assert runs[1][-1][0].tolist() == [4.0]  # k: the skipped step did not count
+    _assert_same_bits(runs[1], runs[0])
+
+
+def test_schedule_free_scalars_give_the_cpu_kernels_values(seed, capturing, emulated, cpu):
+    """The scalars op on the device (the step row's found_inf read there: a skipped step changes nothing)
+    gives the CPU op's doubles bit for bit (the same host libm)."""
+    from test_schedule_free import _scalars_op_run
+
+    assert all(torch.equal(a, e) for a, e in zip(_scalars_op_run(emulated), _scalars_op_run(cpu)))

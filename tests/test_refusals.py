@@ -5,14 +5,23 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cases import CONSTRUCTION_REFUSALS, REFUSALS
+from cases import (
+    CONSTRUCTION_REFUSALS,
+    REFUSALS,
+    SCHEDULE_FREE_CONSTRUCTION_REFUSALS,
+    SCHEDULE_FREE_REFUSALS,
+)
 from helpers import assert_unchanged, snapshot
 from torch import nn
 
-from lightning_fusedsgd import FusedSGD
+from lightning_fusedsgd import FusedSGD, FusedSGDScheduleFree
 
 
-@pytest.mark.parametrize("refusal", REFUSALS, ids=lambda r: r.id)
+@pytest.mark.parametrize(
+    "refusal",
+    [*REFUSALS, *(pytest.param(r, id=f"schedule-free-{r.id}") for r in SCHEDULE_FREE_REFUSALS)],
+    ids=lambda r: r.id,
+)
 def test_refused_and_nothing_changed(refusal):
     scenario = refusal.scenario()
     before = snapshot(scenario.optimizer, scenario.params)
@@ -27,6 +36,40 @@ def test_refused_and_nothing_changed(refusal):
 def test_refused_at_construction(kwargs, message):
     with pytest.raises(ValueError, match=message):
         FusedSGD([nn.Parameter(torch.randn(3))], **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, message", SCHEDULE_FREE_CONSTRUCTION_REFUSALS, ids=lambda v: str(v)[:40])
+def test_schedule_free_refused_at_construction(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        FusedSGDScheduleFree([nn.Parameter(torch.randn(3))], **kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs", [dict(lr=-0.1), dict(weight_decay=-1.0), dict(momentum=0.0), dict(momentum=1.5)], ids=str
+)
+def test_refusals_schedulefrees_words_are_in_ours(kwargs):
+    """Code that matches schedulefree.SGDScheduleFree's messages keeps working: its message (the oracle) is
+    part of ours, which goes on to name the fix."""
+    schedulefree = pytest.importorskip("schedulefree")
+    with pytest.raises(ValueError) as theirs:
+        schedulefree.SGDScheduleFree([nn.Parameter(torch.randn(3))], **kwargs)
+    with pytest.raises(ValueError) as ours:
+        FusedSGDScheduleFree([nn.Parameter(torch.randn(3))], **kwargs)
+    assert str(theirs.value) in str(ours.value)
+    assert len(str(ours.value)) > len(str(theirs.value))
+
+
+def test_a_step_in_eval_mode_is_refused_in_schedulefrees_words():
+    schedulefree = pytest.importorskip("schedulefree")
+    messages = []
+    for optimizer in (
+        schedulefree.SGDScheduleFree([nn.Parameter(torch.randn(3))]),
+        FusedSGDScheduleFree([nn.Parameter(torch.randn(3))]),
+    ):
+        with pytest.raises(Exception) as refused:
+            optimizer.step()  # both start in eval mode
+        messages.append(str(refused.value))
+    assert messages[0] in messages[1]
 
 
 def test_an_empty_parameter_list_is_refused_naming_frozen_params():

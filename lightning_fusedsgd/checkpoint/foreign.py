@@ -269,8 +269,9 @@ def seed_state_from_weights(
     optimizer: torch.optim.Optimizer, module: nn.Module, weights: Mapping[str, torch.Tensor]
 ) -> None:
     """Start the state of each bf16/fp16 parameter that is seeded from its weight (the slots whose
-    ``Slot.seed`` is ``"weight"`` or ``"residual"``: fp32 master weights, Kahan compensations) from the
-    checkpoint's fp32 weights, where the parameter's group holds it.
+    ``Slot.seed`` is ``"weight"`` or ``"residual"``: fp32 master weights, Kahan compensations, schedule-free's
+    z) from the checkpoint's fp32 weights, where the parameter's group holds it and its state does not yet
+    (state loaded from the checkpoint's optimizer state, such as a z, is kept).
 
     Under ``precision="bf16-true"`` Lightning casts the module before the optimizer exists, so a master
     copy made from the parameter would lose the low bits the checkpoint still has, and a compensation
@@ -293,7 +294,8 @@ def seed_state_from_weights(
             if saved is None or saved.dtype != torch.float32 or param.dtype not in LOW_PRECISION:
                 continue
             for slot in _abi.SLOTS:
-                if slot.seed in ("weight", "residual") and slot.held(group, param.dtype):
+                held = slot.held(group, param.dtype) and slot.key not in optimizer.state.get(param, {})
+                if slot.seed in ("weight", "residual") and held:
                     dtype = slot.dtype(group, param.dtype)
                     value = seeded(slot, param.detach(), saved.to(param.device), dtype)
                     optimizer.state[param][slot.key] = value

@@ -1,0 +1,286 @@
+"""FusedSGDScheduleFree against schedulefree.SGDScheduleFree, the peer it replaces: the same trajectories
+bit for bit (fp32 and float64, 16-bit params on their fp32 masters against the peer in fp32), the same
+train/eval switches, state dicts that cross both ways, and what the peer has not (GradScaler skips, clipping
+in the step), against the peer fed what those give it."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from helpers import clone_params, make_params, set_grads
+from oracles import assert_close_rel
+from torch import nn
+
+from lightning_fusedsgd import FusedSGDScheduleFree, ops
+from lightning_fusedsgd._abi import SCHEDULE_FREE_SCALARS, StepRow, table
+from lightning_fusedsgd.ops import reference
+
+schedulefree = pytest.importorskip("schedulefree")
+
+STEPS = 120
+# Two groups with their own lr and decay, warmup, r > 0: every scalar of the peer's step matters.
+HPARAMS = dict(lr=0.5, weight_decay=1e-3, warmup_steps=10, r=1.0, weight_lr_power=2.0)
+
+
+def _groups(params, second=None):
+    return [{"params": params[:3]}, {"params": params[3:], "lr": 0.2, "weight_decay": 5e-3, **(second or {})}]
+
+
+def _pair(params, momentum, backend="auto", **options):
+    """Ours over ``params`` and the peer over copies of them, both in train mode."""
+    copies = clone_params(params)
+    ours = FusedSGDScheduleFree(_groups(params), momentum=momentum, backend=backend, **HPARAMS, **options)
+    peer = schedulefree.SGDScheduleFree(_groups(copies), momentum=momentum, **HPARAMS)
+    ours.train()
+    peer.train()
+    return ours, peer, copies
+
+
+def _assert_same(ours, peer, params, copies, weights=None):
+    """y (or x) and z bit for bit; ``weights``: where ours keeps its weights (its fp32 masters)."""
+    for p, q in zip(params, copies):
+        weight = p.detach() if weights is None else ours.state[p][weights]
+        assert torch.equal(weight, q.detach())
+        if "z" in peer.state[q]:
+            assert torch.equal(ours.state[p]["z"], peer.state[q]["z"])
+        else:
+            assert "z" not in ours.state[p]
+
+
+@pytest.mark.parametrize("momentum", [0.9, 0.5])  # 1 - 1/beta inside and outside lerp's |w| < 0.5 branch
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("backend", ["compiled", "reference"])
+def test_steps_and_switches_are_schedulefrees_bit_for_bit(backend, dtype, momentum, device):
+    """120 steps, params without grads on some steps (and one step without any), an eval/train round trip
+    every 40 steps as a validation makes: y, z, x and every group scalar equal the peer's."""
+    params = make_params(dtype=dtype, device=device)
+    ours, peer, copies = _pair(params, momentum, backend)
+    generator = torch.Generator().manual_seed(1)
+    for step in range(STEPS):
+        set_grads([params, copies], step, generator)
+        if step == 50:
+            for p in (*params, *copies):
+                p.grad = None  # the peer advances its scalars all the same
+        ours.step()
+        peer.step()
+        if step % 40 == 39:
+            ours.eval()
+            peer.eval()
+            _assert_same(ours, peer, params, copies)  # x
+            ours.train()
+            peer.train()
+    _assert_same(ours, peer, params, copies)
+    saved = ours.state_dict()["param_groups"]
+    for group, theirs in zip(saved, peer.param_groups):
+        for key in ("k", "lr_max", "weight_sum", "scheduled_lr", "train_mode"):
+            assert group[key] == theirs[key] and type(group[key]) is type(theirs[key]), key
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_params_step_on_fp32_masters_as_schedulefree_in_fp32(dtype):
+    """The masters and z are the peer's fp32 params and z (its grads: ours, widened); the params hold their
+    rounding; a plan kept across steps gives the same."""
+    params = make_params(dtype=dtype)
+    ours = FusedSGDScheduleFree(_groups(params), master_weights=True, **HPARAMS)
+    copies = [nn.Parameter(p.detach().float()) for p in params]
+    peer = schedulefree.SGDScheduleFree(_groups(copies), **HPARAMS)
+    ours.train()
+    peer.train()
+    generator = torch.Generator().manual_seed(2)
+    for _ in range(30):
+        for p, q in zip(params, copies):
+            p.grad = torch.empty_like(p).copy_(torch.randn(p.shape, generator=generator))  # a kept layout
+            q.grad = p.grad.float()
+        ours.step()
+        peer.step()
+    assert ours.last_backends == {f"cpu/{str(dtype)[6:]} + master_param": "compiled (kept plan)"}
+    _assert_same(ours, peer, params, copies, weights="master_param")
+    assert all(torch.equal(p, q.to(dtype)) for p, q in zip(params, copies))
+    ours.eval()
+    peer.eval()
+    _assert_same(ours, peer, params, copies, weights="master_param")
+    assert all(torch.equal(p, q.to(dtype)) for p, q in zip(params, copies))
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic", "kahan"])
+def test_bf16_without_masters_backends_agree(rounding):
+    """Where the peer has no counterpart (bf16 params rounded once per step, not per foreach op): the kernel
+    against the reference, bit for bit, z stored as SGD's momentum buffer is (stochastic: with the low 16
+    random bits; Kahan: to nearest)."""
+    params = make_params(dtype=torch.bfloat16)
+    copies = clone_params(params)
+    options = dict(update_rounding=rounding, rounding_seed=7, **HPARAMS)
+    compiled = FusedSGDScheduleFree(_groups(params), **options)
+    reference = FusedSGDScheduleFree(_groups(copies), backend="reference", **options)
+    for optimizer in (compiled, reference):
+        optimizer.train()
+    generator = torch.Generator().manual_seed(3)
+    for step in range(12):
+        set_grads([params, copies], step, generator)
+        compiled.step()
+        reference.step()
+    compiled.eval()
+    reference.eval()
+    for p, q in zip(params, copies):
+        assert torch.equal(p, q)
+        assert compiled.state[p].keys() == reference.state[q].keys()
+        for key, value in compiled.state[p].items():
+            assert torch.equal(value, reference.state[q][key]), key
+
+
+def _trained(params, kind):
+    """Ten steps of ours or of the peer over ``params``, in train mode."""
+    cls = FusedSGDScheduleFree if kind == "ours" else schedulefree.SGDScheduleFree
+    optimizer = cls(_groups(params), **HPARAMS)
+    optimizer.train()
+    generator = torch.Generator().manual_seed(4)
+    for _ in range(10):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=generator)
+        optimizer.step()
+    return optimizer
+
+
+@pytest.mark.parametrize("saved_by", ["peer", "ours"])
+def test_state_dicts_cross_with_schedulefree(saved_by):
+    """A state dict saved by either loads into both, which continue bit for bit (z, the scalars as numbers of
+    the peer's types, the mode)."""
+    params = make_params()
+    saved = _trained(params, saved_by).state_dict()
+    assert type(saved["param_groups"][0]["k"]) is int and type(saved["param_groups"][0]["lr_max"]) is float
+    ours_params, peer_params = clone_params(params), clone_params(params)
+    ours = FusedSGDScheduleFree(_groups(ours_params), **HPARAMS)
+    peer = schedulefree.SGDScheduleFree(_groups(peer_params), **HPARAMS)
+    ours.load_state_dict(copy.deepcopy(saved))  # torch's loader keeps the tensors it is given
+    peer.load_state_dict(copy.deepcopy(saved))
+    generator = torch.Generator().manual_seed(5)
+    for _ in range(10):
+        for p, q in zip(ours_params, peer_params):
+            p.grad = torch.randn(p.shape, generator=generator)
+            q.grad = p.grad.clone()
+        ours.step()
+        peer.step()
+    _assert_same(ours, peer, ours_params, peer_params)
+
+
+def test_a_skipped_step_changes_nothing_and_an_applied_one_unscales():
+    """Under a GradScaler: a step with found_inf leaves y, z and every scalar as they were (the peer never
+    sees it); an applied one unscales in the kernel (scale 2^10: exact), as the peer stepping the unscaled
+    grads."""
+    params = make_params()
+    ours, peer, copies = _pair(params, 0.9)
+    generator = torch.Generator().manual_seed(6)
+    for step in range(6):
+        set_grads([params, copies], step, generator)
+        skipped = step in (0, 3)
+        ours.grad_scale = torch.tensor(1024.0)
+        ours.found_inf = torch.tensor(1.0 if skipped else 0.0)
+        for p in params:
+            if p.grad is not None:
+                p.grad *= 1024.0
+        before = [p.detach().clone() for p in params], copy.deepcopy(ours.state_dict())
+        ours.step()
+        assert bool(ours.last_step_applied) is not skipped
+        if skipped:
+            assert all(torch.equal(p, w) for p, w in zip(params, before[0]))
+            assert ours.state_dict()["param_groups"] == before[1]["param_groups"]
+            assert [sorted(s) for s in ours.state_dict()["state"].values()] == [
+                sorted(s) for s in before[1]["state"].values()
+            ]
+            continue
+        peer.step()
+    _assert_same(ours, peer, params, copies)
+
+
+@pytest.mark.parametrize("clip", [dict(max_grad_value=0.5), dict(max_grad_norm=2.0)], ids=["value", "norm"])
+def test_clipping_in_the_step_is_torchs_clip_then_schedulefree(clip):
+    """By value: bit for bit (a clamp rounds nothing). By norm: to fp32 rounding, the global norm summed in
+    another order than clip_grad_norm_'s."""
+    params = make_params()
+    ours, peer, copies = _pair(params, 0.9, **clip)
+    generator = torch.Generator().manual_seed(7)
+    for step in range(20):
+        set_grads([params, copies], step, generator)
+        ours.step()
+        with_grads = [q for q in copies if q.grad is not None]
+        if "max_grad_value" in clip:
+            torch.nn.utils.clip_grad_value_(with_grads, clip["max_grad_value"])
+        else:
+            torch.nn.utils.clip_grad_norm_(with_grads, clip["max_grad_norm"])
+        peer.step()
+    if "max_grad_value" in clip:
+        _assert_same(ours, peer, params, copies)
+    else:
+        assert_close_rel(params, copies, 2e-6)
+        assert_close_rel([ours.state[p]["z"] for p in params], [peer.state[q]["z"] for q in copies], 2e-6)
+
+
+def test_capturable_steps_read_the_lrs_and_the_scalars_on_the_device():
+    """capturable=True: the lrs a view of one device tensor, the scalars always one; the same bits as a plain
+    step, an lr set on the group (a scheduler) taking effect at the next step."""
+    params = make_params()
+    ours, peer, copies = _pair(params, 0.9, capturable=True)
+    generator = torch.Generator().manual_seed(8)
+    for step in range(20):
+        set_grads([params, copies], step, generator)
+        if step == 10:
+            ours.param_groups[1]["lr"] = peer.param_groups[1]["lr"] = 0.3
+        ours.step()
+        peer.step()
+    _assert_same(ours, peer, params, copies)
+    scalars = ours._scalars.tensor
+    assert scalars.shape == (len(SCHEDULE_FREE_SCALARS), 2) and scalars.dtype == torch.float64
+    for g, group in enumerate(ours.param_groups):
+        assert group["k"].data_ptr() == scalars[0, g].data_ptr()  # a view, which the op advances in place
+        assert group["lr"].data_ptr() == ours.lr_tensor()[g].data_ptr()
+
+
+def test_a_group_added_mid_run_follows_the_peer():
+    """Its scalars start at the peer's initial values and join the device tensor; it switches to train with
+    its own train()."""
+    params = make_params()
+    copies = clone_params(params)
+    ours = FusedSGDScheduleFree(_groups(params[:4]), **HPARAMS)
+    peer = schedulefree.SGDScheduleFree(_groups(copies[:4]), **HPARAMS)
+    generator = torch.Generator().manual_seed(9)
+    for step in range(12):
+        if step == 5:
+            ours.add_param_group({"params": params[4:], "lr": 0.05})
+            peer.add_param_group({"params": copies[4:], "lr": 0.05})
+        ours.train()
+        peer.train()
+        set_grads([params, copies], step, generator)
+        ours.step()
+        peer.step()
+    _assert_same(ours, peer, params, copies)
+
+
+def _scalars_op_run(library):
+    """Ten calls of a library's schedule_free_scalars on two groups (lrs from the table, then from the row; a
+    skipped step at 4): each call's scalars."""
+    groups = [
+        FusedSGDScheduleFree([nn.Parameter(torch.zeros(1))], **HPARAMS).defaults,
+        FusedSGDScheduleFree([nn.Parameter(torch.zeros(1))], lr=0.3, r=0.5).defaults,
+    ]
+    hparams = table(groups, lr_on_device=False)
+    scalars = torch.zeros(len(SCHEDULE_FREE_SCALARS), 2, dtype=torch.float64)
+    scalars[SCHEDULE_FREE_SCALARS.index("lr_max")] = -1.0
+    history = []
+    for step in range(10):
+        values = {"found_inf": torch.tensor(float(step == 4))}
+        if step >= 6:
+            values["lrs"] = torch.tensor([0.1, 0.2], dtype=torch.float64)
+        library.schedule_free_scalars(scalars, hparams, StepRow(values).on(torch.device("cpu")))
+        history.append(scalars.clone())
+    return history
+
+
+def test_the_scalars_op_of_the_kernel_is_the_references_and_skips():
+    compiled, expected = _scalars_op_run(ops.load("cpu")), _scalars_op_run(reference)
+    assert all(torch.equal(a, e) for a, e in zip(compiled, expected))
+    assert torch.equal(expected[4], expected[3])  # skipped
+    k, scheduled = SCHEDULE_FREE_SCALARS.index("k"), SCHEDULE_FREE_SCALARS.index("scheduled_lr")
+    assert expected[-1][k].tolist() == [9.0, 9.0]
+    assert expected[-1][scheduled].tolist() == [0.1 * (9 / 10), 0.2]  # the first group's warmup: 10 steps
