@@ -28,6 +28,7 @@ from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning_fusedsgd.lightning._wrapped import fused_sgd_of
 from lightning_fusedsgd.lightning.deepspeed import AttachDeepSpeed
 from lightning_fusedsgd.lightning.errors import ConfigError
+from lightning_fusedsgd.lightning.schedule_free import ScheduleFreeModes
 from lightning_fusedsgd.optim import FusedSGD
 
 __all__ = ["ClipInTheStep", "callbacks", "clip_gradients", "clip_in_the_step"]
@@ -174,4 +175,4 @@ class ClipInTheStep(pl.Callback):
 def callbacks() -> list[pl.Callback]:
     """The callbacks Lightning adds to every ``Trainer`` (the package's
     ``lightning.pytorch.callbacks_factory`` entry point)."""
-    return [ClipInTheStep(), AttachDeepSpeed()]
+    return [ClipInTheStep(), AttachDeepSpeed(), ScheduleFreeModes()]

@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader
 from lightning_fusedsgd._abi import check_flag
 from lightning_fusedsgd.lightning.clipping import clip_in_the_step
 from lightning_fusedsgd.lightning.errors import ConfigError
-from lightning_fusedsgd.optim import FusedSGD
+from lightning_fusedsgd.optim import FusedSGD, FusedSGDScheduleFree
 from lightning_fusedsgd.param_groups import param_groups
 from lightning_fusedsgd.schedule import WarmupLR, scaled_lr
 
@@ -65,6 +65,19 @@ class Schedule:
         if self.unit not in ("epoch", "step"):
             raise ConfigError(f"schedule.unit must be 'epoch' or 'step', got {self.unit!r}")
 
+    def _scale(self, steps_per_epoch: int | None) -> int:
+        """Optimizer steps per ``unit``."""
+        in_epochs = self.unit == "epoch" and (self.warmup or self.milestones)
+        if in_epochs and steps_per_epoch is None:
+            raise ConfigError(
+                "the training data has no length, so epochs cannot be converted: use schedule.unit=step"
+            )
+        return steps_per_epoch if in_epochs else 1
+
+    def warmup_steps(self, steps_per_epoch: int | None) -> int:
+        """The warmup's length in optimizer steps, ``steps_per_epoch`` per epoch."""
+        return round(self.warmup * self._scale(steps_per_epoch))
+
     def build(
         self,
         optimizer: torch.optim.Optimizer,
@@ -79,13 +92,8 @@ class Schedule:
             ConfigError: If epochs are used with an unknown epoch length, or the schedule does not fit
                 the run.
         """
-        in_epochs = self.unit == "epoch" and (self.warmup or self.milestones)
-        if in_epochs and steps_per_epoch is None:
-            raise ConfigError(
-                "the training data has no length, so epochs cannot be converted: use schedule.unit=step"
-            )
-        scale = steps_per_epoch if in_epochs else 1
-        warmup_steps = round(self.warmup * scale)
+        warmup_steps = self.warmup_steps(steps_per_epoch)
+        scale = self._scale(steps_per_epoch)
         if warmup_steps >= total_steps:
             # Ramp over the whole run rather than start at a large peak lr unwarmed.
             rank_zero_warn(
@@ -132,9 +140,11 @@ def configure_fused_sgd(
     extra_no_decay: Sequence[str] = (),
     schedule: Schedule | None = None,
     batch_size: int | None = None,
+    schedule_free: bool = False,
     **optimizer_kwargs: Any,
 ) -> dict[str, Any]:
-    """Build parameter groups -> :class:`FusedSGD` -> :class:`WarmupLR` for ``module``'s trainer.
+    """Build parameter groups -> :class:`FusedSGD` -> :class:`WarmupLR` for ``module``'s trainer (or
+    :class:`FusedSGDScheduleFree`, with no scheduler).
 
     Call it from ``configure_optimizers``. Lightning's ``gradient_clip_val`` then clips inside the fused
     step under every precision (see :func:`clip_gradients`). The peak lr follows the linear scaling rule
@@ -168,12 +178,18 @@ def configure_fused_sgd(
         extra_no_decay: fnmatch patterns of more parameter names with neither decay nor LARS.
         schedule: Warmup and decay; default cosine to zero without warmup.
         batch_size: Per-device batch size; read from the training DataLoader when ``None``.
+        schedule_free: Schedule-free SGD (:class:`~lightning_fusedsgd.FusedSGDScheduleFree`, ``momentum`` its
+            interpolation) and no lr scheduler: the lr is the peak from the first step after warmup, the
+            schedule's ``warmup`` its ``warmup_steps`` (its decay must be ``constant``, its start the
+            optimizer's: ``lr / warmup_steps``). The ScheduleFreeModes callback switches its modes.
         **optimizer_kwargs: Further :class:`~lightning_fusedsgd.FusedSGD` arguments, as FusedSGD takes them:
             ``nesterov``, ``dampening``, the LARS options (``trust_coefficient``, ``trust_clip``, ...),
-            ``wd_after_momentum``, ``capturable``, ``backend``, ...
+            ``wd_after_momentum``, ``capturable``, ``backend``, ...; with ``schedule_free``, those of
+            FusedSGDScheduleFree (``r``, ``weight_lr_power``, ...).
 
     Returns:
-        ``{"optimizer": ..., "lr_scheduler": {"scheduler": ..., "interval": "step"}}``.
+        ``{"optimizer": ..., "lr_scheduler": {"scheduler": ..., "interval": "step"}}``; with
+        ``schedule_free``, ``{"optimizer": ...}``.
 
     Raises:
         ConfigError: If a switch is a string (a config's ``"false"``, which Python takes as true), the
@@ -182,6 +198,7 @@ def configure_fused_sgd(
     """
     switches = dict(lars=lars, master_weights=master_weights, no_decay_bias=no_decay_bias)
     switches |= dict(no_decay_norm=no_decay_norm, no_lars_bias=no_lars_bias, no_lars_norm=no_lars_norm)
+    switches |= dict(schedule_free=schedule_free)
     try:
         for key, value in switches.items():
             check_flag(key, value)
@@ -195,7 +212,9 @@ def configure_fused_sgd(
         raise ConfigError(
             "configure_fused_sgd needs the module attached to a Trainer: call it from configure_optimizers"
         )
-    schedule = schedule or Schedule()
+    if schedule_free:
+        _check_schedule_free(schedule, lars)
+    schedule = schedule or Schedule(decay="constant" if schedule_free else "cosine")
 
     total_steps, steps_per_epoch = _run_length(trainer)
     accumulate = trainer.accumulate_grad_batches
@@ -230,23 +249,27 @@ def configure_fused_sgd(
             p.dtype in (torch.float16, torch.bfloat16) for p in module.parameters()
         )
 
+    common = dict(lr=peak_lr, momentum=momentum, weight_decay=weight_decay, master_weights=master_weights)
     try:
-        optimizer = FusedSGD(
-            groups,
-            lr=peak_lr,
-            momentum=momentum,
-            weight_decay=weight_decay,
-            master_weights=master_weights,
-            lars=lars,
-            **optimizer_kwargs,
-        )
+        if schedule_free:
+            warmup = schedule.warmup_steps(steps_per_epoch)
+            optimizer = FusedSGDScheduleFree(groups, warmup_steps=warmup, **common, **optimizer_kwargs)
+        else:
+            optimizer = FusedSGD(groups, lars=lars, **common, **optimizer_kwargs)
     except ValueError as error:  # a value the optimizer refuses: the user's to fix, in one line
         raise ConfigError(f"optimizer: {error}") from None
+    clip_in_the_step(module)
+    _warn_if_bf16_is_emulated(trainer)
+    if schedule_free:
+        rank_zero_info(
+            f"configure_fused_sgd: schedule-free SGD lr {peak_lr:g}{scaling}, global batch {global_batch}, "
+            f"warmup {warmup} of {total_steps} steps, no lr schedule, master_weights={master_weights}, "
+            f"groups: {_group_sizes(optimizer)}"
+        )
+        return {"optimizer": optimizer}
     scheduler = schedule.build(
         optimizer, total_steps=total_steps, steps_per_epoch=steps_per_epoch, peak_lr=peak_lr
     )
-    clip_in_the_step(module)
-    _warn_if_bf16_is_emulated(trainer)
 
     rank_zero_info(
         f"configure_fused_sgd: {'LARS' if lars else 'SGD'} peak lr {peak_lr:g}{scaling}, "
@@ -259,6 +282,24 @@ def configure_fused_sgd(
         "optimizer": optimizer,
         "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1},
     }
+
+
+def _check_schedule_free(schedule: Schedule | None, lars: bool) -> None:
+    """What schedule-free SGD cannot take: LARS, a decay (the average replaces it), a warmup start of its
+    own."""
+    if lars:
+        raise ConfigError("schedule_free=True steps without LARS: set lars=False (or schedule_free=False)")
+    if schedule is not None and (schedule.decay != "constant" or schedule.milestones):
+        raise ConfigError(
+            "schedule_free=True takes no lr decay (its average does that work), got "
+            f"decay={schedule.decay!r}: use a constant schedule (schedule=constant in the recipes); its "
+            "warmup is the optimizer's"
+        )
+    if schedule is not None and (schedule.start_factor != 0.0 or schedule.start_lr is not None):
+        raise ConfigError(
+            "schedule_free=True warms up from lr / warmup_steps, as schedulefree does: leave the schedule's "
+            "start_factor at 0 and start_lr unset"
+        )
 
 
 def _run_length(trainer: pl.Trainer) -> tuple[int, int | None]:
