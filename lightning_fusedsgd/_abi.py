@@ -51,6 +51,7 @@ __all__ = [
     "LARS_SUM_NAMES",
     "LARS_ZERO_NORMS",
     "LOW_PRECISION",
+    "GROUP_STATE",
     "SCHEDULE_FREE_SCALARS",
     "SCHEDULE_HEADER",
     "SLOTS",
@@ -398,6 +399,7 @@ SLOTS: tuple[Slot, ...] = (
         dtype=_buffer_dtype,
         seed="weight",
         option="schedule_free",
+        stale_unheld=True,
     ),
 )
 """Every kind of per-parameter state, in the kernels' order (``LFSGD_SLOTS``): the op's ``state`` holds each
@@ -556,6 +558,18 @@ params' device that the ``schedule_free_scalars`` op advances each applied step:
 of schedulefree.SGDScheduleFree (the step count, the largest lr so far, the sum of the average's weights, this
 step's lr after warmup) and ``ckp1``, this step's weight of z in the average; in the order of
 ``LFSGD_SCHEDULE_FREE_SCALARS`` in ops/csrc/schedule_free.h."""
+
+
+GROUP_STATE: dict[str, Any] = {
+    "k": 0,
+    "train_mode": False,
+    "weight_sum": 0.0,
+    "lr_max": -1.0,
+    "scheduled_lr": 0.0,
+}
+"""The values a group holds as state rather than as hyperparameters, at their values before the first step:
+schedule-free SGD's mode and scalars, under schedulefree.SGDScheduleFree's keys (its defaults hold them). A
+load regrouped by name carries them from the saved groups that held the params (checkpoint/remap.py)."""
 
 
 def kernel_tables() -> tuple[tuple[str, tuple[str, ...], str], ...]:

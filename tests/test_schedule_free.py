@@ -284,3 +284,91 @@ def test_the_scalars_op_of_the_kernel_is_the_references_and_skips():
     k, scheduled = SCHEDULE_FREE_SCALARS.index("k"), SCHEDULE_FREE_SCALARS.index("scheduled_lr")
     assert expected[-1][k].tolist() == [9.0, 9.0]
     assert expected[-1][scheduled].tolist() == [0.1 * (9 / 10), 0.2]  # the first group's warmup: 10 steps
+
+
+def _named_run(groups_of, steps, saved=None):
+    """Ours over named params grouped by ``groups_of(named)``, ``saved`` loaded first (weights and optimizer
+    state, saved in eval mode as checkpoints are), then the ``steps`` (a range) of one sequence of grads; an
+    eval/train round trip after step 4, as a checkpoint written there makes."""
+    named = list(zip("abcde", make_params()))
+    optimizer = FusedSGDScheduleFree(groups_of(named), **HPARAMS)
+    if saved is not None:
+        optimizer.load_state_dict(copy.deepcopy(saved))
+        for name, p in named:
+            p.data.copy_(saved["weights"][name])
+    optimizer.train()
+    generator = torch.Generator().manual_seed(10)
+    grads = [[torch.randn(p.shape, generator=generator) for _, p in named] for _ in range(8)]
+    for step in steps:
+        for (_, p), grad in zip(named, grads[step]):
+            p.grad = grad.clone()
+        optimizer.step()
+        if step == 3:
+            optimizer.eval()
+            optimizer.train()
+    optimizer.eval()
+    return optimizer, [p for _, p in named]
+
+
+def _two_groups(named):
+    return [{"params": named[:3]}, {"params": named[3:], "lr": 0.2}]
+
+
+def test_a_load_regrouped_by_name_carries_z_and_each_groups_scalars():
+    """The same groups in the other order: a regrouped load (remapped by name) whose z follow their params and
+    whose scalars follow their groups, continuing bit for bit as the run it was saved from."""
+    straight, expected = _named_run(_two_groups, range(8))
+    first, params = _named_run(_two_groups, range(4))
+    saved = {**first.state_dict(), "weights": dict(zip("abcde", (p.detach().clone() for p in params)))}
+    resumed, actual = _named_run(lambda named: _two_groups(named)[::-1], range(4, 8), saved)
+    _assert_same(resumed, straight, actual, expected)
+    assert [g["k"] for g in resumed.state_dict()["param_groups"]] == [8, 8]
+
+
+def test_a_load_regrouped_across_groups_of_different_scalars_is_refused():
+    from lightning_fusedsgd.checkpoint import CheckpointMismatchError
+
+    first, _ = _named_run(_two_groups, range(4))
+    target, _ = _named_run(lambda named: [{"params": named}], range(0))
+    before = copy.deepcopy(target.state_dict())
+    with pytest.raises(
+        CheckpointMismatchError, match=r"different weight_sum .*group them as the checkpoint did"
+    ):
+        target.load_state_dict(first.state_dict())
+    assert target.state_dict() == before
+
+
+def test_a_start_from_an_fp32_run_keeps_its_z_and_seeds_the_masters_from_its_weights(tmp_path):
+    """A bf16 run with fp32 masters started from an fp32 schedule-free checkpoint (InitFromCheckpoint's path):
+    z as saved, the masters the checkpoint's fp32 weights (not the bf16 params' values)."""
+    from lightning_fusedsgd.checkpoint import (
+        load_optimizer_state,
+        read_start_checkpoint,
+        seed_state_from_weights,
+    )
+
+    fp32 = nn.Sequential(nn.Linear(6, 5), nn.Linear(5, 3))
+    optimizer = FusedSGDScheduleFree(fp32.named_parameters(), **HPARAMS)
+    optimizer.train()
+    for _ in range(3):
+        for p in fp32.parameters():
+            p.grad = torch.randn(p.shape)
+        optimizer.step()
+    optimizer.eval()
+    saved = {
+        "pytorch-lightning_version": "2.6",
+        "state_dict": fp32.state_dict(),
+        "optimizer_states": [optimizer.state_dict()],
+    }
+    torch.save(saved, tmp_path / "run.ckpt")
+    bf16 = copy.deepcopy(fp32).to(torch.bfloat16)
+    started = FusedSGDScheduleFree(bf16.named_parameters(), master_weights=True, **HPARAMS)
+    state = read_start_checkpoint(tmp_path / "run.ckpt", bf16)
+    load_optimizer_state(started, state.optimizer_state, module=bf16, source=state.path)
+    bf16.load_state_dict(state.model_state)
+    seed_state_from_weights(started, bf16, state.model_state)
+    for (name, p), q in zip(bf16.named_parameters(), fp32.parameters()):
+        assert started.state[p]["z"].dtype == torch.float32
+        assert torch.equal(started.state[p]["z"], optimizer.state[q]["z"]), name
+        assert torch.equal(started.state[p]["master_param"], q.detach()), name
+    assert started.state_dict()["param_groups"][0]["k"] == 3

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_fusedsgd._abi import GROUP_STATE
 from lightning_fusedsgd.checkpoint.errors import CheckpointMismatchError
 
 # How many names an error message lists per category before summarizing.
@@ -167,8 +168,10 @@ def remap_optimizer_state_dict(
     Per-parameter state (momentum buffers, master weights, every slot) follows its parameter's name into
     whichever target group holds it; the tensors are the saved ones, shared, not copied or recomputed.
     The target groups' hyperparameters (lr, weight_decay, lars, ...) are kept: the saved groups no
-    longer correspond to them. Names may differ by a shared leading prefix (``module.`` from DDP,
-    ``model.`` from a LightningModule attribute), which is swapped automatically.
+    longer correspond to them. A group's state (``_abi.GROUP_STATE``: schedule-free SGD's mode and
+    scalars) comes from the saved groups that held the target group's parameters, which must agree. Names
+    may differ by a shared leading prefix (``module.`` from DDP, ``model.`` from a LightningModule
+    attribute), which is swapped automatically.
 
     Args:
         saved: The state dict to remap (``{"state", "param_groups"}``), e.g. from ``torch.optim.SGD``.
@@ -226,12 +229,17 @@ def remap_optimizer_state_dict(
     to_target = match_names(saved_shapes, target_shapes, source=source, what="optimizer parameter names")
     from_target = {target: saved_name for saved_name, target in to_target.items()}
 
+    saved_group_of = {
+        name: group for names, group in zip(saved_by_group, saved_groups, strict=True) for name in names
+    }
     groups, state, next_index = [], {}, 0
     for names, group in zip(target_by_group, target_groups, strict=True):
         indices = list(range(next_index, next_index + len(names)))
         next_index += len(names)
+        carried = _group_state(group, [saved_group_of[from_target[name]] for name in names], names, source)
         groups.append(
             {k: v for k, v in group.items() if k not in ("params", "param_names")}
+            | carried
             | {"params": indices, "param_names": list(names)}
         )
         for index, name in zip(indices, names, strict=True):
@@ -239,6 +247,27 @@ def remap_optimizer_state_dict(
             if old_index in saved_state:
                 state[index] = saved_state[old_index]
     return {"state": state, "param_groups": groups}
+
+
+def _group_state(
+    target: Mapping[str, Any], saved: Sequence[Mapping[str, Any]], names: Sequence[str], source: str
+) -> dict[str, Any]:
+    """The group state (``_abi.GROUP_STATE``: schedule-free SGD's mode and scalars) a target group takes from
+    the saved groups that held its params, for the keys it has; they must agree."""
+    carried = {}
+    for key in GROUP_STATE:
+        values = {repr(group[key]): group[key] for group in saved if key in group}
+        if key not in target or not values:
+            continue
+        if len(values) > 1:
+            raise CheckpointMismatchError(
+                f"{source}: the parameters {listed(list(names))} of one target group come from saved groups "
+                f"with different {key} ({listed(sorted(values))}), which is a group's state (schedule-free "
+                "SGD's), not a hyperparameter to choose: group them as the checkpoint did, or load it "
+                "into an optimizer grouped like the saved one"
+            )
+        carried[key] = next(iter(values.values()))
+    return carried
 
 
 def _names_by_identity(optimizer: torch.optim.Optimizer, module: nn.Module) -> list[str]:

@@ -30,8 +30,8 @@ __all__ = ["ScheduleFreeModes"]
 class ScheduleFreeModes(pl.Callback):
     """Puts every FusedSGDScheduleFree of the Trainer in train mode for training, in eval mode otherwise.
 
-    - train: when training starts (after a resumed checkpoint's optimizer state is loaded), at each
-      training epoch and batch, and after a validation inside a fit;
+    - train: when a fit starts, when training starts (after a resumed checkpoint's optimizer state is
+      loaded), at each training epoch and batch, and after a validation inside a fit;
     - eval: for validation, test and predict, when the fit ends (the module then holds ``x``, the weights to
       evaluate or export), and while a checkpoint is written (``trainer.save_checkpoint``: the checkpoint
       holds ``x`` and the optimizer in eval mode, as schedulefree asks; training resumes at ``y`` afterwards,
@@ -75,6 +75,9 @@ class ScheduleFreeModes(pl.Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._optimizers(trainer) and "save_checkpoint" not in vars(trainer):
             trainer.save_checkpoint = _saved_in_eval_mode(trainer.save_checkpoint, self, trainer)
+        # Before a resumed checkpoint's optimizer state is loaded, which torch.distributed.checkpoint does
+        # through a step (of a fresh optimizer, with zero lrs) that eval mode would refuse.
+        self._switch(trainer, train=True)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if getattr(vars(trainer).get("save_checkpoint"), "schedule_free_modes", None) is self:

@@ -15,16 +15,8 @@ from lightning_fusedsgd.optim import _backends
 from lightning_fusedsgd.optim._plan import plan_switch
 from lightning_fusedsgd.optim.sgd import FusedSGD
 
-# schedulefree.SGDScheduleFree's own group keys, at their values before the first step: the mode, and the
-# scalars it advances each step (kept here on the device: ScheduleFreeScalars).
-_MODE_AND_SCALARS: dict[str, Any] = {
-    "k": 0,
-    "train_mode": False,
-    "weight_sum": 0.0,
-    "lr_max": -1.0,
-    "scheduled_lr": 0.0,
-}
-_IN_GROUPS = tuple(name for name in _abi.SCHEDULE_FREE_SCALARS if name in _MODE_AND_SCALARS)
+# The scalars a group holds (as schedulefree's groups do), views of the device tensor (ScheduleFreeScalars).
+_IN_GROUPS = tuple(name for name in _abi.SCHEDULE_FREE_SCALARS if name in _abi.GROUP_STATE)
 
 _NOT_IN_TRAIN_MODE = (
     "Optimizer was not in train mode when step is called. Please insert .train() and .eval() calls on the "
@@ -102,7 +94,7 @@ class FusedSGDScheduleFree(FusedSGD):
             name: parameter.default
             for name, parameter in inspect.signature(FusedSGD.__init__).parameters.items()
         }
-        defaults = _abi.defaults(fused_sgd | arguments | {"schedule_free": True}) | _MODE_AND_SCALARS
+        defaults = _abi.defaults(fused_sgd | arguments | {"schedule_free": True}) | _abi.GROUP_STATE
         self._scalars = ScheduleFreeScalars()
         self._start(params, defaults, set_grad_none, backend, capturable)
 
