@@ -4,7 +4,10 @@ Case (e) clips by global norm: FusedSGD(max_grad_norm=...) against its own plain
 ``torch.nn.utils.clip_grad_norm_(foreach=True)`` followed by torch's fused SGD. Case (f) steps bf16 params
 without master weights: rounded to nearest, stochastically or with Kahan compensation (``update_rounding``),
 against our step with master weights and torch's fused bf16 step, with each one's optimizer state per
-parameter. Cases (d) and (g) step bf16 and fp16 params with fp32 master weights.
+parameter. Cases (d) and (g) step bf16 and fp16 params with fp32 master weights. Case (h) is schedule-free
+SGD: FusedSGDScheduleFree against schedulefree.SGDScheduleFree (foreach) and the same 20-byte floor (y, z and
+g read, y and z written), and (i) its train()/eval() switches against their 12-byte floor (y and z read, y
+written).
 
 Usage: ``python bench/step.py [--repeats N] [--quick]``. Prints a markdown table and writes
 ``bench/results/step.json``. The floor is a kernel in our extension with the same reads and writes as
@@ -18,7 +21,7 @@ import argparse
 import torch
 from common import floor_ops, make_params, print_table, resnet50_shapes, time_interleaved, write_json
 
-from lightning_fusedsgd import FusedSGD
+from lightning_fusedsgd import FusedSGD, FusedSGDScheduleFree
 
 HPARAMS = dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-4)
 
@@ -120,6 +123,45 @@ def clipping_contenders(params: list[torch.Tensor]) -> dict[str, object]:
     }
 
 
+SCHEDULE_FREE = dict(lr=1.0, momentum=0.9, weight_decay=1e-4, warmup_steps=10)
+
+
+def schedule_free_contenders(params: list[torch.Tensor]) -> tuple[dict[str, object], dict[str, object]]:
+    """(h): our schedule-free step, schedulefree's foreach one and the 20-byte floor (the momentum step's,
+    z where the buffer is); (i): a train/eval round trip of each (two passes) and two passes of the 12-byte
+    switch floor. Each on its own copy of the tensors, in train mode with z created."""
+    import schedulefree
+
+    ours = FusedSGDScheduleFree(clone_params(params), backend="compiled", **SCHEDULE_FREE)
+    peer = schedulefree.SGDScheduleFree(clone_params(params), foreach=True, **SCHEDULE_FREE)
+    for optimizer in (ours, peer):
+        optimizer.train()
+        optimizer.step()  # creates z
+    floor = floor_ops()
+    ours_params = [p for g in ours.param_groups for p in g["params"]]
+    floor_params = clone_params(ours_params)
+    floor_z = [ours.state[p]["z"].clone() for p in ours_params]
+
+    def round_trip(optimizer: object) -> object:
+        return lambda: (optimizer.eval(), optimizer.train())
+
+    def floor_round_trip() -> None:
+        floor.floor_switch(floor_params, floor_z)
+        floor.floor_switch(floor_params, floor_z)
+
+    steps = {
+        "FusedSGDScheduleFree": ours.step,
+        "schedulefree foreach": peer.step,
+        "floor": lambda: floor.floor_step(floor_params, [p.grad for p in floor_params], floor_z, [], []),
+    }
+    switches = {
+        "FusedSGDScheduleFree eval+train": round_trip(ours),
+        "schedulefree eval+train": round_trip(peer),
+        "floor": floor_round_trip,
+    }
+    return steps, switches
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=20)
@@ -136,13 +178,19 @@ def main() -> None:
         (f"(e) ResNet-50, fp32, max_grad_norm={MAX_GRAD_NORM:g}", rn50, torch.float32, False),
         ("(f) ResNet-50, bf16, no master weights", rn50, torch.bfloat16, False),
         ("(g) ResNet-50, fp16 + fp32 master weights", rn50, torch.float16, True),
+        ("(h) ResNet-50, fp32, schedule-free step", rn50, torch.float32, False),
+        ("(i) ResNet-50, fp32, schedule-free eval() + train()", rn50, torch.float32, False),
     ]
     rows = []
     state_bytes = {}
     master_over_fp32 = {}
     for name, shapes, dtype, master in cases:
         params = make_params(shapes, dtype)
-        if name.startswith("(e)"):
+        if name.startswith("(h)"):
+            steps, switches = schedule_free_contenders(params)
+        elif name.startswith("(i)"):
+            steps = switches
+        elif name.startswith("(e)"):
             steps = clipping_contenders(params)
         elif name.startswith("(f)"):
             steps, state_bytes = rounding_contenders(params)
@@ -176,6 +224,17 @@ def main() -> None:
         "optimizer state, bytes per parameter: "
         + ", ".join(f"{name} {size:g}" for name, size in state_bytes.items())
     )
+    print_table(f"Schedule-free SGD: median of {repeats} ({SCHEDULE_FREE})", rows[7:8], "floor")
+    print_table(f"Schedule-free train()/eval(): median of {repeats}", rows[8:9], "floor")
+    sf_step, sf_switch = rows[7][1], rows[8][1]
+    ours = sf_step["FusedSGDScheduleFree"]
+    print(
+        f"(h) FusedSGDScheduleFree / its 20-byte floor: {ours / sf_step['floor']:.2f}; "
+        f"schedulefree foreach / ours: {sf_step['schedulefree foreach'] / ours:.2f}; "
+        f"(i) eval+train / its 12-byte floor: "
+        f"{sf_switch['FusedSGDScheduleFree eval+train'] / sf_switch['floor']:.2f}; schedulefree's / ours: "
+        f"{sf_switch['schedulefree eval+train'] / sf_switch['FusedSGDScheduleFree eval+train']:.2f}"
+    )
     clip = rows[4][1]
     ours = clip["FusedSGD clipped"]
     print(
@@ -191,6 +250,7 @@ def main() -> None:
             "master_over_fp32": master_over_fp32,
             "max_grad_norm": MAX_GRAD_NORM,
             "state_bytes_per_param": state_bytes,
+            "schedule_free": SCHEDULE_FREE,
         },
     )
     print(f"wrote {path}")

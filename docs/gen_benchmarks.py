@@ -73,7 +73,13 @@ def _bars(path: Path, title: str, labels: list[str], series: dict[str, list[floa
 
 def step_section(result: dict[str, Any], images: Path) -> str:
     cases = result["cases"]
-    special = ("FusedSGD clipped", "FusedSGD stochastic")  # (e) and (f), shown after the table
+    # (e), (f) and the schedule-free rows (h), (i), shown after the table
+    special = (
+        "FusedSGD clipped",
+        "FusedSGD stochastic",
+        "FusedSGDScheduleFree",
+        "FusedSGDScheduleFree eval+train",
+    )
     plain = {case: t for case, t in cases.items() if "floor" in t and not any(name in t for name in special)}
     rows = [
         [
@@ -202,7 +208,51 @@ def step_section(result: dict[str, Any], images: Path) -> str:
             ),
             "",
         ]
+    text += schedule_free_lines(result)
     return "\n".join([*text, _provenance("step", result), ""])
+
+
+def schedule_free_lines(result: dict[str, Any]) -> list[str]:
+    """The schedule-free rows, (h) the step and (i) a train/eval round trip, against their floors."""
+    cases = result["cases"]
+    step = next((t for t in cases.values() if "FusedSGDScheduleFree" in t), None)
+    switch = next((t for t in cases.values() if "FusedSGDScheduleFree eval+train" in t), None)
+    if step is None or switch is None:
+        return []
+    ours, peer = step["FusedSGDScheduleFree"], step["schedulefree foreach"]
+    ours_switch, peer_switch = switch["FusedSGDScheduleFree eval+train"], switch["schedulefree eval+train"]
+    return [
+        "### Schedule-free SGD",
+        "",
+        f"ResNet-50's shapes in fp32 ({result.get('schedule_free', {})}). The step reads y, z and g and "
+        "writes y and z: 20 bytes per parameter, the floor of a momentum step (z where the buffer is); "
+        "schedulefree's foreach step makes four passes (decay into the gradient, a lerp, an add, a sub). A "
+        "train/eval round trip is two passes of 12 bytes (y and z read, y written), against two of the "
+        "switch floor.",
+        "",
+        _table(
+            ["contender", "time", "/ floor", "schedulefree / FusedSGDScheduleFree"],
+            [
+                ["FusedSGDScheduleFree step", _ms(ours), f"{ours / step['floor']:.2f}", f"{peer / ours:.2f}"],
+                ["schedulefree.SGDScheduleFree (foreach) step", _ms(peer), f"{peer / step['floor']:.2f}", ""],
+                ["20-byte floor", _ms(step["floor"]), "1.00", ""],
+                [
+                    "FusedSGDScheduleFree eval() + train()",
+                    _ms(ours_switch),
+                    f"{ours_switch / switch['floor']:.2f}",
+                    f"{peer_switch / ours_switch:.2f}",
+                ],
+                [
+                    "schedulefree eval() + train()",
+                    _ms(peer_switch),
+                    f"{peer_switch / switch['floor']:.2f}",
+                    "",
+                ],
+                ["2 x 12-byte floor", _ms(switch["floor"]), "1.00", ""],
+            ],
+        ),
+        "",
+    ]
 
 
 def lars_section(result: dict[str, Any]) -> str:

@@ -77,7 +77,7 @@ def _checked_start(cfg: DictConfig, model: pl.LightningModule) -> list[pl.Callba
         The callback that applies ``init.path``, if the run starts from it; else nothing.
     """
     if cfg.ckpt_path is not None:
-        _check_resume_checkpoint(cfg.ckpt_path, model)
+        _check_resume_checkpoint(cfg.ckpt_path, model, scheduled=not cfg.optim.get("schedule_free", False))
         if cfg.init.path is not None:
             rank_zero_info(f"Resuming from {cfg.ckpt_path}: init.path={cfg.init.path} is not applied.")
         return []
@@ -94,8 +94,9 @@ def _checked_start(cfg: DictConfig, model: pl.LightningModule) -> list[pl.Callba
     return [InitFromCheckpoint(state, weights_only=init.weights_only, start_epoch=init.start_epoch)]
 
 
-def _check_resume_checkpoint(ckpt_path: str, model: pl.LightningModule) -> None:
-    """Read a local ``ckpt_path`` (CRCs included) and check that it is a full checkpoint of ``model``."""
+def _check_resume_checkpoint(ckpt_path: str, model: pl.LightningModule, scheduled: bool) -> None:
+    """Read a local ``ckpt_path`` (CRCs included) and check that it is a full checkpoint of ``model``, with an
+    lr scheduler's state where the run has one (``scheduled``: schedule-free runs have none)."""
     if ckpt_path in ("last", "best", "hpc") or "://" in ckpt_path:
         return  # Lightning resolves these itself
     state = read_start_checkpoint(ckpt_path, model)  # names the file and any mismatched parameters
@@ -109,7 +110,7 @@ def _check_resume_checkpoint(ckpt_path: str, model: pl.LightningModule) -> None:
             f"ckpt_path={ckpt_path} holds no optimizer state (saved weights-only), so it cannot resume "
             f"momentum; start from its weights with init.path={ckpt_path} init.weights_only=true"
         )
-    if not state.lr_scheduler_states:
+    if scheduled and not state.lr_scheduler_states:
         # Lightning would raise a KeyError for a missing entry and silently restart the schedule (warmup
         # included) from step 0 for an empty one.
         raise CheckpointError(

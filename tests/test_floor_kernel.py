@@ -64,3 +64,14 @@ def test_floor_refuses_mismatched_layouts():
     assert all(torch.equal(p, q) for p, q in zip(params, before))
     with pytest.raises(RuntimeError, match="one flag per param"):
         floor_ops().floor_step(*tensors(3)[:3], [], [True])
+
+
+def test_the_switch_floor_reads_the_params_and_z_and_writes_the_params():
+    """floor_switch (a schedule-free train()/eval()'s 12 bytes): each param becomes its bits XOR z's, z is
+    left as it was."""
+    params, _, zs, _ = tensors(1)
+    expected = [bits(p) ^ bits(z) for p, z in zip(params, zs)]
+    before = [z.clone() for z in zs]
+    floor_ops().floor_switch(params, zs)
+    assert all(torch.equal(bits(p), e) for p, e in zip(params, expected))
+    assert all(torch.equal(z, b) for z, b in zip(zs, before))

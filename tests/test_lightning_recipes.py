@@ -244,3 +244,24 @@ def test_recipes_are_a_config_group_of_files_and_debug_shrinks_a_run(tmp_path):
     cfg = compose_train(["recipe=resnet50", "debug=tiny"], tmp_path)
     assert cfg.trainer.accelerator == "cpu" and cfg.trainer.limit_train_batches == 3
     assert cfg.data.batch_size == 16 and cfg.model.arch == "resnet50"  # the recipe, shrunk
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["quickstart", "resnet50"])
+def test_schedule_free_is_an_optim_choice_of_the_recipes(recipe, tmp_path):
+    """optim=schedule_free: FusedSGDScheduleFree with the recipe's warmup and no lr scheduler, and a run
+    resumed from its last.ckpt (which holds no scheduler state) continues it."""
+    overrides = [f"recipe={recipe}", "optim=schedule_free", "debug=tiny"]
+    overrides += [] if recipe in OFFLINE else ["data=synthetic"]
+    first = train(compose_train([*overrides, "trainer.max_epochs=1"], tmp_path / "first"))
+    assert first["global_step"] == 3
+    checkpoint = torch.load(tmp_path / "first" / "checkpoints" / "last.ckpt", weights_only=True)
+    assert checkpoint["lr_schedulers"] == []
+    groups = checkpoint["optimizer_states"][0]["param_groups"]
+    assert {(g["schedule_free"], g["train_mode"], g["k"]) for g in groups} == {(True, False, 3)}
+    assert {g["warmup_steps"] for g in groups} == {3 * (5 if recipe == "resnet50" else 1)}  # epochs x 3 steps
+    last = tmp_path / "first" / "checkpoints" / "last.ckpt"
+    resumed = train(
+        compose_train([*overrides, "trainer.max_epochs=2", f"ckpt_path={last}"], tmp_path / "next")
+    )
+    assert resumed["global_step"] == 6

@@ -209,26 +209,31 @@ def test_lightning_cli_reaches_it_by_class_name(tmp_path, monkeypatch):
     assert [g["train_mode"] for g in checkpoint["optimizer_states"][0]["param_groups"]] == [False]
 
 
-def test_configure_fused_sgd_builds_it_with_the_schedules_warmup(tmp_path):
-    module = TinyClassifier(lr=0.5, schedule_free=True, schedule=Schedule(decay="constant", warmup=1))
+def test_configure_fused_sgd_builds_it_with_the_schedules_warmup(tmp_path, caplog):
+    """The schedule gives its warmup (in epochs: one epoch of 80 / 16 steps) and nothing else, which the log
+    line says; param_groups' two groups; no lr scheduler."""
+    schedule = Schedule(decay="multistep", warmup=1, milestones=(1,))
+    module = TinyClassifier(lr=0.5, schedule_free=True, schedule=schedule)
     trainer = pl.Trainer(
         accelerator="cpu", max_epochs=2, logger=False, enable_progress_bar=False, enable_checkpointing=False
     )
-    trainer.fit(module)
+    with caplog.at_level("INFO"):
+        trainer.fit(module)
     optimizer = trainer.optimizers[0]
     assert isinstance(optimizer, FusedSGDScheduleFree) and not trainer.lr_scheduler_configs
-    assert [g["warmup_steps"] for g in optimizer.param_groups] == [5, 5]  # one epoch of 80 / 16
-    assert [g["weight_decay"] for g in optimizer.param_groups] == [1e-4, 0.0]  # param_groups' two groups
+    assert [g["warmup_steps"] for g in optimizer.param_groups] == [5, 5]
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [1e-4, 0.0]
+    assert [g["lr"] for g in optimizer.param_groups] == [0.5, 0.5]
     assert optimizer.state_dict()["param_groups"][0]["k"] == 10
+    assert "warmup 5 of 10 steps (the schedule's warmup; its decay='multistep' is not used)" in caplog.text
 
 
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(schedule=Schedule(decay="cosine")), "takes no lr decay .*decay='cosine'.*schedule=constant"),
         (dict(lars=True), "steps without LARS: set lars=False"),
-        (dict(schedule=Schedule(decay="constant", start_lr=0.1)), "warms up from lr / warmup_steps"),
         (dict(momentum=1.0), "optimizer: Momentum must be between 0 and 1 exclusive: 1.0"),
+        (dict(r=float("nan")), "optimizer: Invalid r: nan"),
     ],
 )
 def test_configure_fused_sgd_refuses_what_schedule_free_cannot_take(kwargs, message):

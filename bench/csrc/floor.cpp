@@ -142,6 +142,29 @@ int64_t floor_step(at::TensorList params, at::TensorList grads, at::TensorList m
   }
 }
 
+// The floor of a schedule-free switch (train() / eval()): the same work list and parallel region as the
+// schedule_free_switch op, reading each param and its z and writing the param (12 bytes per fp32 parameter), no
+// arithmetic.
+void floor_switch(at::TensorList params, at::TensorList zs) {
+  TORCH_CHECK(zs.size() == params.size(), "floor_switch: one z per param");
+  for (size_t t = 0; t < params.size(); ++t) {
+    TORCH_CHECK(params[t].device().is_cpu() && params[t].scalar_type() == at::kFloat &&
+                    params[t].is_non_overlapping_and_dense(),
+                "floor_switch: dense CPU fp32 params");
+    check_same_layout(params[t], zs[t], "z");
+    TORCH_CHECK(zs[t].scalar_type() == at::kFloat, "floor_switch: fp32 z");
+  }
+  const WorkList work = make_work_list(params, std::vector<bool>(params.size(), false));
+#pragma omp parallel for schedule(static) num_threads(num_threads_for(work))
+  for (int64_t c = 0; c < static_cast<int64_t>(work.chunks.size()); ++c) {
+    const Chunk& chunk = work.chunks[c];
+    uint32_t* w = static_cast<uint32_t*>(params[chunk.tensor].data_ptr());
+    const uint32_t* z = static_cast<const uint32_t*>(zs[chunk.tensor].data_ptr());
+#pragma omp simd
+    for (int64_t i = chunk.begin; i < chunk.end; ++i) w[i] = w[i] ^ z[i];
+  }
+}
+
 }  // namespace
 }  // namespace lfsgd
 
@@ -149,6 +172,10 @@ TORCH_LIBRARY(lightning_fusedsgd_bench, m) {
   m.def(
       "floor_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_buffers, Tensor(c!)[] companions, "
       "bool[] lars) -> int");
+  m.def("floor_switch(Tensor(a!)[] params, Tensor[] zs) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(lightning_fusedsgd_bench, CPU, m) { m.impl("floor_step", &lfsgd::floor_step); }
+TORCH_LIBRARY_IMPL(lightning_fusedsgd_bench, CPU, m) {
+  m.impl("floor_step", &lfsgd::floor_step);
+  m.impl("floor_switch", &lfsgd::floor_switch);
+}

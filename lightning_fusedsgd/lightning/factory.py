@@ -180,8 +180,9 @@ def configure_fused_sgd(
         batch_size: Per-device batch size; read from the training DataLoader when ``None``.
         schedule_free: Schedule-free SGD (:class:`~lightning_fusedsgd.FusedSGDScheduleFree`, ``momentum`` its
             interpolation) and no lr scheduler: the lr is the peak from the first step after warmup, the
-            schedule's ``warmup`` its ``warmup_steps`` (its decay must be ``constant``, its start the
-            optimizer's: ``lr / warmup_steps``). The ScheduleFreeModes callback switches its modes.
+            schedule's ``warmup`` its ``warmup_steps``; the schedule's decay, milestones and warmup start are
+            not used (the average replaces the decay; the warmup starts at ``lr / warmup_steps``, as
+            schedulefree's). The ScheduleFreeModes callback switches its modes.
         **optimizer_kwargs: Further :class:`~lightning_fusedsgd.FusedSGD` arguments, as FusedSGD takes them:
             ``nesterov``, ``dampening``, the LARS options (``trust_coefficient``, ``trust_clip``, ...),
             ``wd_after_momentum``, ``capturable``, ``backend``, ...; with ``schedule_free``, those of
@@ -212,8 +213,8 @@ def configure_fused_sgd(
         raise ConfigError(
             "configure_fused_sgd needs the module attached to a Trainer: call it from configure_optimizers"
         )
-    if schedule_free:
-        _check_schedule_free(schedule, lars)
+    if schedule_free and lars:
+        raise ConfigError("schedule_free=True steps without LARS: set lars=False (or schedule_free=False)")
     schedule = schedule or Schedule(decay="constant" if schedule_free else "cosine")
 
     total_steps, steps_per_epoch = _run_length(trainer)
@@ -263,8 +264,8 @@ def configure_fused_sgd(
     if schedule_free:
         rank_zero_info(
             f"configure_fused_sgd: schedule-free SGD lr {peak_lr:g}{scaling}, global batch {global_batch}, "
-            f"warmup {warmup} of {total_steps} steps, no lr schedule, master_weights={master_weights}, "
-            f"groups: {_group_sizes(optimizer)}"
+            f"warmup {warmup} of {total_steps} steps (the schedule's warmup; its decay={schedule.decay!r} is "
+            f"not used), master_weights={master_weights}, groups: {_group_sizes(optimizer)}"
         )
         return {"optimizer": optimizer}
     scheduler = schedule.build(
@@ -282,24 +283,6 @@ def configure_fused_sgd(
         "optimizer": optimizer,
         "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1},
     }
-
-
-def _check_schedule_free(schedule: Schedule | None, lars: bool) -> None:
-    """What schedule-free SGD cannot take: LARS, a decay (the average replaces it), a warmup start of its
-    own."""
-    if lars:
-        raise ConfigError("schedule_free=True steps without LARS: set lars=False (or schedule_free=False)")
-    if schedule is not None and (schedule.decay != "constant" or schedule.milestones):
-        raise ConfigError(
-            "schedule_free=True takes no lr decay (its average does that work), got "
-            f"decay={schedule.decay!r}: use a constant schedule (schedule=constant in the recipes); its "
-            "warmup is the optimizer's"
-        )
-    if schedule is not None and (schedule.start_factor != 0.0 or schedule.start_lr is not None):
-        raise ConfigError(
-            "schedule_free=True warms up from lr / warmup_steps, as schedulefree does: leave the schedule's "
-            "start_factor at 0 and start_lr unset"
-        )
 
 
 def _run_length(trainer: pl.Trainer) -> tuple[int, int | None]:
