@@ -129,7 +129,7 @@ SCHEDULE_FREE = dict(lr=1.0, momentum=0.9, weight_decay=1e-4, warmup_steps=10)
 def schedule_free_contenders(params: list[torch.Tensor]) -> tuple[dict[str, object], dict[str, object]]:
     """(h): our schedule-free step, schedulefree's foreach one and the 20-byte floor (the momentum step's,
     z where the buffer is); (i): a train/eval round trip of each (two passes) and two passes of the 12-byte
-    switch floor. Each on its own copy of the tensors, in train mode with z created."""
+    switch floor. Each optimizer on its own copy of the tensors, in train mode with z created."""
     import schedulefree
 
     ours = FusedSGDScheduleFree(clone_params(params), backend="compiled", **SCHEDULE_FREE)
@@ -145,9 +145,14 @@ def schedule_free_contenders(params: list[torch.Tensor]) -> tuple[dict[str, obje
     def round_trip(optimizer: object) -> object:
         return lambda: (optimizer.eval(), optimizer.train())
 
+    # The switch floor runs on the optimizer's own params and z (two XORs with z leave the params as they
+    # were): the same memory as the switches it is compared with, whose speed varies with where it lies.
+    own_params = [p.detach() for p in ours_params]
+    own_z = [ours.state[p]["z"] for p in ours_params]
+
     def floor_round_trip() -> None:
-        floor.floor_switch(floor_params, floor_z)
-        floor.floor_switch(floor_params, floor_z)
+        floor.floor_switch(own_params, own_z)
+        floor.floor_switch(own_params, own_z)
 
     steps = {
         "FusedSGDScheduleFree": ours.step,

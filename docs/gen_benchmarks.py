@@ -221,10 +221,11 @@ def schedule_free_lines(result: dict[str, Any]) -> list[str]:
         return []
     ours, peer = step["FusedSGDScheduleFree"], step["schedulefree foreach"]
     ours_switch, peer_switch = switch["FusedSGDScheduleFree eval+train"], switch["schedulefree eval+train"]
+    hparams = ", ".join(f"{key} {value}" for key, value in result.get("schedule_free", {}).items())
     return [
         "### Schedule-free SGD",
         "",
-        f"ResNet-50's shapes in fp32 ({result.get('schedule_free', {})}). The step reads y, z and g and "
+        f"ResNet-50's shapes in fp32 ({hparams}). The step reads y, z and g and "
         "writes y and z: 20 bytes per parameter, the floor of a momentum step (z where the buffer is); "
         "schedulefree's foreach step makes four passes (decay into the gradient, a lerp, an add, a sub). A "
         "train/eval round trip is two passes of 12 bytes (y and z read, y written), against two of the "
@@ -349,6 +350,28 @@ def quickstart_section(result: dict[str, Any]) -> str:
     )
 
 
+def schedule_free_quickstart_section(result: dict[str, Any]) -> str:
+    rows = [
+        [*row, f"{sum(run['wall_s'] for run in runs) / len(runs):.1f} s"]
+        for row, runs in zip(_accuracy_rows(result), result["runs"].values())
+    ]
+    return "\n".join(
+        [
+            "## The quickstart with schedule-free SGD",
+            "",
+            f"`bench/schedule_free_quickstart.py`: {result['model']}, {result['seeds']} seeds, each variant "
+            "run the same way (seed by seed, interleaved): its step decay, a cosine schedule with the same "
+            "warmup, and schedule-free SGD (`optim=schedule_free`: the same warmup, no decay, validated at "
+            "x). 360 validation images: one image is 0.28%. The wall time is the whole run's.",
+            "",
+            _table([*_ACCURACY_HEADER, "wall time (mean)"], rows),
+            "",
+            _provenance("schedule_free_quickstart", result),
+            "",
+        ]
+    )
+
+
 def verified_section(results: dict[str, dict[str, Any]]) -> str:
     rows = []
     for name, result in results.items():
@@ -387,7 +410,7 @@ def verified_section(results: dict[str, dict[str, Any]]) -> str:
 def render(images: Path) -> str:
     """The benchmark page, its plot written into ``images``."""
     images.mkdir(exist_ok=True)
-    names = ("step", "lars", "sharded", "bf16_rounding", "bf16_quickstart", "gpu")
+    names = ("step", "lars", "sharded", "bf16_rounding", "bf16_quickstart", "schedule_free_quickstart", "gpu")
     results = {name: result for name in names if (result := _load(name)) is not None}
     sections = [
         "# Benchmarks",
@@ -402,6 +425,7 @@ def render(images: Path) -> str:
         "sharded": sharded_section,
         "bf16_rounding": rounding_section,
         "bf16_quickstart": quickstart_section,
+        "schedule_free_quickstart": schedule_free_quickstart_section,
     }
     sections += [builders[name](result) for name, result in results.items() if name in builders]
     sections.append(verified_section(results))

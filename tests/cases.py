@@ -363,6 +363,18 @@ REFUSALS = [
         "max-grad-norm-differs-between-groups", _norm_clip_per_group, ValueError, "max_grad_norm differs"
     ),
     Refusal(
+        "added-group-that-is-schedule-free",
+        lambda: _add_group({"schedule_free": True}),
+        ValueError,
+        "schedule_free differs between parameter groups: it is the optimizer's, not a group's",
+    ),
+    Refusal(
+        "schedule-free-groups-stepped-by-fused-sgd",
+        lambda: _step_refusal(make_params([(5,), (3,)]), _set("schedule_free", True), momentum=0.5),
+        RuntimeError,
+        "a schedule-free step takes the step row's ckp1 and lrs, which the schedule_free_scalars op gives",
+    ),
+    Refusal(
         "state-buffer-of-another-shape",
         lambda: _step_refusal(
             make_params([(5,), (4, 3)]),

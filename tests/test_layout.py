@@ -58,6 +58,14 @@ def test_the_op_contract_is_written_once_per_language(op):
     assert len(re.findall(r"def sgd_step\(self, table: Tensor, step: list\[Tensor \| None\]\)", text)) == 3
 
 
+@pytest.mark.parametrize(
+    "op", ["grad_sq_sum", "schedule_lrs", "schedule_free_scalars", "schedule_free_switch"]
+)
+def test_the_reference_takes_every_ops_schema_arguments(op):
+    schema = getattr(ops.load("cpu"), op).default._schema
+    assert list(inspect.signature(getattr(reference, op)).parameters) == [a.name for a in schema.arguments]
+
+
 def test_the_library_needs_torch_and_lightning_only():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert sorted(re.split(r"[<>=!~ ]", dependency)[0] for dependency in project["dependencies"]) == [

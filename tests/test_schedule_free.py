@@ -372,3 +372,31 @@ def test_a_start_from_an_fp32_run_keeps_its_z_and_seeds_the_masters_from_its_wei
         assert torch.equal(started.state[p]["z"], optimizer.state[q]["z"]), name
         assert torch.equal(started.state[p]["master_param"], q.detach()), name
     assert started.state_dict()["param_groups"][0]["k"] == 3
+
+
+def test_a_switch_keeps_its_plan_while_params_and_state_are_the_same(monkeypatch):
+    """Switches plan once while nothing changed; a z replaced (a loaded state) is planned anew and switched
+    with: the compiled kernel's weights equal the reference backend's."""
+    from lightning_fusedsgd.optim import schedule_free
+
+    plans = []
+    planned = schedule_free.plan_switch
+    monkeypatch.setattr(schedule_free, "plan_switch", lambda *args: plans.append(1) or planned(*args))
+    runs = []
+    for backend in ("compiled", "reference"):
+        params = make_params()
+        optimizer = FusedSGDScheduleFree(_groups(params), backend=backend, **HPARAMS)
+        optimizer.train()
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel()))
+        optimizer.step()
+        plans.clear()
+        for _ in range(3):
+            optimizer.eval()
+            optimizer.train()
+        assert len(plans) == 1
+        optimizer.state[params[1]]["z"] = optimizer.state[params[1]]["z"] * 2
+        optimizer.eval()
+        assert len(plans) == 2
+        runs.append(params)
+    assert all(torch.equal(p, q) for p, q in zip(*runs))

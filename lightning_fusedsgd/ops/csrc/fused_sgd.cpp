@@ -440,6 +440,14 @@ void schedule_free_switch_cpu(const Bucket& bucket, bool train) {
     using O = typename OpMath<P>::type;
     constexpr Weight kWeight = decltype(weight)::value;
     using M = Companion<kWeight>;
+    // As the update loop: blocks (a vector of 16-bit params where the build has vectors, else a cache line of
+    // params), each asking for its streams' lines kPrefetchElems ahead, then the tail element by element.
+#ifdef LFSGD_CPU_VECTORS
+    constexpr bool kVectors = !std::is_same_v<P, O>;
+#else
+    constexpr bool kVectors = false;
+#endif
+    constexpr int64_t kBlock = kVectors ? kBlockElems<P> : 64 / static_cast<int64_t>(sizeof(P));
 #pragma omp parallel for schedule(static) num_threads(num_threads_for(work))
     for (int64_t c = 0; c < static_cast<int64_t>(work.chunks.size()); ++c) {
       const Chunk& chunk = work.chunks[c];
@@ -448,22 +456,29 @@ void schedule_free_switch_cpu(const Bucket& bucket, bool train) {
       const B* z = static_cast<const B*>(bucket.buffer(t));
       M* m = static_cast<M*>(bucket.companion(t));
       const O to = static_cast<O>(switch_weight(bucket.groups[bucket.tensor_group[t]], train));
+      const auto element = [&](int64_t e) __attribute__((always_inline)) {
+        const O wi = lerp(load_weight<kWeight>(w, m, e), static_cast<O>(load(z, e)), to);
+        store_update<kWeight>(w, static_cast<B*>(nullptr), m, e, wi, wi, false, false, 0);
+      };
       int64_t i = chunk.begin;
+      for (; i + kBlock <= chunk.end; i += kBlock) {
+        prefetch_ahead<1>(w, i, kBlock);
+        prefetch_ahead<0>(z, i, kBlock);
+        if constexpr (kWeight != Weight::kParam) prefetch_ahead<1>(m, i, kBlock);
 #ifdef LFSGD_CPU_VECTORS
-      if constexpr (!std::is_same_v<P, O>) {
-        for (; i + kBlockElems<P> <= chunk.end; i += kBlockElems<P>) {
+        if constexpr (kVectors) {
           FloatPair wi = load_weight_block<kWeight>(w, m, i);
           const FloatPair zi = load_block<P>(z, i);
           wi = {lerp(wi.low, zi.low, to), lerp(wi.high, zi.high, to)};
           store_update<kWeight>(w, static_cast<B*>(nullptr), m, i, wi, wi, false, false, 0);
+          continue;
         }
-      }
 #endif
 #pragma omp simd
-      for (int64_t e = i; e < chunk.end; ++e) {
-        const O wi = lerp(load_weight<kWeight>(w, m, e), static_cast<O>(load(z, e)), to);
-        store_update<kWeight>(w, static_cast<B*>(nullptr), m, e, wi, wi, false, false, 0);
+        for (int64_t e = i; e < i + kBlock; ++e) element(e);
       }
+#pragma omp simd
+      for (int64_t e = i; e < chunk.end; ++e) element(e);
     }
   });
 }
