@@ -84,6 +84,8 @@ def table(groups: list[dict[str, Any]]) -> torch.Tensor:
             "max_grad_value": math.inf,
             "always_adapt": 1.0,
             "update_rounding": "nearest",
+            "ema_decay": math.nan,  # no average
+            "ema_every": 1,
         }
         row |= hparams
         row["update_rounding"] = UPDATE_ROUNDINGS.index(row["update_rounding"])

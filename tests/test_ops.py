@@ -29,6 +29,8 @@ def table(**hparams):
         "trust_coefficient": 1e-3,
         "max_grad_value": math.inf,
         "update_rounding": "nearest",
+        "ema_decay": math.nan,  # no average
+        "ema_every": 1,
     }
     row = {name: 0.0 for name in hparam_names()} | defaults | hparams
     row["update_rounding"] = UPDATE_ROUNDINGS.index(row["update_rounding"])

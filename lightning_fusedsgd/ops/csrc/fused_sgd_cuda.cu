@@ -43,6 +43,9 @@ struct TensorArgs {
   void* buffer;            // momentum buffer, or null without momentum
   void* companion;         // fp32 master weight or bf16 Kahan compensation (Companion), or null
   int64_t* count;          // the count of stochastic steps of a tensor rounded so (rounds_stochastically), or null
+  void* average;           // the average of the weights (opmath), or null without one
+  int64_t* average_steps;  // its applied steps and updates (average_coeffs)
+  int64_t* average_updates;
   int64_t group;
   int32_t first;  // first step: the buffer is seeded with the gradient
   int32_t lars;
@@ -160,6 +163,9 @@ __global__ void __launch_bounds__(kThreads)
   // Stochastic rounding of the update: bf16 params without masters only (sgd_math.h), those with a count.
   const bool stochastic = t.count != nullptr;
   const uint32_t key = stochastic ? rounding_key(h.rounding_seed, *t.count, chunk.tensor) : 0;
+  O* e = static_cast<O*>(t.average);
+  const AverageCoeffs<O> a =
+      e != nullptr ? average_coeffs<O>(h, *t.average_steps, *t.average_updates) : AverageCoeffs<O>{};
   for (int64_t base = chunk.begin + threadIdx.x; base < chunk.end; base += kThreads * kUnroll) {
     O wi[kUnroll], gi[kUnroll], bi[kUnroll];
 #pragma unroll
@@ -177,18 +183,26 @@ __global__ void __launch_bounds__(kThreads)
       if (i < chunk.end) {
         sgd_element(wi[u], gi[u], bi[u], c);
         store_update<kWeight>(w, b, m, i, wi[u], bi[u], has_momentum, stochastic, key);
+        if (a.update) store_average<P>(e, i, wi[u], a);
       }
     }
   }
 }
 
-// After the update (whose every block read the counts): each stochastically rounded tensor counts its step,
-// unless the step was skipped.
-__global__ void advance_counts_kernel(const TensorArgs* tensors, int64_t n, const float* found_inf) {
+// After the update (whose every block read the counts): each stochastically rounded tensor counts its step, and
+// each tensor with an average its step and (where the step updated it) the update, unless the step was skipped.
+__global__ void advance_counts_kernel(const TensorArgs* tensors, const GroupHParams* groups, int64_t n,
+                                      const float* found_inf) {
   if (skipped(found_inf)) return;
   for (int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; t < n;
        t += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    if (tensors[t].count != nullptr) ++*tensors[t].count;
+    const TensorArgs& args = tensors[t];
+    if (args.count != nullptr) ++*args.count;
+    if (args.average_steps != nullptr) {
+      const bool update = average_coeffs<double>(groups[args.group], *args.average_steps, *args.average_updates).update;
+      ++*args.average_steps;
+      if (update) ++*args.average_updates;
+    }
   }
 }
 
@@ -243,6 +257,9 @@ inline Work make_work(const Bucket& bucket) {
     args.buffer = bucket.buffer(t);
     args.companion = bucket.companion(t);
     args.count = bucket.count(t);
+    args.average = bucket.average(t);
+    args.average_steps = bucket.average_steps(t);
+    args.average_updates = bucket.average_updates(t);
     args.group = bucket.tensor_group[t];
     args.first = bucket.first_step[t] ? 1 : 0;
     args.lars = lars_adapts(bucket.groups[args.group]) ? 1 : 0;
@@ -340,10 +357,12 @@ void run_device(const Bucket& bucket) {
   const int64_t n = static_cast<int64_t>(params.size());
   const at::Device device = params[0].device();
   const Work work = make_work(bucket);
-  bool any_stochastic = false;
-  for (const TensorArgs& args : work.tensors) any_stochastic = any_stochastic || args.count != nullptr;
+  bool any_counts = false;
+  for (const TensorArgs& args : work.tensors) {
+    any_counts = any_counts || args.count != nullptr || args.average_steps != nullptr;
+  }
   const int64_t num_chunks = static_cast<int64_t>(work.chunks.size());
-  if (num_chunks == 0 && !any_stochastic) return;
+  if (num_chunks == 0 && !any_counts) return;
 
   const device::Guard guard(device);
   const device::Stream stream = device::current_stream();
@@ -362,9 +381,9 @@ void run_device(const Bucket& bucket) {
                      tables.table<GroupHParams>(2), row);
     });
   }
-  if (any_stochastic) {
-    device::launch(&advance_counts_kernel, (n + 255) / 256, 256, stream, tables.table<TensorArgs>(0), n,
-                   row.found_inf);
+  if (any_counts) {
+    device::launch(&advance_counts_kernel, (n + 255) / 256, 256, stream, tables.table<TensorArgs>(0),
+                   tables.table<GroupHParams>(2), n, row.found_inf);
   }
 }
 
