@@ -3,7 +3,7 @@
 PYTHON ?= python3
 PIP = $(PYTHON) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: install install-dev train test test-all test-fast docs bench
+.PHONY: install install-dev train test test-all test-fast mutants docs bench
 
 install:  # the library, the recipe runner, and the kernel built for this machine
 	$(PIP) -e ".[recipes,jit]"
@@ -24,6 +24,9 @@ test-all: install-dev  # and the heavy tests: the wheel build, kill-and-resume r
 
 test-fast: install-dev  # the inner loop: everything but whole runs, subprocesses and builds (under 2 minutes)
 	$(PYTHON) -m pytest -q -m "not slow"
+
+mutants: install-dev  # bugs injected into the CUDA kernels, one at a time: the emulated CUDA tests must catch each (not CI: 20-60 s a mutant)
+	$(PYTHON) tests/mutants.py
 
 docs: install-dev  # the site, in site/; a warning (a broken link or reference) fails
 	$(PYTHON) docs/gen_benchmarks.py
