@@ -25,7 +25,7 @@ test-all: install-dev  # and the heavy tests: the wheel build, kill-and-resume r
 test-fast: install-dev  # the inner loop: everything but whole runs, subprocesses and builds (under 2 minutes)
 	$(PYTHON) -m pytest -q -m "not slow"
 
-mutants: install-dev  # bugs injected into the CUDA kernels, one at a time: the emulated CUDA tests must catch each (not CI: 20-60 s a mutant)
+mutants: install-dev  # bugs injected into the CUDA kernels, one at a time: the emulated CUDA tests must catch each (not CI: 15-60 s a mutant)
 	$(PYTHON) tests/mutants.py
 
 docs: install-dev  # the site, in site/; a warning (a broken link or reference) fails

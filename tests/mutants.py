@@ -1,8 +1,9 @@
 """Mutation check of the emulated CUDA tests: bugs injected into the CUDA kernels and their host code
 (``csrc/fused_sgd_cuda.cu``), one at a time, each of which ``pytest -m cuda_emulated`` must catch.
 
-``make mutants`` runs it; CI does not (each mutant rebuilds the emulated library and runs the tests until one
-fails: 20-60 s a mutant on 2 cores). Run it after changing the kernels or the emulation.
+``make mutants`` runs it; CI does not (each mutant rebuilds the emulated library and runs the tests until
+one fails: 15-60 s a mutant on 2 cores, 12-22 minutes for all). Run it after changing the kernels or the
+emulation.
 
 Each mutant replaces a snippet that must occur exactly once in its file, so that a snippet the code has
 moved away from stops the run instead of being skipped. The package and the tests are copied into a temporary
