@@ -33,8 +33,12 @@ namespace {
 constexpr int kThreads = 512;
 // Elements per independent load in flight per thread: enough memory parallelism to reach bandwidth.
 constexpr int kUnroll = 4;
-// Elements per block (32 per thread per unrolled iteration).
-constexpr int64_t kBlockChunkElems = 65536;
+// Elements per block (32 per thread per unrolled iteration). The emulated build takes fewer, so that the tests'
+// tensors cross every loop's boundaries (fused_sgd_cuda_emulated.cpp).
+#ifndef LFSGD_BLOCK_CHUNK_ELEMS
+#define LFSGD_BLOCK_CHUNK_ELEMS 65536
+#endif
+constexpr int64_t kBlockChunkElems = LFSGD_BLOCK_CHUNK_ELEMS;
 
 // One tensor, as the kernels see it. Pointers are typed by the launch's template arguments.
 struct TensorArgs {
@@ -115,7 +119,7 @@ __global__ void __launch_bounds__(kThreads)
     sum[1] += static_cast<double>(ti) * ti;
     sum[2] += static_cast<double>(wi) * ti;
   }
-  __shared__ double scratch[kThreads / 32];
+  LFSGD_SHARED(double, scratch, kThreads / 32);
   for (int k = 0; k < kNumLarsSums; ++k) {
     const double total = block_sum(sum[k], scratch);
     if (threadIdx.x == 0) partials[kNumLarsSums * blockIdx.x + k] = total;
@@ -130,7 +134,7 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t k = t.first_chunk + threadIdx.x; k < t.first_chunk + t.num_chunks; k += kThreads) {
     for (int j = 0; j < kNumLarsSums; ++j) sum[j] += partials[kNumLarsSums * k + j];
   }
-  __shared__ double scratch[kThreads / 32];
+  LFSGD_SHARED(double, scratch, kThreads / 32);
   for (int j = 0; j < kNumLarsSums; ++j) {
     const double total = block_sum(sum[j], scratch);
     if (threadIdx.x == 0) rows[kNumLarsSums * blockIdx.x + j] = total;
@@ -217,7 +221,7 @@ __global__ void __launch_bounds__(kThreads)
     const double gi = load(g, i);
     sum += gi * gi;
   }
-  __shared__ double scratch[kThreads / 32];
+  LFSGD_SHARED(double, scratch, kThreads / 32);
   const double total = block_sum(sum, scratch);
   if (threadIdx.x == 0) partials[blockIdx.x] = total;
 }
@@ -295,7 +299,7 @@ inline DeviceTables upload(const at::Device& device, device::Stream stream,
   }
   const bool capturing = device::capturing();
   const auto bytes = at::TensorOptions().dtype(at::kByte);
-  at::Tensor host = at::empty({static_cast<int64_t>(total)}, bytes.pinned_memory(device::kPinnedStaging && !capturing));
+  at::Tensor host = device::host_buffer(static_cast<int64_t>(total), /*pinned=*/!capturing);
   size_t index = 0;
   for (const auto& part : parts) {
     std::memcpy(host.data_ptr<uint8_t>() + tables.offsets[index++], part.first, part.second);
