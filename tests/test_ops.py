@@ -347,6 +347,18 @@ def compiled_and_eager_runs(make_optimizer, dtype=torch.float32, scaler=False, s
         (lambda p: FusedSGD(p, lr=torch.tensor(0.1), momentum=0.9), torch.float32, False),
         (lambda p: FusedSGD(p, lr=0.1, momentum=0.9, capturable=True), torch.float32, False),
         (lambda p: FusedLARS(p, lr=0.1, momentum=0.9, trust_clip=True, capturable=True), torch.float32, True),
+        (
+            lambda p: FusedSGD(p, lr=0.1, momentum=0.9, ema_decay=0.9, ema_every=2, capturable=True),
+            torch.float32,
+            True,
+        ),
+        (
+            lambda p: FusedSGD(
+                p, lr=0.1, momentum=0.9, master_weights=True, ema_decay=0.9, ema_warmup_gamma=1.0
+            ),
+            torch.bfloat16,
+            False,
+        ),
     ],
     ids=[
         "plain",
@@ -361,6 +373,8 @@ def compiled_and_eager_runs(make_optimizer, dtype=torch.float32, scaler=False, s
         "tensor-lr",
         "capturable",
         "capturable-lars-grad-scaler",
+        "ema-capturable-grad-scaler",
+        "bf16-master-ema-warmup",
     ],
 )
 def test_compiled_step_traces_without_graph_breaks_and_matches_eager(make_optimizer, dtype, scaler):
