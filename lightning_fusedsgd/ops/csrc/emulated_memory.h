@@ -264,6 +264,13 @@ class DeviceCopies {
       for (const at::Tensor& tensor : value.toTensorList().vec()) copies.push_back(to_device(tensor));
       return copies;
     }
+    if (value.isList() && value.toList().elementType()->isSubtypeOf(*c10::OptionalType::ofTensor())) {
+      c10::List<std::optional<at::Tensor>> copies;  // Tensor?[]: the step row, its absent values kept
+      for (const c10::IValue& element : value.toListRef()) {
+        copies.push_back(element.isNone() ? std::nullopt : std::optional<at::Tensor>(to_device(element.toTensor())));
+      }
+      return copies;
+    }
     return value;
   }
 
