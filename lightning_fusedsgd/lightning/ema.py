@@ -12,7 +12,9 @@ another optimizer it is Lightning's callback."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+from collections.abc import Iterator
 from typing import Any
 
 import lightning.pytorch as pl
@@ -74,6 +76,7 @@ class EMAWeightAveraging(LightningEMAWeightAveraging):
         self._count = 0  # updates of the average (AveragedModel's n_averaged)
         self._stash: dict[str, Any] | None = None  # a checkpoint's average, until the state it goes in exists
         self._swapped: list[tuple[Any, Any]] = []
+        self._module: pl.LightningModule | None = None
 
     @property
     def fused(self) -> bool:
@@ -101,6 +104,7 @@ class EMAWeightAveraging(LightningEMAWeightAveraging):
             self._stash = {"average": checkpoint["state_dict"], "averaging": None}
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._module = pl_module
         optimizers = [fused_sgd_of(o) for o in trainer.optimizers]
         if not optimizers or None in optimizers:
             super().setup(trainer, pl_module, "fit")  # another optimizer: Lightning's callback, as it is
@@ -173,6 +177,25 @@ class EMAWeightAveraging(LightningEMAWeightAveraging):
         for pairs, kept in self._swapped:
             _average.unswap(pairs, kept)
         self._swapped = []
+
+    @contextlib.contextmanager
+    def training_weights(self) -> Iterator[None]:
+        """During validation (the averages in the module): the training weights back in the module for the
+        context, e.g. to validate them too."""
+        if not self.fused:
+            self._swap_models(self._module)
+            try:
+                yield
+            finally:
+                self._swap_models(self._module)
+            return
+        swapped, self._swapped = self._swapped, []
+        for pairs, kept in swapped:
+            _average.unswap(pairs, kept)
+        try:
+            yield
+        finally:
+            self._swapped = [(pairs, _average.swap(pairs)) for pairs, _ in swapped]
 
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
