@@ -6,7 +6,7 @@ PIP = $(PYTHON) -m pip install --quiet --disable-pip-version-check
 STAMP = .install-$(subst /,_,$(PYTHON))
 INSTALL_INPUTS = pyproject.toml setup.py
 
-.PHONY: install install-dev kernels lint train test test-all test-fast docs bench
+.PHONY: install install-dev kernels lint train test test-all test-fast mutants docs bench
 
 install: $(STAMP).stamp kernels  # the library, the recipe runner, and the kernel built for this machine
 install-dev: $(STAMP)-dev.stamp kernels  # and what the tests and the docs need
@@ -37,6 +37,9 @@ test-all: lint  # and the heavy tests: the wheel build, kill-and-resume runs, bf
 
 test-fast: install-dev  # the inner loop: everything but whole runs, subprocesses and builds (under 2 minutes)
 	$(PYTHON) -m pytest -q -m "not slow"
+
+mutants: install-dev  # bugs injected into the CUDA kernels, one at a time: the emulated CUDA tests must catch each (not CI: 15-60 s a mutant)
+	$(PYTHON) tests/mutants.py
 
 docs: install-dev  # the site, in site/; a warning (a broken link or reference) fails
 	$(PYTHON) docs/gen_benchmarks.py

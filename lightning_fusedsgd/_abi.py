@@ -129,6 +129,24 @@ def _switch(value: Any) -> str | None:
     return None if value in (None, False, True) else "It must be None, True or False."
 
 
+def _decay(value: Any) -> str | None:
+    ok = value is None or (isinstance(value, numbers.Real) and not isinstance(value, bool) and 0 <= value < 1)
+    return None if ok else "It must be a number in [0, 1), or None for no average."
+
+
+def _count(least: int) -> Callable[[Any], str | None]:
+    def check(value: Any) -> str | None:
+        ok = isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= least
+        return None if ok else f"It must be an int >= {least}."
+
+    return check
+
+
+def _warmup_gamma(value: Any) -> str | None:
+    ok = value is None or (isinstance(value, numbers.Real) and not isinstance(value, bool) and value > 0)
+    return None if ok else "It must be a number > 0, or None for no warmup of the decay."
+
+
 def _seed(value: Any) -> str | None:
     ok = isinstance(value, numbers.Integral) and not isinstance(value, bool) and 0 <= value < 2**53
     return None if ok else "It must be an int in [0, 2**53)."
@@ -228,6 +246,18 @@ HPARAMS: tuple[Column, ...] = (
         plan=lambda v: v,
     ),
     Column(key="rounding_seed", check=_seed),
+    # The average of the weights (ema_decay None: none), updated in the step: see Slot "ema".
+    Column(
+        key="ema_decay",
+        encode=lambda v: math.nan if v is None else float(v),
+        check=_decay,
+        plan=_is_set,
+        fused_only=True,
+    ),
+    Column(key="ema_every", check=_count(1)),
+    Column(key="ema_start", check=_count(0)),
+    Column(key="ema_warmup_gamma", encode=lambda v: 0.0 if v is None else float(v), check=_warmup_gamma),
+    Column(key="ema_warmup_power", check=_positive),
     # Schedule-free SGD (FusedSGDScheduleFree, as schedulefree.SGDScheduleFree): its groups hold z and no
     # momentum buffer (momentum is its interpolation, in (0, 1)); the scalars' warmup and average weights.
     Column(key="schedule_free", encode=_flag, check=_bool, plan=bool, fused_only=True, default=False),
@@ -320,6 +350,8 @@ class Slot:
         weight: What it is of the weight: ``"whole"`` (the param holds its rounding) or ``"residual"`` (the
             weight is param + it), or None where it is no part of the weight.
         torch_sgd: ``torch.optim.SGD`` keeps it too (its own path steps sparse gradients with it).
+        missing_said: A loaded state without it (a checkpoint from before it was kept) says so, as it starts
+            anew rather than with the history a checkpoint would carry.
         count: A one-element int64 count on the param's device (0-d), not a tensor laid out as the param.
         stale_unheld: It goes stale while its param steps without it: dropped then, and seeded anew when its
             group holds it again.
@@ -332,12 +364,17 @@ class Slot:
     option: str
     weight: str | None = None
     torch_sgd: bool = False
+    missing_said: bool = False
     count: bool = False
     stale_unheld: bool = False
 
 
 def _masters(group: Mapping[str, Any], dtype: torch.dtype) -> bool:
     return bool(group["master_weights"]) and dtype in LOW_PRECISION
+
+
+def _averages(group: Mapping[str, Any], dtype: torch.dtype) -> bool:
+    return group["ema_decay"] is not None
 
 
 def _rounds(rounding: str) -> Callable[[Mapping[str, Any], torch.dtype], bool]:
@@ -390,6 +427,37 @@ SLOTS: tuple[Slot, ...] = (
         seed="zeros",
         option="update_rounding",
         count=True,
+    ),
+    # The average of the weights (ema_decay), in the opmath type (fp32 beside 16-bit params), updated in the
+    # step from its new weight; seeded from the weight, as a copy of the model is where an average begins.
+    Slot(
+        key="ema",
+        held=_averages,
+        dtype=lambda group, dtype: torch.float64 if dtype == torch.float64 else torch.float32,
+        seed="weight",
+        option="ema_decay",
+        stale_unheld=True,
+        missing_said=True,
+    ),
+    # The param's applied steps since its average began (the schedule's step: ema_start, ema_every) and the
+    # updates the average has had (the first copies the weight; the decay's warmup counts them).
+    Slot(
+        key="ema_step",
+        held=_averages,
+        dtype=lambda group, dtype: torch.int64,
+        seed="zeros",
+        option="ema_decay",
+        count=True,
+        stale_unheld=True,
+    ),
+    Slot(
+        key="ema_updates",
+        held=_averages,
+        dtype=lambda group, dtype: torch.int64,
+        seed="zeros",
+        option="ema_decay",
+        count=True,
+        stale_unheld=True,
     ),
     # Schedule-free SGD's z (schedulefree's state key), the sequence of plain SGD steps that the param's y and
     # x average; started from the weight.
@@ -654,11 +722,12 @@ def _check_schedule_free(group: Mapping[str, Any]) -> None:
         )
     sgd_only = [key for key in ("nesterov", "wd_after_momentum", "lars") if group.get(key) is True]
     sgd_only += ["dampening"] if group.get("dampening", 0) != 0 else []
+    sgd_only += ["ema_decay"] if group.get("ema_decay") is not None else []
     if sgd_only:
         raise ValueError(
-            f"A schedule-free group steps without {', '.join(sgd_only)} (options of SGD's momentum buffer "
-            "and of LARS, which schedule-free SGD has not): leave them out of the group, or step it with "
-            "FusedSGD."
+            f"A schedule-free group steps without {', '.join(sgd_only)} (options of SGD's momentum buffer, "
+            "of LARS and of an average of the weights, which schedule-free SGD has not: its x is an "
+            "average already): leave them out of the group, or step it with FusedSGD."
         )
 
 

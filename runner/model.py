@@ -12,7 +12,7 @@ import torchvision
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
-from lightning_fusedsgd.lightning import ConfigError, configure_fused_sgd
+from lightning_fusedsgd.lightning import ConfigError, EMAWeightAveraging, configure_fused_sgd
 
 __all__ = ["ImageClassifier", "build_resnet"]
 
@@ -107,6 +107,10 @@ class ImageClassifier(pl.LightningModule):
         self.optimizer_factory = optimizer
         self.val_acc = MulticlassAccuracy(num_classes, top_k=1, average="micro")
         self.val_acc5 = MulticlassAccuracy(num_classes, top_k=min(5, num_classes), average="micro")
+        self.val_acc_raw = MulticlassAccuracy(num_classes, top_k=1, average="micro")
+        # The average of the weights (train.py's ema), whose validation runs on the averages: the training
+        # weights are validated too, swapped in for the batch.
+        self.average: EMAWeightAveraging | None = None
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.net(images.contiguous(memory_format=self.memory_format))
@@ -127,6 +131,12 @@ class ImageClassifier(pl.LightningModule):
         self.val_acc5(logits, targets)
         self.log("val/acc", self.val_acc, prog_bar=True)
         self.log("val/acc5", self.val_acc5)
+        if self.average is not None and not self.trainer.sanity_checking:
+            with self.average.training_weights():
+                raw = self(images)
+            self.log("val/loss_raw", F.cross_entropy(raw, targets), sync_dist=True)
+            self.val_acc_raw(raw, targets)
+            self.log("val/acc_raw", self.val_acc_raw)
 
     def configure_optimizers(self) -> Any:
         if self.optimizer_factory is None:

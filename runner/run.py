@@ -13,7 +13,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_fusedsgd.checkpoint import CheckpointError, read_start_checkpoint
-from lightning_fusedsgd.lightning import ConfigError, InitFromCheckpoint
+from lightning_fusedsgd.lightning import ConfigError, EMAWeightAveraging, InitFromCheckpoint
 from runner.cpu_bf16 import check_cpu_bf16_convolutions
 from runner.data import DataNotFoundError
 from runner.summary import RunSummary
@@ -53,6 +53,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     model = instantiate(cfg.model, optimizer=optimizer)
     start = _checked_start(cfg, model)
     callbacks = [instantiate(node) for node in cfg.callbacks.values() if node is not None] + start
+    if cfg.ema.decay is not None:
+        model.average = EMAWeightAveraging(**cfg.ema)
+        callbacks.append(model.average)
     logger = instantiate(cfg.logger) if cfg.get("logger") else False
     trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=logger)
     check_cpu_bf16_convolutions(trainer, model, cfg.data.in_channels, cfg.data.image_size)

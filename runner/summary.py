@@ -15,7 +15,7 @@ from lightning.pytorch.utilities import rank_zero_only
 __all__ = ["RunSummary"]
 
 # Shown after val_acc where logged; acc_random_init is the SimCLR kNN baseline of a random backbone.
-_MORE_FIELDS = ("val/acc_random_init", "val/acc5", "val/loss")
+_MORE_FIELDS = ("val/acc_random_init", "val/acc5", "val/loss", "val/acc_raw")
 
 
 class RunSummary(pl.Callback):
@@ -41,6 +41,7 @@ class RunSummary(pl.Callback):
         self.lr: list[tuple[int, float]] = []
         self.train_loss: list[tuple[int, float]] = []
         self.val_acc: list[tuple[int, float]] = []
+        self.val_acc_raw: list[tuple[int, float]] = []  # the training weights', where validation averages
         self.skipped_steps = 0
         self.start_time = 0.0
         self._last_step = 0
@@ -52,6 +53,7 @@ class RunSummary(pl.Callback):
             "lr": self.lr,
             "train_loss": self.train_loss,
             "val_acc": self.val_acc,
+            "val_acc_raw": self.val_acc_raw,
             "skipped_steps": self.skipped_steps,
         }
 
@@ -59,6 +61,7 @@ class RunSummary(pl.Callback):
         self.lr = list(state_dict.get("lr", []))
         self.train_loss = list(state_dict.get("train_loss", []))
         self.val_acc = list(state_dict.get("val_acc", []))
+        self.val_acc_raw = list(state_dict.get("val_acc_raw", []))
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -91,9 +94,12 @@ class RunSummary(pl.Callback):
         self.lr.append((trainer.global_step + 1, float(optimizer.param_groups[0]["lr"])))
 
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        value = trainer.callback_metrics.get(self.monitor)
-        if value is not None and not trainer.sanity_checking:
-            self.val_acc.append((trainer.global_step, float(value)))
+        if trainer.sanity_checking:
+            return
+        for series, key in ((self.val_acc, self.monitor), (self.val_acc_raw, f"{self.monitor}_raw")):
+            value = trainer.callback_metrics.get(key)
+            if value is not None:
+                series.append((trainer.global_step, float(value)))
 
     @rank_zero_only
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -143,13 +149,22 @@ class RunSummary(pl.Callback):
     def _plot(self, path: Path) -> None:
         from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global state
 
-        series = (("learning rate", self.lr), ("train loss", self.train_loss), (self.monitor, self.val_acc))
+        # The validation panel: the averaged weights' and the training weights' curves, where both ran.
+        val = [("averaged", self.val_acc), ("training weights", self.val_acc_raw)] if self.val_acc_raw else []
+        series = (
+            ("learning rate", [("", self.lr)]),
+            ("train loss", [("", self.train_loss)]),
+            (self.monitor, val or [("", self.val_acc)]),
+        )
         fig = Figure(figsize=(13, 3.5), layout="constrained")
         axes = fig.subplots(1, 3)
-        for ax, (title, points) in zip(axes, series):
-            if points:
-                steps, values = zip(*points)
-                ax.plot(steps, values, marker="o" if len(points) < 30 else None)
+        for ax, (title, curves) in zip(axes, series):
+            for label, points in curves:
+                if points:
+                    steps, values = zip(*points)
+                    ax.plot(steps, values, marker="o" if len(points) < 30 else None, label=label or None)
+            if len(curves) > 1:
+                ax.legend()
             ax.set_title(title)
             ax.set_xlabel("step")
             ax.grid(alpha=0.3)

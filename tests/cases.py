@@ -401,6 +401,12 @@ REFUSALS = [
         "'emb.weight' has a sparse gradient.*without max_grad_value",
     ),
     Refusal(
+        "sparse-with-an-average-of-the-weights",
+        _sparse(ema_decay=0.99),
+        RuntimeError,
+        "'emb.weight' has a sparse gradient.*without ema_decay",
+    ),
+    Refusal(
         "sparse-with-weight-decay",
         _sparse(weight_decay=1e-4),
         RuntimeError,
@@ -496,6 +502,12 @@ SCHEDULE_FREE_REFUSALS = [
         r"param_groups\[0\]: Invalid warmup_steps: -5\. It must be >= 0",
     ),
     Refusal(
+        "group-edited-to-an-average-of-the-weights",
+        _schedule_free(_edited_step("ema_decay", 0.99)),
+        ValueError,
+        "A schedule-free group steps without ema_decay .*its x is an average already",
+    ),
+    Refusal(
         "group-edited-to-nesterov",
         _schedule_free(_edited_step("nesterov", True)),
         ValueError,
@@ -559,5 +571,14 @@ CONSTRUCTION_REFUSALS = [
     (dict(update_rounding="up"), r"Invalid update_rounding: 'up'. Choose one of"),
     (dict(rounding_seed=-1), r"Invalid rounding_seed: -1. It must be an int in \[0, 2\*\*53\)"),
     (dict(rounding_seed=0.5), "Invalid rounding_seed: 0.5"),
+    (dict(ema_decay=1.0), r"Invalid ema_decay: 1.0. It must be a number in \[0, 1\), or None"),
+    (dict(ema_decay=-0.1), r"Invalid ema_decay: -0.1. It must be a number in \[0, 1\)"),
+    (dict(ema_decay="0.999"), "Invalid ema_decay: '0.999'"),
+    (dict(ema_decay=0.9, ema_every=0), "Invalid ema_every: 0. It must be an int >= 1"),
+    (dict(ema_decay=0.9, ema_start=-1), "Invalid ema_start: -1. It must be an int >= 0"),
+    (
+        dict(ema_decay=0.9, ema_warmup_gamma=0.0),
+        "Invalid ema_warmup_gamma: 0.0. It must be a number > 0, or None",
+    ),
 ]
 """FusedSGD's arguments it refuses at construction: (kwargs, what the message says)."""

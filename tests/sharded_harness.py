@@ -16,7 +16,7 @@ from helpers import end_worker_process
 from torch import nn
 
 import lightning_fusedsgd.optim._step as step_path
-from lightning_fusedsgd import FusedSGD
+from lightning_fusedsgd import FusedSGD, _abi
 from lightning_fusedsgd.optim import _dtensor as sharding
 
 WORLD = 2
@@ -38,6 +38,9 @@ SCENARIOS: dict[str, tuple[torch.dtype, dict[str, Any]]] = {
         {**_LARS, "lars_denominator": "decayed_grad", "max_grad_norm": 0.05},
     ),
     "bf16_master_lars": (torch.bfloat16, {**_LARS, "master_weights": True}),
+    # The average of the weights: a DTensor placed like its param, updated from the local shard's new weight.
+    "lars_ema": (torch.float32, {**_LARS, "ema_decay": 0.9, "ema_every": 2}),
+    "bf16_master_ema": (torch.bfloat16, dict(momentum=0.9, master_weights=True, ema_decay=0.8)),
     # bf16 weights without masters: Kahan compensations are DTensors too, and the norms read param + them.
     "bf16_kahan_lars": (torch.bfloat16, {**_LARS, "update_rounding": "kahan"}),
     # The reference backend's lars_sq_sums and given-sums sgd_step, under the same all-reduce.
@@ -132,14 +135,19 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 def snapshot(model: nn.Module, optimizer: Any) -> dict[str, dict[str, torch.Tensor]]:
     """Weights (params, plus their Kahan compensations where kept), momentum buffers and masters by parameter
     name, as full tensors."""
-    out: dict[str, dict[str, torch.Tensor]] = {"param": {}, "momentum_buffer": {}, "master_param": {}}
+    out: dict[str, dict[str, torch.Tensor]] = {
+        "param": {},
+        "momentum_buffer": {},
+        "master_param": {},
+        "ema": {},
+    }
     for name, param in model.named_parameters():
         name = name.removeprefix("module.")
         compensation = optimizer.state.get(param, {}).get("kahan_compensation")
         out["param"][name] = (
             _full(param) if compensation is None else _full(param) + _full(compensation).float()
         )
-        for key in ("momentum_buffer", "master_param"):
+        for key in ("momentum_buffer", "master_param", "ema"):
             if key in optimizer.state.get(param, {}):
                 out[key][name] = _full(optimizer.state[param][key])
     return out
@@ -164,10 +172,14 @@ def _shard(model: nn.Module) -> nn.Module:
 
 
 def _state_placed_like_params(optimizer: Any) -> bool:
+    """Every state tensor of a param is a DTensor placed like it, but counts (0-d, as torch's ``step``)."""
     from torch.distributed.tensor import DTensor
 
+    counts = {slot.key for slot in _abi.SLOTS if slot.count}
     for param, state in optimizer.state.items():
-        for value in state.values():
+        for key, value in state.items():
+            if key in counts:
+                continue
             if not (
                 isinstance(value, DTensor)
                 and value.placements == param.placements
@@ -198,14 +210,14 @@ def _sharded_runs(out: dict[str, Any], checkpoint_dir: Path) -> None:
     # Mid-run checkpoint: state dicts after 2 steps, into a fresh model and optimizer, one more step (fp32,
     # and bf16 whose fp32 masters must stay fp32); and the fp32 state saved with torch.distributed.checkpoint
     # for a one-process run to load.
-    for name in ("lars", "bf16_master_lars", "bf16_kahan_lars"):
+    for name in ("lars", "lars_ema", "bf16_master_lars", "bf16_kahan_lars"):
         dtype, kwargs = SCENARIOS[name]
         data = batches(dtype)
         model = _shard(make_model(dtype))
         optimizer = FusedSGD(model.parameters(), lr=LR, **kwargs)
         train(model, optimizer, data[:2])
         model_state, optim_state = get_state_dict(model, optimizer)
-        if name == "lars":
+        if name == "lars_ema":
             save({"model": model_state, "optim": optim_state}, checkpoint_id=str(checkpoint_dir))
         resumed = _shard(make_model(dtype))
         resumed_optimizer = FusedSGD(resumed.parameters(), lr=LR, **kwargs)

@@ -2,7 +2,10 @@
 an emulation of CUDA's execution model (``ops/csrc/device_emulated.h``), its ops registered as
 ``torch.ops.lightning_fusedsgd_cuda_emulated``. Every op and launch path (tables copied, tables written by
 kernels as under graph capture, a plan kept in C++) runs under several scheduling seeds (blocks, and threads
-between barriers, in order, reversed, shuffled), so a result that depends on the order of threads fails.
+between barriers, in order, reversed, shuffled), so a result that depends on the order of threads fails. The
+emulated build's blocks are small (``CHUNK``), so that the shapes below cross every loop boundary of the
+kernels; what a GPU faults on (a shared array or device allocation overrun, host code touching device memory)
+fails a call; ``make mutants`` checks that these tests catch bugs injected into the kernels.
 
 Oracles: the compiled CPU kernel, bit for bit, wherever the two take the same norms (LARS tensors are handed
 the same sums, as a sharded step hands them, where the two would sum in different orders); float64 sums for
@@ -36,7 +39,23 @@ HPARAM_NAMES, SLOT_KEYS = hparam_names(), slot_keys()
 pytestmark = [pytest.mark.cuda_emulated, pytest.mark.slow]  # slow: it builds a library (once, cached)
 
 SEEDS = [0, 1, 2, 3]  # in order, reversed, two shuffles
-CHUNK = 65536  # the CUDA kernels' elements per block
+# The emulated build's threads per block, loads in flight per thread and elements per block (a chunk):
+# fused_sgd_cuda_emulated.cpp.
+THREADS, UNROLL, CHUNK = 512, 4, 2560
+# Tensors whose last chunk ends at, short of and past the update loop's unrolled pass (THREADS * UNROLL
+# elements) and its steps (THREADS): one pass, a chunk less one, a chunk, one more, a chunk and a step and 3,
+# two chunks less one.
+BOUNDARY_SHAPES = (
+    (THREADS * UNROLL,),
+    (CHUNK - 1,),
+    (CHUNK,),
+    (CHUNK + 1,),
+    (CHUNK + THREADS + 3,),
+    (2 * CHUNK - 1,),
+)
+# More chunks than a block has threads: the LARS rows' loop (a block per tensor, a thread per chunk) steps on.
+MANY_CHUNKS = ((THREADS + 1) * CHUNK + 3,)
+ROUNDING_STEP_THREADS = 256  # advance_rounding_steps_kernel's threads per block, a thread per tensor
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +103,8 @@ def table(groups: list[dict[str, Any]]) -> torch.Tensor:
             "max_grad_value": math.inf,
             "always_adapt": 1.0,
             "update_rounding": "nearest",
+            "ema_decay": math.nan,  # no average
+            "ema_every": 1,
         }
         row |= hparams
         row["update_rounding"] = UPDATE_ROUNDINGS.index(row["update_rounding"])
@@ -149,6 +170,33 @@ CASES = [
             dict(momentum=0.9, update_rounding="nearest"),
         ),
     ),
+    Case(
+        "ema-every-other-step",
+        groups=(dict(momentum=0.9, ema_decay=0.99, ema_every=2, ema_start=4), dict(momentum=0.9)),
+    ),
+    Case(
+        "fp64-ema-nesterov",
+        dtype=torch.float64,
+        groups=(dict(momentum=0.9, nesterov=1.0, ema_decay=0.999),),
+    ),
+    Case(
+        "bf16-masters-ema-warmup",
+        dtype=torch.bfloat16,
+        masters="fp32",
+        groups=(dict(momentum=0.9, ema_decay=0.9999, ema_warmup_gamma=2.0, ema_warmup_power=0.75),),
+    ),
+    Case(
+        "bf16-stochastic-ema",
+        dtype=torch.bfloat16,
+        groups=(dict(momentum=0.9, update_rounding="stochastic", ema_decay=0.9),),
+    ),
+    Case(
+        "fp16-ema-found-inf",
+        dtype=torch.float16,
+        groups=(dict(momentum=0.9, ema_decay=0.5),),
+        scale=64.0,
+        found_inf=True,
+    ),
     Case("lars", groups=_lars()),
     Case("lars-nesterov-trust-clip", groups=_lars(nesterov=1.0, trust_clip=1.0, lars_eps=1e-8)),
     Case("lars-decayed-grad-maximize", groups=_lars(lars_denominator="decayed_grad", maximize=1.0)),
@@ -184,6 +232,14 @@ CASES = [
         "many-tensors", shapes=tuple((7 + i % 5,) for i in range(130))
     ),  # tables of several kernel parameters
     Case("many-tensors-lars", shapes=tuple((9 + i % 3, 2) for i in range(70)), groups=_lars()),
+    Case("chunk-boundaries", shapes=BOUNDARY_SHAPES),
+    Case("lars-chunk-boundaries", shapes=BOUNDARY_SHAPES, groups=_lars(lars_denominator="decayed_grad")),
+    Case(
+        "bf16-stochastic-past-a-grid-stride",  # more tensors than a block of the rounding steps' kernel
+        dtype=torch.bfloat16,
+        groups=(dict(momentum=0.9, update_rounding="stochastic", rounding_seed=3),),
+        shapes=tuple((3 + i % 4,) for i in range(ROUNDING_STEP_THREADS + 44)),
+    ),
 ]
 
 
@@ -214,6 +270,11 @@ def bucket(case: Case) -> dict[str, Any]:
             )
         elif case.dtype == torch.bfloat16 and hparams.get("update_rounding") == "stochastic":
             slots["rounding_step"][i] = torch.tensor(5 + i)
+        if hparams.get("ema_decay") is not None:  # steps and updates so that some copy, blend or wait
+            opmath = torch.float64 if case.dtype == torch.float64 else torch.float32
+            slots["ema"][i] = torch.randn(shape, generator=generator).to(opmath)
+            slots["ema_step"][i] = torch.tensor(3 + i)
+            slots["ema_updates"][i] = torch.tensor(i % 3)
     return dict(
         params=params,
         grads=grads,
@@ -295,7 +356,8 @@ def test_sgd_step_gives_the_cpu_kernels_bits(case, seed, capturing, emulated, cp
         assert any(not torch.equal(p, q) for p, q in zip(actual["params"], initial["params"]) if p.numel())
     # The launches: the update, the rounding steps' advance, and under capture the kernels writing the tables
     # (several where they fill more than one kernel parameter).
-    pieces = emulated.stats()[0] - launches - 1 - any(t is not None for t in actual["slots"]["rounding_step"])
+    counts = [t for key in ("rounding_step", "ema_step") for t in actual["slots"][key] if t is not None]
+    pieces = emulated.stats()[0] - launches - 1 - bool(counts)
     if not capturing:
         assert pieces == 0
     else:
@@ -357,13 +419,49 @@ def test_lars_sq_sums_within_the_float64_oracles_bound(case, seed, capturing, em
         assert ((rows[i] - expected).abs() <= bound + 1e-300).all(), (i, rows[i], expected)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
-def test_grad_sq_sum_within_the_float64_oracles_bound(dtype, seed, capturing, emulated):
-    grads = [t.to(dtype) for t in make_params([(0,), (2 * CHUNK + 7,), (31, 3), *[(5,)] * 90], seed=3)]
+def _exact(shape, generator, dtype, scale=1.0):
+    """Integers of up to 12 bits in ``dtype`` (times ``scale``, a power of two): their squares and products,
+    and every sum of them below, are exact in float64 in any order; in float32 a thread's first few squares
+    already pass 2^24, where integers stop being exact."""
+    return (torch.randint(-4096, 4097, shape, generator=generator).double() * scale).to(dtype)
+
+
+EXACT_SHAPES = (MANY_CHUNKS, *BOUNDARY_SHAPES, (0,), (7,), (33, 17))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_lars_sq_sums_of_exact_terms_are_their_float64_sums(dtype, seed, emulated):
+    """The CUDA kernels sum in float64: each row is the float64 sums bit for bit where those are exact
+    (unscaled, sign-corrected and decayed terms included), across every chunk and loop boundary, a tensor of
+    more chunks than a block has threads included. A sum in float32 anywhere loses bits."""
+    generator = torch.Generator().manual_seed(5)
+    scale = 1024.0
+    params = [_exact(shape, generator, dtype) for shape in EXACT_SHAPES]
+    grads = [_exact(shape, generator, dtype, scale) for shape in EXACT_SHAPES]
+    groups = [
+        dict(lars=1.0, weight_decay=0.5, lars_denominator="decayed_grad"),
+        dict(lars=1.0, weight_decay=0.5, maximize=1.0),
+    ]
+    tensor_group = [i % 2 for i in range(len(params))]
+    no_state = [0] * len(params)
+    step = op_row(grad_scale=torch.tensor([scale]))
+    rows = emulated.lars_sq_sums(params, grads, [], no_state, table(groups), tensor_group, step)
+    for i, (param, grad) in enumerate(zip(params, grads)):
+        w, g = param.double(), grad.double() / scale
+        t = g + 0.5 * w if tensor_group[i] == 0 else -g
+        expected = torch.stack([(w * w).sum(), (t * t).sum(), (w * t).sum()])
+        assert torch.equal(rows[i], expected), (i, rows[i] - expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64], ids=str)
+def test_grad_sq_sum_of_exact_squares_is_their_float64_sum(dtype, seed, capturing, emulated):
+    """Bit for bit where the float64 sum is exact, across every chunk and loop boundary."""
+    generator = torch.Generator().manual_seed(3)
+    shapes = [*EXACT_SHAPES[1:], (2 * CHUNK + 7,), (31, 3), *[(5,)] * 90]
+    grads = [_exact(shape, generator, dtype) for shape in shapes]
     total = emulated.grad_sq_sum(grads)
-    expected = sum(float(g.double().square().sum()) for g in grads)
     assert total.dtype == torch.float64
-    assert abs(total.item() - expected) <= expected * 2 * CHUNK * 2**-52
+    assert torch.equal(total, sum(g.double().square().sum() for g in grads))
 
 
 @pytest.mark.parametrize("decay", DECAYS)
@@ -402,7 +500,7 @@ def test_a_plan_kept_in_cpp_runs_the_cuda_kernels(hparams, dtype, seed, capturin
     (KeptPlan calling the emulated ops), equal to the compiled CPU kernel's steps bit for bit."""
     runs = []
     for backend in ("compiled", "cuda_emulated"):
-        params = make_params([(70_000,), (33, 17), (8,), (3, 5, 4, 4)], dtype=dtype)
+        params = make_params([(2 * CHUNK + 7,), (33, 17), (8,), (3, 5, 4, 4)], dtype=dtype)
         optimizer = FusedSGD(params, lr=0.05, backend=backend, **hparams)
         generator = torch.Generator().manual_seed(1)
         for _ in range(4):
@@ -442,6 +540,61 @@ def test_lars_training_through_the_cuda_kernels_equals_the_cpu_kernels(seed):
     assert_close_rel(runs[1], runs[0], 1e-5)
 
 
+def test_the_shapes_are_written_for_the_emulated_builds_geometry(emulated):
+    """BOUNDARY_SHAPES and MANY_CHUNKS cross the loop boundaries of this geometry: a chunk takes a full and
+    a partial unrolled pass, and MANY_CHUNKS more chunks than a block has threads."""
+    assert emulated.launch_geometry() == [THREADS, UNROLL, CHUNK]
+    assert THREADS * UNROLL < CHUNK < 2 * THREADS * UNROLL
+    assert math.ceil(MANY_CHUNKS[0] / CHUNK) > THREADS
+
+
+def test_params_in_one_storage_step_as_the_cpu_kernels_do(seed, emulated, cpu):
+    """Views of one buffer (a flat parameter buffer) share one device copy: each view's update lands."""
+    runs = []
+    for library in (cpu, emulated):
+        generator = torch.Generator().manual_seed(4)
+        flat, flat_grad = (torch.randn(2 * CHUNK + 50, generator=generator) for _ in range(2))
+        sizes = [CHUNK + 7, CHUNK + 43]
+        params, grads = list(flat.split(sizes)), list(flat_grad.split(sizes))
+        library.sgd_step(params, grads, [], [0, 0], table([dict()]), [0, 0], op_row())
+        runs.append(flat)
+    _assert_same_bits(runs[1:], runs[:1])
+
+
+@pytest.mark.parametrize(
+    "kind, error",
+    [
+        (
+            "shared_past_end",
+            r"thread 8 of block 0 accessed address 0x\w+, 0 bytes past the end of a __shared__ "
+            r"array of 64 bytes",
+        ),
+        (
+            "device_past_end",
+            r"thread 0 of block 0 accessed address 0x\w+, 0 bytes past the end of a device "
+            r"allocation of 20 bytes",
+        ),
+        ("wild_pointer", r"accessed address 0x44, which is no device memory"),
+        (
+            "host_read",
+            r"the host code of lightning_fusedsgd_cuda_emulated::faulty_access touched device memory "
+            r"outside a kernel, at address 0x\w+, 0 bytes into a device allocation of 20 bytes",
+        ),
+        ("host_item", r"read a device value on the host, through aten::_local_scalar_dense"),
+    ],
+)
+def test_the_emulation_fails_what_a_gpu_faults_on(kind, error, emulated):
+    """Kernels past the end of a __shared__ array or a device allocation or at a wild pointer, and host code
+    reading device memory or a device value (faulty_access, a test op of the emulated library), fail the
+    call with the address and what it is; the emulation goes on, and an access in bounds is no fault."""
+    data = torch.arange(5.0)
+    with pytest.raises(RuntimeError, match=error):
+        emulated.faulty_access(kind, data)
+    assert torch.equal(data, torch.arange(5.0))
+    emulated.faulty_access("device_in_bounds", data)  # data[0] = data[4], in a kernel
+    assert data.tolist() == [4.0, 1.0, 2.0, 3.0, 4.0]
+
+
 @pytest.mark.parametrize(
     "options, dtype",
     [
@@ -458,7 +611,8 @@ def test_schedule_free_steps_and_switches_through_the_cuda_kernels(options, dtyp
     runs = []
     for backend in ("compiled", "cuda_emulated"):
         params = make_params([(70_000,), (33, 17), (8,), (3, 5, 4, 4)], dtype=dtype)
-        optimizer = FusedSGDScheduleFree(params, lr=0.5, warmup_steps=2, r=0.5, backend=backend, **options)
+        groups = [{"params": params[:2]}, {"params": params[2:], "lr": 0.2, "momentum": 0.8, "r": 1.0}]
+        optimizer = FusedSGDScheduleFree(groups, lr=0.5, warmup_steps=2, r=0.5, backend=backend, **options)
         optimizer.train()
         generator = torch.Generator().manual_seed(1)
         for step in range(5):
@@ -473,7 +627,7 @@ def test_schedule_free_steps_and_switches_through_the_cuda_kernels(options, dtyp
         state = [value for p in params for _, value in sorted(optimizer.state[p].items())]
         runs.append([*params, *state, optimizer._scalars.tensor])
     assert set(optimizer.last_backends.values()) == {"cuda_emulated (kept plan)"}
-    assert runs[1][-1][0].tolist() == [4.0]  # k: the skipped step did not count
+    assert runs[1][-1][0].tolist() == [4.0, 4.0]  # k: the skipped step did not count
     _assert_same_bits(runs[1], runs[0])
 
 

@@ -13,6 +13,7 @@ from hydra.utils import instantiate
 from lightning_helpers import ROOT, compose_train
 from omegaconf import OmegaConf
 
+from lightning_fusedsgd.checkpoint import read_checkpoint_file
 from lightning_fusedsgd.lightning import Schedule
 from runner.model import ImageClassifier
 from runner.run import train
@@ -244,6 +245,23 @@ def test_recipes_are_a_config_group_of_files_and_debug_shrinks_a_run(tmp_path):
     cfg = compose_train(["recipe=resnet50", "debug=tiny"], tmp_path)
     assert cfg.trainer.accelerator == "cpu" and cfg.trainer.limit_train_batches == 3
     assert cfg.data.batch_size == 16 and cfg.model.arch == "resnet50"  # the recipe, shrunk
+
+
+@pytest.mark.slow
+def test_an_averaged_run_validates_both_weights_and_ends_with_the_average(tmp_path):
+    """ema.decay: validation runs on the average (val/acc) and on the training weights (val/acc_raw), both in
+    the summary and the plot; the run ends with the average in the model, whose last.ckpt carries Lightning's
+    keys and the optimizer's averages."""
+    cfg = compose_train(["debug=tiny", "ema.decay=0.5"], tmp_path)
+    summary = train(cfg)
+    assert 0.0 <= summary["val/acc"] <= 1.0 and 0.0 <= summary["metrics"]["val/acc_raw"] <= 1.0
+    assert (tmp_path / "curves.png").is_file()
+    checkpoint = read_checkpoint_file(tmp_path / "checkpoints" / "last.ckpt", trusted=True)
+    assert {"current_model_state", "averaging_state"} <= checkpoint.keys()
+    averaged, current = checkpoint["state_dict"], checkpoint["current_model_state"]
+    assert any(not torch.equal(averaged[name], current[name]) for name in averaged)
+    optimizer_state = checkpoint["optimizer_states"][0]["state"]
+    assert all("ema" in entry for entry in optimizer_state.values())
 
 
 @pytest.mark.slow

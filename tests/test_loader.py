@@ -75,16 +75,33 @@ def test_explicit_compiled_backend_never_falls_back(broken_toolchain, monkeypatc
 def test_build_key_changes_with_the_sources(monkeypatch, tmp_path, device_type):
     parts = ("torch", "python", "machine")
     key = _build.build_key(device_type, *parts)
-    source = tmp_path / "csrc"
-    source.mkdir()
-    for name in _build.CSRC_FILES:
-        (source / name).write_bytes((_build.CSRC / name).read_bytes())
+    source = shutil.copytree(_build.CSRC, tmp_path / "csrc")
     monkeypatch.setattr(_build, "CSRC", source)
     assert _build.build_key(device_type, *parts) == key
     assert _build.build_key(device_type, "torch", "python", "another machine") != key
-    (source / _build.CSRC_FILES[0]).write_text("// changed\n", encoding="utf-8")
+    (source / "sgd_math.h").write_text("// changed\n", encoding="utf-8")
     assert _build.build_key(device_type, *parts) != key
     assert _build.build_key("cpu", *parts) != _build.build_key("cuda", *parts)
+
+
+def test_a_build_key_covers_the_files_its_library_is_compiled_from(monkeypatch, tmp_path):
+    """Each library's key changes with the files it includes, directly or not, and with no other: a change to
+    the CUDA source or its emulation rebuilds neither the CPU library nor, for the emulation, the CUDA one."""
+    source = shutil.copytree(_build.CSRC, tmp_path / "csrc")
+    monkeypatch.setattr(_build, "CSRC", source)
+    keys = {kind: _build.build_key(kind) for kind in _build.EXTENSIONS}
+    changes = {
+        "fused_sgd_cuda.cu": {"cuda", "cuda_emulated"},
+        "emulated_memory.h": {"cuda", "cuda_emulated"},  # device.h includes both devices' headers
+        "fused_sgd_cuda_emulated.cpp": {"cuda_emulated"},
+        "kept_plan.h": {"cpu"},
+        "vec_math.h": {"cpu", "cuda", "cuda_emulated"},  # through sgd_math.h
+    }
+    for name, rebuilt in changes.items():
+        original = (source / name).read_bytes()
+        (source / name).write_bytes(original + b"// changed\n")
+        assert {kind for kind in keys if _build.build_key(kind) != keys[kind]} == rebuilt, name
+        (source / name).write_bytes(original)
 
 
 def _run(script: str, env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:

@@ -29,6 +29,8 @@ def table(**hparams):
         "trust_coefficient": 1e-3,
         "max_grad_value": math.inf,
         "update_rounding": "nearest",
+        "ema_decay": math.nan,  # no average
+        "ema_every": 1,
     }
     row = {name: 0.0 for name in hparam_names()} | defaults | hparams
     row["update_rounding"] = UPDATE_ROUNDINGS.index(row["update_rounding"])
@@ -345,6 +347,18 @@ def compiled_and_eager_runs(make_optimizer, dtype=torch.float32, scaler=False, s
         (lambda p: FusedSGD(p, lr=torch.tensor(0.1), momentum=0.9), torch.float32, False),
         (lambda p: FusedSGD(p, lr=0.1, momentum=0.9, capturable=True), torch.float32, False),
         (lambda p: FusedLARS(p, lr=0.1, momentum=0.9, trust_clip=True, capturable=True), torch.float32, True),
+        (
+            lambda p: FusedSGD(p, lr=0.1, momentum=0.9, ema_decay=0.9, ema_every=2, capturable=True),
+            torch.float32,
+            True,
+        ),
+        (
+            lambda p: FusedSGD(
+                p, lr=0.1, momentum=0.9, master_weights=True, ema_decay=0.9, ema_warmup_gamma=1.0
+            ),
+            torch.bfloat16,
+            False,
+        ),
     ],
     ids=[
         "plain",
@@ -359,6 +373,8 @@ def compiled_and_eager_runs(make_optimizer, dtype=torch.float32, scaler=False, s
         "tensor-lr",
         "capturable",
         "capturable-lars-grad-scaler",
+        "ema-capturable-grad-scaler",
+        "bf16-master-ema-warmup",
     ],
 )
 def test_compiled_step_traces_without_graph_breaks_and_matches_eager(make_optimizer, dtype, scaler):

@@ -47,7 +47,7 @@ def dtype_of(tensors):
 
 
 def _assert_same(actual, expected, rel_param=REL_FP32, rel_fp32=REL_FP32):
-    for key in ("param", "momentum_buffer", "master_param"):
+    for key in ("param", "momentum_buffer", "master_param", "ema"):
         assert actual[key].keys() == expected[key].keys(), key
         names = sorted(expected[key])
         rel = rel_param if key == "param" or dtype_of(expected[key]) == torch.bfloat16 else rel_fp32
@@ -177,7 +177,7 @@ def test_zero_redundancy_optimizer_equals_one_process(runs):
     assert all(stepped > 0 for stepped in results["zero"]["ranks_stepped"]), "each rank steps its partition"
 
 
-@pytest.mark.parametrize("name", ["lars", "bf16_master_lars", "bf16_kahan_lars"])
+@pytest.mark.parametrize("name", ["lars", "lars_ema", "bf16_master_lars", "bf16_kahan_lars"])
 def test_state_dict_round_trip_mid_run_equals_uninterrupted(runs, name):
     results, _ = runs
     resumed = results[f"resumed_{name}"]
@@ -191,12 +191,12 @@ def test_dcp_checkpoint_of_two_ranks_continues_in_one_process(runs):
 
     _, checkpoint_dir = runs
     model = h.make_model()
-    optimizer = FusedSGD(model.parameters(), lr=h.LR, **h.SCENARIOS["lars"][1])
+    optimizer = FusedSGD(model.parameters(), lr=h.LR, **h.SCENARIOS["lars_ema"][1])
     model_state, optim_state = get_state_dict(model, optimizer)
     load({"model": model_state, "optim": optim_state}, checkpoint_id=str(checkpoint_dir))
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
     h.train(model, optimizer, h.batches()[2:])
-    _assert_same(h.snapshot(model, optimizer), h.one_process("lars"))
+    _assert_same(h.snapshot(model, optimizer), h.one_process("lars_ema"))
 
 
 def test_a_partial_param_is_refused_and_changes_nothing(runs):

@@ -16,9 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 CSRC = Path(__file__).parent / "csrc"
-CSRC_FILES = tuple(sorted(path.name for path in CSRC.iterdir() if path.suffix in (".h", ".cpp", ".cu")))
-"""Every file of csrc/: a library's build key hashes them all, so an edit to any header it may include
-rebuilds it."""
+# `#include "name"`: a header of csrc/ (the system's and torch's are `<...>`).
+_LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
 
 
 @dataclass(frozen=True)
@@ -95,12 +94,26 @@ def cache_dir() -> Path:
     return Path(os.environ.get(CACHE_ENV, Path.home() / ".cache" / "lightning_fusedsgd"))
 
 
+def source_files(device_type: str) -> list[str]:
+    """The files of csrc/ the library is compiled from: its sources and the headers they include, directly or
+    not (both branches of a conditional include)."""
+    files: list[str] = []
+    pending = list(EXTENSIONS[device_type].sources)
+    while pending:
+        name = pending.pop()
+        if name not in files:
+            files.append(name)
+            pending.extend(_LOCAL_INCLUDE.findall((CSRC / name).read_text(encoding="utf-8")))
+    return sorted(files)
+
+
 def build_key(device_type: str, *parts: str) -> str:
-    """A hash of the library's sources, its flags and ``parts`` (what else it depends on: the torch it links
-    against, the Python, the instruction set or the CUDA toolkit and architectures)."""
+    """A hash of the files the library is compiled from, its flags and ``parts`` (what else it depends on: the
+    torch it links against, the Python, the instruction set or the CUDA toolkit and architectures)."""
     extension = EXTENSIONS[device_type]
     digest = hashlib.sha256()
-    for name in CSRC_FILES:
+    for name in source_files(device_type):
+        digest.update(name.encode())
         digest.update((CSRC / name).read_bytes())
     for part in (*extension.cflags, *extension.ldflags, *extension.cuda_cflags, platform.machine(), *parts):
         digest.update(part.encode())

@@ -309,7 +309,7 @@ def _build_in_cache(device_type: str, verbose: bool, unused: str) -> Path:
         raise KernelBuildError(
             f"{unused}could not build the lightning_fusedsgd {device_type} kernel in {build_dir}: {error}. "
             f"Install {toolchain}, or a wheel built for torch {torch.__version__} (docs: Installing), or use "
-            "FusedSGD(..., backend='torch')."
+            "FusedSGD(..., backend='reference')."
         ) from error
     _build.write_record(library, record)
     return _registered(device_type, library)

@@ -176,6 +176,32 @@ def lars_norm_term(w: Tensor, g: Tensor, c: Coeffs, weight_decay: float, decayed
     return raw.add(w, alpha=weight_decay) if decayed else raw
 
 
+@dataclass
+class AverageCoeffs:
+    """This step's update of the average of the weights (``AverageCoeffs`` in sgd_math.h)."""
+
+    update: bool
+    copy: bool
+    decay: float
+    one_minus_decay: float
+
+
+def average_coeffs(h: dict[str, float], steps: int, updates: int) -> AverageCoeffs:
+    """The average's update after ``steps`` applied steps and ``updates`` updates (``average_coeffs`` in
+    sgd_math.h)."""
+    decay = h["ema_decay"]
+    if h["ema_warmup_gamma"] > 0 and updates > 0:
+        decay = min(decay, 1.0 - (1.0 + updates / h["ema_warmup_gamma"]) ** -h["ema_warmup_power"])
+    update = steps >= h["ema_start"] and steps % int(h["ema_every"]) == 0
+    return AverageCoeffs(update, updates == 0, decay, 1.0 - decay)
+
+
+def averaged(average: Tensor, w: Tensor, a: AverageCoeffs) -> Tensor:
+    """The average after an update with the new weight ``w`` (``averaged`` in sgd_math.h): get_ema_avg_fn's
+    ``decay * average + (1 - decay) * w``, or ``w`` at the first update."""
+    return w.clone() if a.copy else average.mul(a.decay) + w.mul(a.one_minus_decay)
+
+
 def decayed_grad(h: dict[str, float]) -> bool:
     """Whether the LARS denominator is ``||g + lambda w||`` (``decayed_grad`` in sgd_math.h)."""
     return LARS_DENOMINATORS[int(h["lars_denominator"])] == "decayed_grad"
@@ -296,6 +322,13 @@ def sgd_step(
             w_new, b_new = schedule_free_element(w, g, b.to(opmath), coeffs)
         else:
             w_new, b_new = sgd_element(w, g, None if b is None or coeffs.first else b.to(opmath), coeffs)
+        if slots["ema"] is not None:  # of the step's result in opmath, before it is rounded to the param
+            steps, updates = slots["ema_step"], slots["ema_updates"]
+            a = average_coeffs(h, int(steps), int(updates))
+            if a.update:
+                slots["ema"].copy_(averaged(slots["ema"], w_new, a))
+                updates += 1
+            steps += 1
         if slots["kahan_compensation"] is not None:
             rounded = w_new.to(torch.bfloat16)
             slots["kahan_compensation"].copy_(kahan_compensation(w_new, rounded))

@@ -4,6 +4,7 @@ grouped differently, state dicts of earlier versions brought up to date, and the
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -56,8 +57,30 @@ def load(
             group.setdefault(key, value)
     for param, values in kept_dtypes.items():
         optimizer.state[param].update(values)
+    _say_missing_state(optimizer)
     for hook in post_hooks.values():
         hook(optimizer)
+
+
+def _say_missing_state(optimizer: Optimizer) -> None:
+    """Warns once per slot declared ``missing_said`` that loaded params whose groups hold it lack it."""
+    for slot in (slot for slot in _abi.SLOTS if slot.missing_said):
+        missing = [
+            param
+            for group in optimizer.param_groups
+            for param in group["params"]
+            if optimizer.state.get(param)
+            and slot.key not in optimizer.state[param]
+            and slot.held(group, param.dtype)
+        ]
+        if missing:
+            warnings.warn(
+                f"FusedSGD.load_state_dict: the loaded state has no {slot.key} for {len(missing)} params "
+                f"whose groups keep one ({slot.option}; a checkpoint from before it was kept): it starts "
+                "from their weights at the next step.",
+                UserWarning,
+                stacklevel=4,
+            )
 
 
 def check_loadable(state_dict: Any, defaults: Mapping[str, Any]) -> None:

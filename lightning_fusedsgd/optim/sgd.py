@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -10,9 +11,21 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_fusedsgd import _abi
-from lightning_fusedsgd.optim import _backends, _state_dict, _step, _zero
+from lightning_fusedsgd.optim import _average, _backends, _state_dict, _step, _zero
 from lightning_fusedsgd.optim._lrs import LrStorage, as_numbers, stacked_lrs
 from lightning_fusedsgd.optim._plan import StepInputs
+
+
+def _check_averaged(decay: float, params: list[Any]) -> None:
+    """An average of the weights is kept of dense real params only: refuses a group asking one of others."""
+    for index, entry in enumerate(params):
+        name, param = entry if isinstance(entry, tuple) else (f"parameter {index}", entry)
+        if isinstance(param, Tensor) and (param.is_complex() or param.layout != torch.strided):
+            kind = param.dtype if param.is_complex() else param.layout
+            raise ValueError(
+                f"ema_decay={decay}: an average of the weights is kept of dense real params, and {name} "
+                f"(shape {tuple(param.shape)}) is {kind}: put it in a group with ema_decay=None."
+            )
 
 
 class FusedSGD(Optimizer):
@@ -53,6 +66,14 @@ class FusedSGD(Optimizer):
         update_rounding: How bf16 params without master weights take their update: ``"nearest"``,
             ``"stochastic"`` or ``"kahan"`` (a bf16 compensation per param).
         rounding_seed: The seed of stochastic rounding (an int in [0, 2**53)).
+        ema_decay: Keep an average of the weights, updated in the step, ``avg <- decay avg + (1 - decay) w``
+            (``state[p]["ema"]``, fp32 beside 16-bit params); None keeps none.
+        ema_every: Update the average at every n-th step (Lightning's ``update_every_n_steps``).
+        ema_start: The first step (0-based) that updates the average, which copies the weights then
+            (Lightning's ``update_starting_at_step``).
+        ema_warmup_gamma: timm's warmup of the decay, ``min(decay, 1 - (1 + n / gamma) ** -power)`` after
+            ``n`` updates; None for none.
+        ema_warmup_power: The power of that warmup.
         capturable: Keep every per-step value on the params' device, for CUDA graphs
             (:meth:`lr_tensor` holds the lrs there).
         foreach: Accepted as ``torch.optim.SGD`` takes it; chooses nothing (every step runs the kernel).
@@ -95,6 +116,11 @@ class FusedSGD(Optimizer):
         max_grad_value: float | None = None,
         update_rounding: str = "nearest",
         rounding_seed: int = 0,
+        ema_decay: float | None = None,
+        ema_every: int = 1,
+        ema_start: int = 0,
+        ema_warmup_gamma: float | None = None,
+        ema_warmup_power: float = 2 / 3,
         capturable: bool = False,
         foreach: bool | None = None,
         fused: bool | None = None,
@@ -170,6 +196,9 @@ class FusedSGD(Optimizer):
                 f"All parameters of one group must be on one device, got {sorted(map(str, devices))}: "
                 "move the model to one device before building the optimizer, or use one group per device."
             )
+        decay = {**self.defaults, **param_group}["ema_decay"]
+        if decay is not None:
+            _check_averaged(decay, params)
         if len({id(p) for p in tensors}) != len(tensors):
             # torch.optim only warns; in one fused call a repeated tensor would be updated twice at once.
             raise ValueError("A parameter group lists the same parameter twice: pass each parameter once.")
@@ -197,6 +226,18 @@ class FusedSGD(Optimizer):
         ops = _backends.implementation(self.backend, lrs.device)[1]
         applied = self.last_step_applied
         ops.schedule_lrs(lrs, position, schedule, peaks, None if applied is True else applied, advance)
+
+    @contextlib.contextmanager
+    def averaged_weights(self) -> Iterator[None]:
+        """A context in which every param with an average of its weights (``ema_decay``) holds it, for
+        evaluation or export; on leaving, each holds its own values again, bit for bit (docs/guide/ema.md)."""
+        params = (p for group in self.param_groups for p in group["params"])
+        yield from _average.iterate(_average.averaged_params(params, self.state))
+
+    def averaged_state_dict(self, module: torch.nn.Module) -> dict[str, Any]:
+        """``module.state_dict()`` with each param's average, in its dtype: the averaged model, as
+        ``torchvision`` or ``timm`` code loads it. Buffers are the module's."""
+        return _average.averaged_state_dict(module, self.state)
 
     def __getstate__(self) -> dict[str, Any]:
         # torch.optim.Optimizer pickles only defaults, state and groups; keep our settings too.

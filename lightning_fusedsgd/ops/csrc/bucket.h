@@ -26,6 +26,9 @@ namespace lfsgd {
   X(kMasterParam, master_param)             \
   X(kKahanCompensation, kahan_compensation) \
   X(kRoundingStep, rounding_step)           \
+  X(kEma, ema)                              \
+  X(kEmaStep, ema_step)                     \
+  X(kEmaUpdates, ema_updates)               \
   X(kZ, z)
 
 #define LFSGD_SLOT_ENUM(constant, name) constant,
@@ -80,6 +83,10 @@ struct Bucket {
   void* buffer(size_t t) const { return schedule_free ? slots[t][kZ] : slots[t][kMomentumBuffer]; }
   void* companion(size_t t) const { return slots[t][weight == Weight::kKahan ? kKahanCompensation : kMasterParam]; }
   int64_t* count(size_t t) const { return static_cast<int64_t*>(slots[t][kRoundingStep]); }
+  // Tensor t's average of the weights (in opmath), its applied steps and its updates: null where it has none.
+  void* average(size_t t) const { return slots[t][kEma]; }
+  int64_t* average_steps(size_t t) const { return static_cast<int64_t*>(slots[t][kEmaStep]); }
+  int64_t* average_updates(size_t t) const { return static_cast<int64_t*>(slots[t][kEmaUpdates]); }
 };
 
 // The step's inverse grad scale and clip_grad_norm_ coefficient (1 where it does not clip by norm) from its row,
@@ -166,9 +173,10 @@ inline StepRow read_row(const OptionalTensors& step, const at::Device& device, i
 // A tensor's slot `s`: checked laid out as its param (a count: one int64 on its device) in `dtype`.
 inline void* checked_slot(const at::Tensor& value, const at::Tensor& param, Slot s, at::ScalarType dtype,
                           const char* op) {
-  if (s == kRoundingStep) {
+  if (dtype == at::kLong) {  // a count
     TORCH_CHECK(value.device() == param.device() && value.scalar_type() == at::kLong && value.numel() == 1,
-                "lightning_fusedsgd::", op, ": a rounding_step must be a one-element int64 tensor on ", param.device());
+                "lightning_fusedsgd::", op, ": a ", kSlotNames[s], " must be a one-element int64 tensor on ",
+                param.device());
   } else {
     check_same_layout(param, value, kSlotNames[s], op);
     TORCH_CHECK(value.scalar_type() == dtype, "lightning_fusedsgd::", op, ": a ", kSlotNames[s], " of ",
@@ -208,7 +216,9 @@ inline Bucket check_bucket(at::TensorList params, at::TensorList grads, at::Tens
               ": kahan_compensations are of bf16 params without master_params, not of ", dtype, " params");
   bucket.weight = masters ? Weight::kMaster : compensations ? Weight::kKahan : Weight::kParam;
   const auto buffer_dtype = masters ? at::kFloat : dtype;
-  const at::ScalarType dtypes[kNumSlots] = {buffer_dtype, at::kFloat, at::kBFloat16, at::kLong, buffer_dtype};
+  const auto opmath = dtype == at::kDouble ? at::kDouble : at::kFloat;
+  const at::ScalarType dtypes[kNumSlots] = {buffer_dtype, at::kFloat, at::kBFloat16, at::kLong,
+                                            opmath,       at::kLong,  at::kLong,     buffer_dtype};
   size_t entry = 0;
   for (size_t t = 0; t < n; ++t) {
     const at::Tensor& p = params[t];
@@ -224,6 +234,8 @@ inline Bucket check_bucket(at::TensorList params, at::TensorList grads, at::Tens
     TORCH_CHECK(h.update_rounding >= kNearest && h.update_rounding <= kKahan && h.lars_denominator >= kGradPlusDecay &&
                     h.lars_denominator <= kDecayedGrad && h.lars_zero_norm >= kUnitRatio && h.lars_zero_norm <= kPlainGrad,
                 "lightning_fusedsgd::", op, ": an option column out of range");
+    TORCH_CHECK(!averages(h) || (h.ema_every >= 1 && h.ema_start >= 0), "lightning_fusedsgd::", op,
+                ": ema_every must be >= 1 and ema_start >= 0");
     if (t == 0) bucket.schedule_free = h.schedule_free;
     TORCH_CHECK(h.schedule_free == bucket.schedule_free, "lightning_fusedsgd::", op,
                 ": the tensors of one call step schedule-free, or none of them");
@@ -233,7 +245,8 @@ inline Bucket check_bucket(at::TensorList params, at::TensorList grads, at::Tens
     // Which slots the tensor holds follows from its group and dtype, as _abi.SLOTS' `held` says; the kernel seeds
     // only a momentum buffer (from the gradient).
     const bool held[kNumSlots] = {h.momentum != 0.0 && !h.schedule_free, masters, compensations,
-                                  rounds_stochastically(dtype, bucket.weight, h), h.schedule_free};
+                                  rounds_stochastically(dtype, bucket.weight, h), averages(h), averages(h),
+                                  averages(h), h.schedule_free};
     TORCH_CHECK(state_slots[t] >= 0 && state_slots[t] < (int64_t{1} << (2 * kNumSlots)) &&
                     (state_slots[t] >> kNumSlots & ~int64_t{1}) == 0 &&
                     (state_slots[t] >> kNumSlots & 1) <= (state_slots[t] >> kMomentumBuffer & 1),
@@ -300,8 +313,8 @@ inline void check_schedule_inputs(const at::Tensor& lrs, const at::Tensor& posit
 
 // schedule_free_scalars's scalars: float64 [kNumScheduleFreeScalars, groups] rows, contiguous.
 inline void check_schedule_free_scalars(const at::Tensor& scalars, int64_t groups) {
-  TORCH_CHECK(scalars.scalar_type() == at::kDouble && scalars.dim() == 2 && scalars.size(0) == kNumScheduleFreeScalars &&
-                  scalars.size(1) == groups && scalars.is_contiguous(),
+  TORCH_CHECK(scalars.scalar_type() == at::kDouble && scalars.dim() == 2 &&
+                  scalars.size(0) == kNumScheduleFreeScalars && scalars.size(1) == groups && scalars.is_contiguous(),
               "lightning_fusedsgd::schedule_free_scalars: scalars must be a contiguous float64 [",
               kNumScheduleFreeScalars, ", groups] tensor (_abi.SCHEDULE_FREE_SCALARS), with a column per row of "
               "group_hparams");

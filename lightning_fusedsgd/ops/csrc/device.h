@@ -6,8 +6,9 @@
 //   kName, on_device(tensor)                     the device's name, and whether a tensor lives there
 //   Stream, current_stream(), Guard              the stream kernels are queued on, and the device guard
 //   capturing()                                  whether the current stream is being captured into a graph
-//   kPinnedStaging                               whether tables are staged in pinned host memory
+//   host_buffer(bytes, pinned)                   host memory that tables are staged in, pinned where asked (CUDA)
 //   launch(kernel, blocks, threads, stream, args...)  kernel<<<blocks, threads, 0, stream>>>(args...)
+//   LFSGD_SHARED(T, name, count);                a kernel's __shared__ T name[count]
 #pragma once
 
 #ifdef __CUDACC__

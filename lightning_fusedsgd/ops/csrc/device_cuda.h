@@ -12,12 +12,11 @@
 
 #define LFSGD_DEVICE_LIBRARY lightning_fusedsgd
 #define LFSGD_DEVICE_DISPATCH CUDA
+#define LFSGD_SHARED(T, name, count) __shared__ T name[count]
 
 namespace lfsgd::device {
 
 constexpr const char* kName = "CUDA";
-// Tables are copied from pinned memory, which the caching host allocator keeps until the copy has run.
-constexpr bool kPinnedStaging = true;
 
 using Stream = cudaStream_t;
 using Guard = c10::cuda::CUDAGuard;
@@ -28,6 +27,11 @@ inline Stream current_stream() { return c10::cuda::getCurrentCUDAStream(); }
 
 inline bool capturing() {
   return c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
+}
+
+// Pinned memory is kept by the caching host allocator until the copies from it have run.
+inline at::Tensor host_buffer(int64_t bytes, bool pinned) {
+  return at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(pinned));
 }
 
 template <typename... Params, typename... Args>

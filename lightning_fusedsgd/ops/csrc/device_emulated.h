@@ -10,7 +10,9 @@
 //   resumes the first thread in that order that can run, so the first threads run as far ahead of the others as
 //   the barriers let them (a warp through its shuffles, up to the next __syncthreads). A kernel whose result
 //   depends on that order has a race.
-// - __shared__ variables are static locals: one per kernel instance, shared by the threads of the running block.
+// - Shared arrays (LFSGD_SHARED) are mapped once per declaration and kernel instance, shared by the threads of the
+//   running block, filled with 0xff bytes before each block, and end before an inaccessible page; device memory
+//   is closed to host code outside launches (emulated_memory.h, which says how both are checked).
 // - A barrier or a shuffle that not every thread of the block (lane of the warp) reaches is an error, where CUDA
 //   would hang or be undefined; so is a shuffle of less than a full warp.
 // - capturing() is a switch of the tests (set_capturing), so that the capture path's host code runs too; every
@@ -30,6 +32,7 @@
 #include <cstring>
 #include <memory>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <string>
 #include <type_traits>
@@ -40,8 +43,12 @@
 #include <ucontext.h>
 #endif
 
+#include "emulated_memory.h"
+
 #define LFSGD_DEVICE_LIBRARY lightning_fusedsgd_cuda_emulated
-#define LFSGD_DEVICE_DISPATCH CPU
+// The emulated device's key: the ops' CPU kernels are the runtime's side of a call (call_on_device), which runs
+// the kernels registered here.
+#define LFSGD_DEVICE_DISPATCH PrivateUse1
 
 // CUDA's spellings.
 #define __global__
@@ -49,7 +56,10 @@
 #define __host__
 #define __forceinline__ inline
 #define __launch_bounds__(...)
-#define __shared__ static
+#define __shared__ static_assert(false, "declare shared arrays with LFSGD_SHARED (device.h)");
+#define LFSGD_SHARED(T, name, count)                            \
+  static ::lfsgd::emulation::SharedArray lfsgd_shared_##name; \
+  T* const name = lfsgd_shared_##name.get<T>(count, ::lfsgd::emulation::settings.stats.blocks)
 
 namespace lfsgd::emulation {
 
@@ -105,8 +115,10 @@ struct Launch {
   std::vector<unsigned> order;     // the threads in scheduling order
   std::vector<unsigned> position;  // each thread's place in it
   std::vector<uint64_t> ready;     // a bit per place: its thread can run
-  Fiber* running = nullptr;
+  Fiber* running = nullptr;        // the fiber running, while one is
   std::string error;
+  std::optional<Fault> fault;      // what a kernel's memory fault hit, and the thread that faulted
+  unsigned fault_thread = 0;
   void (*invoke)(void*) = nullptr;  // runs the kernel with the launch's arguments
   void* body = nullptr;
 #if defined(__x86_64__)
@@ -242,6 +254,21 @@ inline void resume(Launch& launch, Fiber& fiber) {
 #else
   swapcontext(&launch.scheduler, &fiber.context);
 #endif
+  launch.running = nullptr;
+}
+
+inline bool fiber_running() { return current != nullptr && current->running != nullptr; }
+
+// From the fault handler (emulated_memory.h), on the faulting fiber's stack, which is left for good.
+[[noreturn]] inline void end_fiber_with_fault(const Fault& fault) {
+  Launch& launch = *current;
+  if (!launch.fault.has_value()) {
+    launch.fault = fault;
+    launch.fault_thread = launch.running->tid;
+  }
+  launch.running->state = Fiber::kDone;
+  yield();
+  __builtin_unreachable();
 }
 
 // The order in which `count` things run: in order (seed 0), reversed (1), or shuffled.
@@ -304,6 +331,11 @@ inline void run_block(Launch& launch, unsigned threads) {
     }
     Fiber& fiber = launch.fibers[t];
     resume(launch, fiber);
+    if (launch.fault.has_value()) {
+      launch.error = "thread " + std::to_string(launch.fault_thread) + " of block " + std::to_string(block_idx.x) +
+                     " accessed " + describe(*launch.fault) +
+                     " (on a GPU: an illegal memory access, or another array's memory)";
+    }
     if (fiber.state != Fiber::kReady) {
       const unsigned place = launch.position[fiber.tid];
       launch.ready[place / 64] &= ~(uint64_t{1} << (place % 64));
@@ -324,6 +356,7 @@ void run_grid(int64_t blocks, int threads, Body& body) {
   TORCH_CHECK(threads > 0 && threads <= 1024 && blocks >= 0 && blocks < (int64_t{1} << 31),
               "CUDA emulation: a launch of ", blocks, " blocks of ", threads, " threads");
   TORCH_CHECK(current == nullptr, "CUDA emulation: a kernel launched from a kernel");
+  const DeviceMemoryOpen device_memory;
   while (stacks.size() < static_cast<size_t>(threads)) stacks.push_back(std::make_unique<char[]>(kStackBytes));
   Launch launch;
   launch.fibers.resize(threads);
@@ -396,8 +429,6 @@ inline T __shfl_down_sync(unsigned mask, T value, unsigned delta, int width = 32
 namespace lfsgd::device {
 
 constexpr const char* kName = "CPU (emulated CUDA)";
-// Host memory throughout: every emulated launch and copy completes before it returns.
-constexpr bool kPinnedStaging = false;
 
 using Stream = int;  // a stand-in: the emulation runs one stream, in order
 
@@ -410,6 +441,9 @@ inline bool on_device(const at::Tensor& tensor) { return tensor.is_cpu(); }
 inline Stream current_stream() { return 0; }
 
 inline bool capturing() { return emulation::settings.capturing; }
+
+// Host memory, pinned or not: every emulated copy completes before it returns.
+inline at::Tensor host_buffer(int64_t bytes, bool) { return emulation::host_bytes(bytes); }
 
 template <typename... Params, typename... Args>
 void launch(void (*kernel)(Params...), int64_t blocks, int threads, Stream, Args&&... args) {

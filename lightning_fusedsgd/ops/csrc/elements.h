@@ -105,6 +105,10 @@ template <typename P, typename T, typename V>
 LFSGD_ELEMENT void store_value(T* p, int64_t i, V v) {
   store(p, i, v);
 }
+template <typename P, typename T, typename V>
+LFSGD_ELEMENT V load_value(const T* p, int64_t i, const V& /*like*/) {
+  return static_cast<V>(load(p, i));
+}
 
 // Stores an update at i, an element (V: the opmath type) or a vector block of 16-bit params (V: FloatPair,
 // vec_elements.h): the weight `wi` into the fp32 master and its rounding into the param, or rounded to nearest into
@@ -132,6 +136,12 @@ LFSGD_ELEMENT void store_update(P* w, B* b, M* m, int64_t i, const V& wi, const 
   }
   store_value<P>(w, i, wi);
   if (momentum) store_value<P>(b, i, bi);
+}
+
+// Updates the average of the weights at i (an element or a block, as store_update) from the new weight `wi`.
+template <typename P, typename E, typename V, typename S>
+LFSGD_ELEMENT void store_average(E* e, int64_t i, const V& wi, const AverageCoeffs<S>& a) {
+  store_value<P>(e, i, averaged(load_value<P>(e, i, wi), wi, a));
 }
 
 }  // namespace lfsgd

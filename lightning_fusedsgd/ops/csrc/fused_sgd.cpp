@@ -125,6 +125,8 @@ class CpuUpdate {
     b_ptr_.resize(n);
     m_ptr_.resize(n);
     count_ptr_.resize(n);
+    average_ptr_.resize(n);
+    average_.assign(n, AverageCoeffs<O>{});
     coeffs_.resize(n);
     lars_.resize(n);
     for (size_t t = 0; t < n; ++t) {
@@ -134,6 +136,8 @@ class CpuUpdate {
       b_ptr_[t] = static_cast<B*>(bucket.buffer(t));
       m_ptr_[t] = static_cast<M*>(bucket.companion(t));
       count_ptr_[t] = bucket.count(t);
+      average_ptr_[t] = {static_cast<O*>(bucket.average(t)), bucket.average_steps(t), bucket.average_updates(t)};
+      if (averages(h)) average_[t] = average_coeffs<O>(h, *average_ptr_[t].steps, *average_ptr_[t].updates);
       coeffs_[t] = make_coeffs<O>(h, inv_scale, clip, bucket.first_step[t]);
       if (schedule_free_) apply_schedule_free(coeffs_[t], h, bucket.row.ckp1[tensor_group_[t]]);
       // Given sums (sharded params, reduced across shards) replace the norm pass: the ratio is set here.
@@ -151,8 +155,12 @@ class CpuUpdate {
   // rounded tensor counts the step (after the region: every chunk of it read the count first).
   void run() {
     update();
-    for (int64_t* step : count_ptr_) {
-      if (step != nullptr) ++*step;
+    for (size_t t = 0; t < count_ptr_.size(); ++t) {
+      if (count_ptr_[t] != nullptr) ++*count_ptr_[t];
+      if (average_ptr_[t].steps != nullptr) {
+        ++*average_ptr_[t].steps;
+        if (average_[t].update) ++*average_ptr_[t].updates;
+      }
     }
   }
 
@@ -223,30 +231,38 @@ class CpuUpdate {
   // fp32 or fp64, or to fp16, which the plan refuses): the tensors with a rounding step (rounds_stochastically).
   static constexpr bool kMayRoundStochastically = std::is_same_v<P, c10::BFloat16> && kWeight == Weight::kParam;
 
+  // So is an update of the average of the weights (a tensor whose average takes this step).
   template <bool kClipValue>
   void update_elements(const Chunk& chunk, int32_t t, const Coeffs<O> c) const {
+    if (average_[t].update) return update_rounding<kClipValue, true>(chunk, t, c);
+    return update_rounding<kClipValue, false>(chunk, t, c);
+  }
+
+  template <bool kClipValue, bool kAverage>
+  void update_rounding(const Chunk& chunk, int32_t t, const Coeffs<O> c) const {
     if constexpr (kMayRoundStochastically) {
-      if (count_ptr_[t] != nullptr) return update_cases<kClipValue, true>(chunk, t, c);
+      if (count_ptr_[t] != nullptr) return update_cases<kClipValue, true, kAverage>(chunk, t, c);
     }
-    return update_cases<kClipValue, false>(chunk, t, c);
+    return update_cases<kClipValue, false, kAverage>(chunk, t, c);
   }
 
   // Nesterov is a constant of the loop too: GCC does not vectorize a select on a bool loaded from memory in the
   // bf16 loops.
-  template <bool kClipValue, bool kStochastic>
+  template <bool kClipValue, bool kStochastic, bool kAverage>
   void update_cases(const Chunk& chunk, int32_t t, const Coeffs<O> c) const {
     // Schedule-free: z is the buffer the loop reads and writes beside the weight (Bucket::buffer).
-    if (schedule_free_) return update_loop<kClipValue, true, false, false, kStochastic, true>(chunk, t, c);
-    if (!c.has_momentum) return update_loop<kClipValue, false, false, false, kStochastic>(chunk, t, c);
+    if (schedule_free_) return update_loop<kClipValue, true, false, false, kStochastic, kAverage, true>(chunk, t, c);
+    if (!c.has_momentum) return update_loop<kClipValue, false, false, false, kStochastic, kAverage>(chunk, t, c);
     if (c.nesterov) {
-      return c.first ? update_loop<kClipValue, true, true, true, kStochastic>(chunk, t, c)
-                     : update_loop<kClipValue, true, false, true, kStochastic>(chunk, t, c);
+      return c.first ? update_loop<kClipValue, true, true, true, kStochastic, kAverage>(chunk, t, c)
+                     : update_loop<kClipValue, true, false, true, kStochastic, kAverage>(chunk, t, c);
     }
-    return c.first ? update_loop<kClipValue, true, true, false, kStochastic>(chunk, t, c)
-                   : update_loop<kClipValue, true, false, false, kStochastic>(chunk, t, c);
+    return c.first ? update_loop<kClipValue, true, true, false, kStochastic, kAverage>(chunk, t, c)
+                   : update_loop<kClipValue, true, false, false, kStochastic, kAverage>(chunk, t, c);
   }
 
-  template <bool kClipValue, bool kMomentum, bool kFirst, bool kNesterov, bool kStochastic, bool kScheduleFree = false>
+  template <bool kClipValue, bool kMomentum, bool kFirst, bool kNesterov, bool kStochastic, bool kAverage,
+            bool kScheduleFree = false>
   void update_loop(const Chunk& chunk, int32_t t, Coeffs<O> c) const {
     c.has_momentum = kMomentum;
     c.first = kFirst;
@@ -255,17 +271,16 @@ class CpuUpdate {
     const P* gr = g_ptr_[t];
     B* b = b_ptr_[t];
     M* m = m_ptr_[t];
+    O* e = average_ptr_[t].average;
+    const AverageCoeffs<O> a = average_[t];
     const GroupHParams& h = groups_[tensor_group_[t]];
     const uint32_t key = kStochastic ? rounding_key(h.rounding_seed, *count_ptr_[t], t) : 0;
     const auto element = [&](int64_t i) __attribute__((always_inline)) {
       O wi = load_weight<kWeight>(w, m, i);
       O bi = kMomentum && !kFirst ? static_cast<O>(load(b, i)) : O(0);
-      if constexpr (kScheduleFree) {
-        schedule_free_element<kClipValue>(wi, static_cast<O>(load(gr, i)), bi, c);
-      } else {
-        sgd_element<kClipValue>(wi, static_cast<O>(load(gr, i)), bi, c);
-      }
+      update_element<kScheduleFree, kClipValue>(wi, static_cast<O>(load(gr, i)), bi, c);
       store_update<kWeight>(w, b, m, i, wi, bi, kMomentum, kStochastic, key);
+      if constexpr (kAverage) store_average<P>(e, i, wi, a);
     };
     // Blocks, each asking for the lines of the block kPrefetchElems ahead in every stream, then the tail element
     // by element.
@@ -278,9 +293,11 @@ class CpuUpdate {
       prefetch_ahead<0>(gr, begin, kBlock);
       if constexpr (kMomentum) prefetch_ahead<1>(b, begin, kBlock);
       if constexpr (kWeight != Weight::kParam) prefetch_ahead<1>(m, begin, kBlock);
+      if constexpr (kAverage) prefetch_ahead<1>(e, begin, kBlock);
 #ifdef LFSGD_CPU_VECTORS
       if constexpr (!std::is_same_v<P, O>) {
-        update_block<kClipValue, kMomentum, kFirst, kStochastic, kScheduleFree>(w, gr, b, m, begin, c, key);
+        update_block<kClipValue, kMomentum, kFirst, kStochastic, kAverage, kScheduleFree>(w, gr, b, m, e, begin, c,
+                                                                                          key, a);
         continue;
       }
 #endif
@@ -302,19 +319,16 @@ class CpuUpdate {
 #ifdef LFSGD_CPU_VECTORS
   // 16-bit params in the AVX2 and AVX-512 builds run on ATen's vectors (vec_elements.h): the compiler vectorizes
   // neither c10::Half's conversions nor the bf16 roundings' selects well.
-  template <bool kClipValue, bool kMomentum, bool kFirst, bool kStochastic, bool kScheduleFree>
-  LFSGD_ELEMENT static void update_block(P* w, const P* gr, B* b, M* m, int64_t i, const Coeffs<O>& c, uint32_t key) {
+  template <bool kClipValue, bool kMomentum, bool kFirst, bool kStochastic, bool kAverage, bool kScheduleFree>
+  LFSGD_ELEMENT static void update_block(P* w, const P* gr, B* b, M* m, O* e, int64_t i, const Coeffs<O>& c,
+                                         uint32_t key, const AverageCoeffs<O>& a) {
     FloatPair wi = load_weight_block<kWeight>(w, m, i);
     FloatPair bi = kMomentum && !kFirst ? load_block<P>(b, i) : FloatPair{FloatVec(0.0f), FloatVec(0.0f)};
     const FloatPair gi = load_block<P>(gr, i);
-    if constexpr (kScheduleFree) {
-      schedule_free_element<kClipValue>(wi.low, gi.low, bi.low, c);
-      schedule_free_element<kClipValue>(wi.high, gi.high, bi.high, c);
-    } else {
-      sgd_element<kClipValue>(wi.low, gi.low, bi.low, c);
-      sgd_element<kClipValue>(wi.high, gi.high, bi.high, c);
-    }
+    update_element<kScheduleFree, kClipValue>(wi.low, gi.low, bi.low, c);
+    update_element<kScheduleFree, kClipValue>(wi.high, gi.high, bi.high, c);
     store_update<kWeight>(w, b, m, i, wi, bi, kMomentum, kStochastic, key);
+    if constexpr (kAverage) store_average<P>(e, i, wi, a);
   }
 #endif
 
@@ -325,6 +339,13 @@ class CpuUpdate {
   std::vector<B*> b_ptr_;
   std::vector<M*> m_ptr_;
   std::vector<int64_t*> count_ptr_;
+  struct Average {
+    O* average;
+    int64_t* steps;
+    int64_t* updates;
+  };
+  std::vector<Average> average_ptr_;
+  std::vector<AverageCoeffs<O>> average_;  // this step's, per tensor (no update where it has no average)
   std::vector<Coeffs<O>> coeffs_;
   std::vector<bool> lars_;
   double clip_;  // the step's clip_grad_norm_ coefficient, 1 where it does not clip by norm

@@ -34,8 +34,12 @@ namespace {
 constexpr int kThreads = 512;
 // Elements per independent load in flight per thread: enough memory parallelism to reach bandwidth.
 constexpr int kUnroll = 4;
-// Elements per block (32 per thread per unrolled iteration).
-constexpr int64_t kBlockChunkElems = 65536;
+// Elements per block (32 per thread per unrolled iteration). The emulated build takes fewer, so that the tests'
+// tensors cross every loop's boundaries (fused_sgd_cuda_emulated.cpp).
+#ifndef LFSGD_BLOCK_CHUNK_ELEMS
+#define LFSGD_BLOCK_CHUNK_ELEMS 65536
+#endif
+constexpr int64_t kBlockChunkElems = LFSGD_BLOCK_CHUNK_ELEMS;
 
 // One tensor, as the kernels see it. Pointers are typed by the launch's template arguments.
 struct TensorArgs {
@@ -44,6 +48,9 @@ struct TensorArgs {
   void* buffer;            // momentum buffer, or null without momentum
   void* companion;         // fp32 master weight or bf16 Kahan compensation (Companion), or null
   int64_t* count;          // the count of stochastic steps of a tensor rounded so (rounds_stochastically), or null
+  void* average;           // the average of the weights (opmath), or null without one
+  int64_t* average_steps;  // its applied steps and updates (average_coeffs)
+  int64_t* average_updates;
   int64_t group;
   int32_t first;  // first step: the buffer is seeded with the gradient
   int32_t lars;
@@ -113,7 +120,7 @@ __global__ void __launch_bounds__(kThreads)
     sum[1] += static_cast<double>(ti) * ti;
     sum[2] += static_cast<double>(wi) * ti;
   }
-  __shared__ double scratch[kThreads / 32];
+  LFSGD_SHARED(double, scratch, kThreads / 32);
   for (int k = 0; k < kNumLarsSums; ++k) {
     const double total = block_sum(sum[k], scratch);
     if (threadIdx.x == 0) partials[kNumLarsSums * blockIdx.x + k] = total;
@@ -128,7 +135,7 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t k = t.first_chunk + threadIdx.x; k < t.first_chunk + t.num_chunks; k += kThreads) {
     for (int j = 0; j < kNumLarsSums; ++j) sum[j] += partials[kNumLarsSums * k + j];
   }
-  __shared__ double scratch[kThreads / 32];
+  LFSGD_SHARED(double, scratch, kThreads / 32);
   for (int j = 0; j < kNumLarsSums; ++j) {
     const double total = block_sum(sum[j], scratch);
     if (threadIdx.x == 0) rows[kNumLarsSums * blockIdx.x + j] = total;
@@ -136,8 +143,9 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // The update: each block steps one chunk. A LARS tensor's trust ratio comes from its row of sums (the same for
-// every chunk of the tensor), clipped_term_sq_sum applying the norm clip to them.
-template <typename P, typename B, Weight kWeight>
+// every chunk of the tensor), clipped_term_sq_sum applying the norm clip to them. A schedule-free bucket
+// (kScheduleFree) steps schedule_free_element, each tensor's z where SGD's buffer is, with its group's ckp1.
+template <typename P, typename B, Weight kWeight, bool kScheduleFree>
 __global__ void __launch_bounds__(kThreads)
     update_kernel(const TensorArgs* tensors, const ChunkArgs* chunks, const GroupHParams* groups, StepRow row) {
   using O = typename OpMath<P>::type;
@@ -146,10 +154,11 @@ __global__ void __launch_bounds__(kThreads)
   const ChunkArgs chunk = chunks[blockIdx.x];
   const TensorArgs t = tensors[chunk.tensor];
   const GroupHParams h = group_of(groups, t.group, row);
-  const bool has_momentum = h.momentum != 0.0;
+  const bool has_momentum = kScheduleFree || h.momentum != 0.0;
   const double inv_scale = row_inverse_scale(row);
   const double clip = row_clip(row, inv_scale);
   Coeffs<O> c = make_coeffs<O>(h, inv_scale, clip, t.first != 0);
+  if constexpr (kScheduleFree) apply_schedule_free(c, h, row.ckp1[t.group]);
   if (t.lars) {
     const double* sums = row.lars_sq_sums + kNumLarsSums * chunk.tensor;
     apply_lars(c, sums[0], clipped_term_sq_sum(sums[0], sums[1], sums[2], clip, h), h);
@@ -161,6 +170,9 @@ __global__ void __launch_bounds__(kThreads)
   // Stochastic rounding of the update: bf16 params without masters only (sgd_math.h), those with a count.
   const bool stochastic = t.count != nullptr;
   const uint32_t key = stochastic ? rounding_key(h.rounding_seed, *t.count, chunk.tensor) : 0;
+  O* e = static_cast<O*>(t.average);
+  const AverageCoeffs<O> a =
+      e != nullptr ? average_coeffs<O>(h, *t.average_steps, *t.average_updates) : AverageCoeffs<O>{};
   for (int64_t base = chunk.begin + threadIdx.x; base < chunk.end; base += kThreads * kUnroll) {
     O wi[kUnroll], gi[kUnroll], bi[kUnroll];
 #pragma unroll
@@ -176,50 +188,9 @@ __global__ void __launch_bounds__(kThreads)
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t i = base + u * kThreads;
       if (i < chunk.end) {
-        sgd_element(wi[u], gi[u], bi[u], c);
+        update_element<kScheduleFree>(wi[u], gi[u], bi[u], c);
         store_update<kWeight>(w, b, m, i, wi[u], bi[u], has_momentum, stochastic, key);
-      }
-    }
-  }
-}
-
-// The update of a schedule-free bucket (schedule_free_element): as update_kernel, with each tensor's z where
-// SGD's momentum buffer is (TensorArgs::buffer) and the group's ckp1 from the step row.
-template <typename P, typename B, Weight kWeight>
-__global__ void __launch_bounds__(kThreads)
-    schedule_free_kernel(const TensorArgs* tensors, const ChunkArgs* chunks, const GroupHParams* groups, StepRow row) {
-  using O = typename OpMath<P>::type;
-  using M = Companion<kWeight>;
-  if (skipped(row.found_inf)) return;
-  const ChunkArgs chunk = chunks[blockIdx.x];
-  const TensorArgs t = tensors[chunk.tensor];
-  const GroupHParams h = group_of(groups, t.group, row);
-  const double inv_scale = row_inverse_scale(row);
-  Coeffs<O> c = make_coeffs<O>(h, inv_scale, row_clip(row, inv_scale), false);
-  apply_schedule_free(c, h, row.ckp1[t.group]);
-  P* w = static_cast<P*>(t.param);
-  const P* g = static_cast<const P*>(t.grad);
-  B* z = static_cast<B*>(t.buffer);
-  M* m = static_cast<M*>(t.companion);
-  const bool stochastic = t.count != nullptr;
-  const uint32_t key = stochastic ? rounding_key(h.rounding_seed, *t.count, chunk.tensor) : 0;
-  for (int64_t base = chunk.begin + threadIdx.x; base < chunk.end; base += kThreads * kUnroll) {
-    O wi[kUnroll], gi[kUnroll], zi[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t i = base + u * kThreads;
-      if (i < chunk.end) {
-        wi[u] = load_weight<kWeight>(w, m, i);
-        gi[u] = load(g, i);
-        zi[u] = load(z, i);
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t i = base + u * kThreads;
-      if (i < chunk.end) {
-        schedule_free_element(wi[u], gi[u], zi[u], c);
-        store_update<kWeight>(w, z, m, i, wi[u], zi[u], true, stochastic, key);
+        if (a.update) store_average<P>(e, i, wi[u], a);
       }
     }
   }
@@ -240,8 +211,8 @@ __global__ void __launch_bounds__(kThreads)
   const B* z = static_cast<const B*>(t.buffer);
   M* m = static_cast<M*>(t.companion);
   for (int64_t i = chunk.begin + threadIdx.x; i < chunk.end; i += kThreads) {
-    const O wi = lerp(load_weight<kWeight>(w, m, i), static_cast<O>(load(z, i)), to);
-    store_update<kWeight>(w, static_cast<B*>(nullptr), m, i, wi, wi, false, false, 0);
+    const O moved = lerp(load_weight<kWeight>(w, m, i), static_cast<O>(load(z, i)), to);
+    store_update<kWeight>(w, static_cast<B*>(nullptr), m, i, moved, moved, false, false, 0);
   }
 }
 
@@ -254,13 +225,20 @@ __global__ void schedule_free_scalars_kernel(double* scalars, const GroupHParams
   }
 }
 
-// After the update (whose every block read the counts): each stochastically rounded tensor counts its step,
-// unless the step was skipped.
-__global__ void advance_counts_kernel(const TensorArgs* tensors, int64_t n, const float* found_inf) {
+// After the update (whose every block read the counts): each stochastically rounded tensor counts its step, and
+// each tensor with an average its step and (where the step updated it) the update, unless the step was skipped.
+__global__ void advance_counts_kernel(const TensorArgs* tensors, const GroupHParams* groups, int64_t n,
+                                      const float* found_inf) {
   if (skipped(found_inf)) return;
   for (int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; t < n;
        t += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    if (tensors[t].count != nullptr) ++*tensors[t].count;
+    const TensorArgs& args = tensors[t];
+    if (args.count != nullptr) ++*args.count;
+    if (args.average_steps != nullptr) {
+      const bool update = average_coeffs<double>(groups[args.group], *args.average_steps, *args.average_updates).update;
+      ++*args.average_steps;
+      if (update) ++*args.average_updates;
+    }
   }
 }
 
@@ -275,7 +253,7 @@ __global__ void __launch_bounds__(kThreads)
     const double gi = load(g, i);
     sum += gi * gi;
   }
-  __shared__ double scratch[kThreads / 32];
+  LFSGD_SHARED(double, scratch, kThreads / 32);
   const double total = block_sum(sum, scratch);
   if (threadIdx.x == 0) partials[blockIdx.x] = total;
 }
@@ -315,6 +293,9 @@ inline Work make_work(const Bucket& bucket) {
     args.buffer = bucket.buffer(t);
     args.companion = bucket.companion(t);
     args.count = bucket.count(t);
+    args.average = bucket.average(t);
+    args.average_steps = bucket.average_steps(t);
+    args.average_updates = bucket.average_updates(t);
     args.group = bucket.tensor_group[t];
     args.first = bucket.first_step[t] ? 1 : 0;
     args.lars = lars_adapts(bucket.groups[args.group]) ? 1 : 0;
@@ -350,7 +331,7 @@ inline DeviceTables upload(const at::Device& device, device::Stream stream,
   }
   const bool capturing = device::capturing();
   const auto bytes = at::TensorOptions().dtype(at::kByte);
-  at::Tensor host = at::empty({static_cast<int64_t>(total)}, bytes.pinned_memory(device::kPinnedStaging && !capturing));
+  at::Tensor host = device::host_buffer(static_cast<int64_t>(total), /*pinned=*/!capturing);
   size_t index = 0;
   for (const auto& part : parts) {
     std::memcpy(host.data_ptr<uint8_t>() + tables.offsets[index++], part.first, part.second);
@@ -412,10 +393,12 @@ void run_device(const Bucket& bucket) {
   const int64_t n = static_cast<int64_t>(params.size());
   const at::Device device = params[0].device();
   const Work work = make_work(bucket);
-  bool any_stochastic = false;
-  for (const TensorArgs& args : work.tensors) any_stochastic = any_stochastic || args.count != nullptr;
+  bool any_counts = false;
+  for (const TensorArgs& args : work.tensors) {
+    any_counts = any_counts || args.count != nullptr || args.average_steps != nullptr;
+  }
   const int64_t num_chunks = static_cast<int64_t>(work.chunks.size());
-  if (num_chunks == 0 && !any_stochastic) return;
+  if (num_chunks == 0 && !any_counts) return;
 
   const device::Guard guard(device);
   const device::Stream stream = device::current_stream();
@@ -432,14 +415,15 @@ void run_device(const Bucket& bucket) {
       using P = decltype(param);
       using B = decltype(buffer);
       constexpr Weight kWeight = decltype(weight)::value;
-      device::launch(bucket.schedule_free ? &schedule_free_kernel<P, B, kWeight> : &update_kernel<P, B, kWeight>,
-                     num_chunks, kThreads, stream, tables.table<TensorArgs>(0), tables.table<ChunkArgs>(1),
+      const auto kernel =
+          bucket.schedule_free ? &update_kernel<P, B, kWeight, true> : &update_kernel<P, B, kWeight, false>;
+      device::launch(kernel, num_chunks, kThreads, stream, tables.table<TensorArgs>(0), tables.table<ChunkArgs>(1),
                      tables.table<GroupHParams>(2), row);
     });
   }
-  if (any_stochastic) {
-    device::launch(&advance_counts_kernel, (n + 255) / 256, 256, stream, tables.table<TensorArgs>(0), n,
-                   row.found_inf);
+  if (any_counts) {
+    device::launch(&advance_counts_kernel, (n + 255) / 256, 256, stream, tables.table<TensorArgs>(0),
+                   tables.table<GroupHParams>(2), n, row.found_inf);
   }
 }
 

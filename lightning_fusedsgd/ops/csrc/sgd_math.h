@@ -45,6 +45,11 @@ namespace lfsgd {
   X(int, lars_zero_norm)        \
   X(int, update_rounding)       \
   X(double, rounding_seed)      \
+  X(double, ema_decay)          \
+  X(int64_t, ema_every)         \
+  X(int64_t, ema_start)         \
+  X(double, ema_warmup_gamma)   \
+  X(double, ema_warmup_power)   \
   X(bool, schedule_free)        \
   X(double, warmup_steps)       \
   X(double, r)                  \
@@ -205,6 +210,39 @@ LFSGD_ELEMENT void sgd_element(V& w, V g, V& b, const Coeffs<S>& c) {
   w = mul_add(g, V(-c.lr), w);
 }
 
+// The average of the weights (ema_decay; NaN: none) takes each updated weight w as
+// avg <- decay * avg + (1 - decay) * w, three roundings in that order (torch.optim.swa_utils.get_ema_avg_fn, which
+// Lightning's EMAWeightAveraging applies), at the applied steps `steps` >= ema_start that ema_every divides
+// (Lightning's update_starting_at_step / update_every_n_steps, counting this param's steps since its average
+// began); its first update copies w. With ema_warmup_gamma, the decay of the update after `updates` updates is
+// min(ema_decay, 1 - (1 + updates / gamma) ^ -power) (timm's ModelEmaV3 warmup).
+template <typename T>
+struct AverageCoeffs {
+  bool update;  // this step updates the average
+  bool copy;    // its first update: the average takes the weight
+  T decay;
+  T one_minus_decay;
+};
+
+LFSGD_HOST_DEVICE inline bool averages(const GroupHParams& h) { return h.ema_decay == h.ema_decay; }
+
+template <typename T>
+LFSGD_HOST_DEVICE inline AverageCoeffs<T> average_coeffs(const GroupHParams& h, int64_t steps, int64_t updates) {
+  double decay = h.ema_decay;
+  if (h.ema_warmup_gamma > 0.0 && updates > 0) {
+    const double warm = 1.0 - pow(1.0 + static_cast<double>(updates) / h.ema_warmup_gamma, -h.ema_warmup_power);
+    decay = warm < decay ? warm : decay;
+  }
+  return AverageCoeffs<T>{steps >= h.ema_start && steps % h.ema_every == 0, updates == 0, static_cast<T>(decay),
+                          static_cast<T>(1.0 - decay)};
+}
+
+// One element's average after an update, `w` its new weight in opmath (a value or a vector: V(s) broadcasts).
+template <typename V, typename S>
+LFSGD_ELEMENT V averaged(V average, V w, const AverageCoeffs<S>& a) {
+  return pick(a.copy, w, average * V(a.decay) + w * V(a.one_minus_decay));
+}
+
 // torch.lerp(self, end, weight) for one weight, rounding as ATen's kernels do: self + weight (end - self) where
 // |weight| < 0.5, else end + (weight - 1)(end - self), each one multiply-add (the weight - 1 in the opmath type).
 template <typename V, typename S>
@@ -235,6 +273,16 @@ LFSGD_ELEMENT void schedule_free_element(V& y, V g, V& z, const Coeffs<S>& c) {
   g = pick(c.wd_coupled != S(0), decayed, g);
   y = mul_add(g, V(c.y_grad), lerp(y, z, c.ckp1));
   z = mul_add(g, V(-c.lr), z);
+}
+
+// One element's update: SGD's, or (kScheduleFree) schedule-free SGD's, whose z is where SGD's buffer is.
+template <bool kScheduleFree, bool kClipValue = true, typename V, typename S>
+LFSGD_ELEMENT void update_element(V& w, V g, V& b, const Coeffs<S>& c) {
+  if constexpr (kScheduleFree) {
+    schedule_free_element<kClipValue>(w, g, b, c);
+  } else {
+    sgd_element<kClipValue>(w, g, b, c);
+  }
 }
 
 // Whether the LARS denominator is ||g_raw + lambda w|| ("decayed_grad") rather than ||g_raw|| + lambda ||w||.

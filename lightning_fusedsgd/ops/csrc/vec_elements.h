@@ -162,5 +162,13 @@ template <typename P, typename T>
 LFSGD_ELEMENT void store_value(T* p, int64_t i, const FloatPair& v) {
   store_block<P>(p, i, v);
 }
+template <typename P, typename T>
+LFSGD_ELEMENT FloatPair load_value(const T* p, int64_t i, const FloatPair& /*like*/) {
+  return load_block<P>(p, i);
+}
+template <typename S>
+LFSGD_ELEMENT FloatPair averaged(const FloatPair& average, const FloatPair& w, const AverageCoeffs<S>& a) {
+  return {averaged(average.low, w.low, a), averaged(average.high, w.high, a)};
+}
 
 }  // namespace lfsgd

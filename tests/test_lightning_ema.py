@@ -1,0 +1,115 @@
+"""lightning_fusedsgd.lightning.EMAWeightAveraging, a drop-in for Lightning's: with FusedSGD the same final
+weights and validation metrics as Lightning's callback with torch.optim.SGD, bit for bit (CPU, fp32); a
+checkpoint of either callback resumes the other exactly; with another optimizer it is Lightning's
+callback."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import EMAWeightAveraging as LightningEMA
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning_helpers import UserModule, cpu_trainer
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_fusedsgd import FusedSGD
+from lightning_fusedsgd.lightning import EMAWeightAveraging
+
+HPARAMS = dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3)
+SCHEDULE = dict(decay=0.8, update_starting_at_step=2, update_every_n_steps=2)
+
+
+class Classifier(UserModule):
+    """The user's module with validation (its loss and accuracy logged per epoch) and an optimizer."""
+
+    def __init__(self, optimizer: str) -> None:
+        super().__init__(samples=64, batch_size=16)
+        self.optimizer_name = optimizer
+        self.validation: list[tuple[float, float]] = []
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        images, targets = batch
+        logits = self.net(images)
+        loss = F.cross_entropy(logits, targets)
+        accuracy = (logits.argmax(1) == targets).float().mean()
+        self.validation.append((loss.item(), accuracy.item()))
+        self.log("val/loss", loss)
+
+    def val_dataloader(self) -> DataLoader:
+        generator = torch.Generator().manual_seed(1)
+        data = TensorDataset(torch.randn(32, 3, 8, 8, generator=generator), torch.arange(32) % 4)
+        return DataLoader(data, batch_size=16)
+
+    def configure_optimizers(self) -> Any:
+        kind = FusedSGD if self.optimizer_name == "fused" else torch.optim.SGD
+        return kind(self.parameters(), **HPARAMS)
+
+
+def _fit(optimizer: str, callback: pl.Callback, tmp_path, epochs: int = 3, ckpt_path=None, **trainer_kwargs):
+    torch.manual_seed(0)
+    module = Classifier(optimizer)
+    trainer = cpu_trainer(
+        max_epochs=epochs, callbacks=[callback], default_root_dir=tmp_path, **trainer_kwargs
+    )
+    trainer.fit(module, ckpt_path=ckpt_path)
+    return module, trainer
+
+
+def _same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+@pytest.mark.slow
+def test_fused_runs_give_lightnings_weights_and_metrics_bit_for_bit(tmp_path):
+    """Training ends with the averaged weights (buffers averaged too) in the module, and every validation ran
+    on the averages: the same bits as Lightning's callback with torch.optim.SGD."""
+    theirs, _ = _fit("torch", LightningEMA(**SCHEDULE), tmp_path / "theirs")
+    callback = EMAWeightAveraging(**SCHEDULE)
+    ours, trainer = _fit("fused", callback, tmp_path / "ours")
+    assert callback.fused and trainer.optimizers[0].state  # the average was kept in FusedSGD's step
+    _same_bits(ours.state_dict(), theirs.state_dict())
+    assert ours.validation == theirs.validation and len(ours.validation) == 2 * 4  # sanity check + 3 epochs
+
+
+@pytest.mark.slow
+def test_with_another_optimizer_it_is_lightnings_callback(tmp_path):
+    theirs, _ = _fit("torch", LightningEMA(**SCHEDULE), tmp_path / "theirs")
+    callback = EMAWeightAveraging(**SCHEDULE)
+    ours, _ = _fit("torch", callback, tmp_path / "ours")
+    assert not callback.fused
+    _same_bits(ours.state_dict(), theirs.state_dict())
+    assert ours.validation == theirs.validation
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("first, second", [("ours", "lightning"), ("lightning", "ours")])
+def test_a_checkpoint_of_either_callback_resumes_the_other_exactly(first, second, tmp_path):
+    """A run of 3 epochs, checkpointed after 1 by one callback and resumed by the other: the final weights of
+    an uninterrupted run of either (they are the same bits)."""
+    make = {
+        "ours": lambda: ("fused", EMAWeightAveraging(**SCHEDULE)),
+        "lightning": lambda: ("torch", LightningEMA(**SCHEDULE)),
+    }
+    uninterrupted, _ = _fit(*make[second](), tmp_path / "whole")
+    optimizer, callback = make[first]()
+    saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
+    torch.manual_seed(0)
+    module = Classifier(optimizer)
+    trainer = cpu_trainer(
+        max_epochs=1,
+        callbacks=[callback, saver],
+        default_root_dir=tmp_path / "first",
+        enable_checkpointing=True,
+    )
+    trainer.fit(module)
+    checkpoint = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)
+    assert {"state_dict", "current_model_state", "averaging_state"} <= checkpoint.keys()
+    optimizer, callback = make[second]()
+    resumed, _ = _fit(optimizer, callback, tmp_path / "second", ckpt_path=tmp_path / "ckpt" / "last.ckpt")
+    _same_bits(resumed.state_dict(), uninterrupted.state_dict())
