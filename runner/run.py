@@ -54,6 +54,11 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     start = _checked_start(cfg, model)
     callbacks = [instantiate(node) for node in cfg.callbacks.values() if node is not None] + start
     if cfg.ema.decay is not None:
+        if cfg.optim.get("schedule_free", False):
+            raise ConfigError(
+                f"optim=schedule_free with ema.decay={cfg.ema.decay}: schedule-free SGD's weights x are an "
+                "average of its iterates already, and it keeps no second one; add ema.decay=null"
+            )
         model.average = EMAWeightAveraging(**cfg.ema)
         callbacks.append(model.average)
     logger = instantiate(cfg.logger) if cfg.get("logger") else False

@@ -14,7 +14,7 @@ from lightning_helpers import ROOT, compose_train
 from omegaconf import OmegaConf
 
 from lightning_fusedsgd.checkpoint import read_checkpoint_file
-from lightning_fusedsgd.lightning import Schedule
+from lightning_fusedsgd.lightning import ConfigError, Schedule
 from runner.model import ImageClassifier
 from runner.run import train
 from runner.simclr import SimCLR
@@ -270,7 +270,7 @@ def test_schedule_free_is_an_optim_choice_of_the_recipes(recipe, tmp_path):
     """optim=schedule_free: FusedSGDScheduleFree with the recipe's warmup and no lr scheduler, and a run
     resumed from its last.ckpt (which holds no scheduler state) continues it."""
     overrides = [f"recipe={recipe}", "optim=schedule_free", "debug=tiny"]
-    overrides += [] if recipe in OFFLINE else ["data=synthetic"]
+    overrides += [] if recipe in OFFLINE else ["data=synthetic", "ema.decay=null"]  # resnet50 keeps an EMA
     first = train(compose_train([*overrides, "trainer.max_epochs=1"], tmp_path / "first"))
     assert first["global_step"] == 3
     checkpoint = torch.load(tmp_path / "first" / "checkpoints" / "last.ckpt", weights_only=True)
@@ -283,3 +283,10 @@ def test_schedule_free_is_an_optim_choice_of_the_recipes(recipe, tmp_path):
         compose_train([*overrides, "trainer.max_epochs=2", f"ckpt_path={last}"], tmp_path / "next")
     )
     assert resumed["global_step"] == 6
+
+
+def test_schedule_free_with_a_second_average_is_refused_before_the_run(tmp_path):
+    cfg = compose_train(["recipe=resnet50", "optim=schedule_free", "debug=tiny", "data=synthetic"], tmp_path)
+    refused = r"optim=schedule_free with ema.decay=0.94175: .*add ema.decay=null"
+    with pytest.raises(ConfigError, match=refused):
+        train(cfg)

@@ -94,7 +94,7 @@ def test_a_build_key_covers_the_files_its_library_is_compiled_from(monkeypatch, 
         "fused_sgd_cuda.cu": {"cuda", "cuda_emulated"},
         "emulated_memory.h": {"cuda", "cuda_emulated"},  # device.h includes both devices' headers
         "fused_sgd_cuda_emulated.cpp": {"cuda_emulated"},
-        "kept_plan.h": {"cpu"},
+        "plan_arguments.h": {"cpu"},
         "vec_math.h": {"cpu", "cuda", "cuda_emulated"},  # through sgd_math.h
     }
     for name, rebuilt in changes.items():
