@@ -47,4 +47,4 @@ docs: install-dev  # the site, in site/; a warning (a broken link or reference) 
 
 bench: install
 	$(PIP) -e ".[bench]"
-	$(PYTHON) bench/step.py && $(PYTHON) bench/lars.py
+	$(PYTHON) bench/step.py && $(PYTHON) bench/lars.py && $(PYTHON) bench/ema.py

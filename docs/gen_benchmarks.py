@@ -277,6 +277,29 @@ def lars_section(result: dict[str, Any]) -> str:
     return "\n".join(text)
 
 
+def ema_section(result: dict[str, Any]) -> str:
+    text = [
+        "## The average of the weights in the step",
+        "",
+        f"`bench/ema.py`: FusedSGD with `ema_decay={result['decay']}` against its plain step, torch's fused "
+        "SGD step followed by timm's `ModelEmaV3` update (a `_foreach_lerp_` over the weights) and the "
+        "floors on ResNet-50's shapes: the plain floor moves 20 bytes per fp32 parameter, `floor + average` "
+        f"28 (the average read and written too); median of {result['repeats']}.",
+        "",
+    ]
+    for case, times in result["cases"].items():
+        text += [
+            f"**{case}**",
+            "",
+            _table(["contender", "step"], [[n, _ms(t)] for n, t in times.items()]),
+            "",
+        ]
+        ratios = result["ratios"][case]
+        text += [_table(["ratio", "value"], [[name, f"{value:.2f}"] for name, value in ratios.items()]), ""]
+    text += [_provenance("ema", result), ""]
+    return "\n".join(text)
+
+
 def sharded_section(result: dict[str, Any]) -> str:
     times, reductions = result["median_s"], result["all_reduces_per_step"]
     rows = [[name, _ms(seconds), str(reductions[name])] for name, seconds in times.items()]
@@ -410,7 +433,16 @@ def verified_section(results: dict[str, dict[str, Any]]) -> str:
 def render(images: Path) -> str:
     """The benchmark page, its plot written into ``images``."""
     images.mkdir(exist_ok=True)
-    names = ("step", "lars", "sharded", "bf16_rounding", "bf16_quickstart", "schedule_free_quickstart", "gpu")
+    names = (
+        "step",
+        "lars",
+        "ema",
+        "sharded",
+        "bf16_rounding",
+        "bf16_quickstart",
+        "schedule_free_quickstart",
+        "gpu",
+    )
     results = {name: result for name in names if (result := _load(name)) is not None}
     sections = [
         "# Benchmarks",
@@ -422,6 +454,7 @@ def render(images: Path) -> str:
     builders = {
         "step": lambda result: step_section(result, images),
         "lars": lars_section,
+        "ema": ema_section,
         "sharded": sharded_section,
         "bf16_rounding": rounding_section,
         "bf16_quickstart": quickstart_section,

@@ -47,6 +47,21 @@ def test_floor_moves_the_bytes_of_a_momentum_step(master):
         assert all(torch.equal(bits(p), bits(g)) for p, g in zip(params, grads))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_fourth_stream_is_read_and_written_beside_the_step(dtype):
+    """The floor of a step that also keeps an average of the weights (fp32) or Kahan compensations (bf16): a
+    companion of the params' dtype, read and written (XOR-ed with the grad), the rest as the plain floor."""
+    params, grads, buffers, _ = tensors(3, dtype)
+    generator = torch.Generator().manual_seed(4)
+    companions = [torch.randn(s, generator=generator).to(dtype) for s in SHAPES]
+    expected_c = [bits(c) ^ bits(g) for c, g in zip(companions, grads)]
+    expected_w = [bits(g) for g in grads]
+    floor_ops().floor_step(params, grads, buffers, companions, [])
+    for c, w, ec, ew in zip(companions, params, expected_c, expected_w):
+        assert torch.equal(bits(c), ec)
+        assert torch.equal(bits(w), ew)
+
+
 def test_lars_floor_only_adds_reads():
     plain, lars = tensors(1), tensors(1)
     floor_ops().floor_step(*plain, [])

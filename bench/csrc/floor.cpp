@@ -15,7 +15,8 @@ namespace {
 // sgd_step with momentum, and no arithmetic (bit moves only). Benchmarks divide step time by this. With `lars`, each
 // wave that has LARS tensors first reads their w and g, as the norm pass does, XOR-reduced into per-chunk
 // partials so the reads are kept (their XOR is returned); the values left behind are the plain floor's.
-// kCompensation: 16-bit params with Kahan compensations (companions of their dtype), read and written too;
+// kCompensation: a fourth stream of the params' dtype read and written too (16-bit params' Kahan compensations,
+// or fp32 params' average of the weights);
 // kMaster: 16-bit params with fp32 master weights (companions in fp32), the masters' bytes moved.
 template <typename W, typename G, bool kMaster, bool kCompensation = false>
 int64_t floor_bucket(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
@@ -101,9 +102,9 @@ int64_t floor_bucket(at::TensorList params, at::TensorList grads, at::TensorList
 int64_t floor_step(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
                    at::TensorList companions, const c10::List<bool>& lars) {
   if (params.empty()) return 0;
-  // companions: fp32 master weights, or Kahan compensations of 16-bit params, of their dtype.
-  const bool compensation = !companions.empty() && params[0].element_size() == 2 &&
-                            companions[0].scalar_type() == params[0].scalar_type();
+  // companions: fp32 master weights of 16-bit params, or a fourth stream of the params' dtype (Kahan
+  // compensations, averages of the weights).
+  const bool compensation = !companions.empty() && companions[0].scalar_type() == params[0].scalar_type();
   const bool master = !companions.empty() && !compensation;
   TORCH_CHECK(grads.size() == params.size() && momentum_buffers.size() == params.size() &&
                   (companions.empty() || companions.size() == params.size()),
@@ -134,6 +135,9 @@ int64_t floor_step(at::TensorList params, at::TensorList grads, at::TensorList m
                     : floor_bucket<uint16_t, uint16_t, false>(params, grads, momentum_buffers, companions,
                                                               flags);
     case 4:
+      if (compensation) {
+        return floor_bucket<uint32_t, uint32_t, false, true>(params, grads, momentum_buffers, companions, flags);
+      }
       return floor_bucket<uint32_t, uint32_t, false>(params, grads, momentum_buffers, companions, flags);
     case 8:
       return floor_bucket<uint64_t, uint64_t, false>(params, grads, momentum_buffers, companions, flags);

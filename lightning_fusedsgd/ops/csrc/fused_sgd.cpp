@@ -231,14 +231,18 @@ class CpuUpdate {
   // fp32 or fp64, or to fp16, which the plan refuses): the tensors with a rounding step (rounds_stochastically).
   static constexpr bool kMayRoundStochastically = std::is_same_v<P, c10::BFloat16> && kWeight == Weight::kParam;
 
-  // So is an update of the average of the weights (a tensor whose average takes this step).
+  // So is an update of the average of the weights (a tensor whose average takes this step), and whether it is the
+  // first (which copies the weight): a select on AverageCoeffs::copy in the loop stops its vectorization.
+  enum class Averaging { kNone, kUpdate, kFirstUpdate };
+
   template <bool kClipValue>
   void update_elements(const Chunk& chunk, int32_t t, const Coeffs<O> c) const {
-    if (average_[t].update) return update_rounding<kClipValue, true>(chunk, t, c);
-    return update_rounding<kClipValue, false>(chunk, t, c);
+    if (!average_[t].update) return update_rounding<kClipValue, Averaging::kNone>(chunk, t, c);
+    if (average_[t].copy) return update_rounding<kClipValue, Averaging::kFirstUpdate>(chunk, t, c);
+    return update_rounding<kClipValue, Averaging::kUpdate>(chunk, t, c);
   }
 
-  template <bool kClipValue, bool kAverage>
+  template <bool kClipValue, Averaging kAverage>
   void update_rounding(const Chunk& chunk, int32_t t, const Coeffs<O> c) const {
     if constexpr (kMayRoundStochastically) {
       if (count_ptr_[t] != nullptr) return update_cases<kClipValue, true, kAverage>(chunk, t, c);
@@ -248,7 +252,7 @@ class CpuUpdate {
 
   // Nesterov is a constant of the loop too: GCC does not vectorize a select on a bool loaded from memory in the
   // bf16 loops.
-  template <bool kClipValue, bool kStochastic, bool kAverage>
+  template <bool kClipValue, bool kStochastic, Averaging kAverage>
   void update_cases(const Chunk& chunk, int32_t t, const Coeffs<O> c) const {
     // Schedule-free: z is the buffer the loop reads and writes beside the weight (Bucket::buffer).
     if (schedule_free_) return update_loop<kClipValue, true, false, false, kStochastic, kAverage, true>(chunk, t, c);
@@ -261,7 +265,7 @@ class CpuUpdate {
                    : update_loop<kClipValue, true, false, false, kStochastic, kAverage>(chunk, t, c);
   }
 
-  template <bool kClipValue, bool kMomentum, bool kFirst, bool kNesterov, bool kStochastic, bool kAverage,
+  template <bool kClipValue, bool kMomentum, bool kFirst, bool kNesterov, bool kStochastic, Averaging kAverage,
             bool kScheduleFree = false>
   void update_loop(const Chunk& chunk, int32_t t, Coeffs<O> c) const {
     c.has_momentum = kMomentum;
@@ -272,7 +276,8 @@ class CpuUpdate {
     B* b = b_ptr_[t];
     M* m = m_ptr_[t];
     O* e = average_ptr_[t].average;
-    const AverageCoeffs<O> a = average_[t];
+    AverageCoeffs<O> a = average_[t];
+    a.copy = kAverage == Averaging::kFirstUpdate;
     const GroupHParams& h = groups_[tensor_group_[t]];
     const uint32_t key = kStochastic ? rounding_key(h.rounding_seed, *count_ptr_[t], t) : 0;
     const auto element = [&](int64_t i) __attribute__((always_inline)) {
@@ -280,7 +285,7 @@ class CpuUpdate {
       O bi = kMomentum && !kFirst ? static_cast<O>(load(b, i)) : O(0);
       update_element<kScheduleFree, kClipValue>(wi, static_cast<O>(load(gr, i)), bi, c);
       store_update<kWeight>(w, b, m, i, wi, bi, kMomentum, kStochastic, key);
-      if constexpr (kAverage) store_average<P>(e, i, wi, a);
+      if constexpr (kAverage != Averaging::kNone) store_average<P>(e, i, wi, a);
     };
     // Blocks, each asking for the lines of the block kPrefetchElems ahead in every stream, then the tail element
     // by element.
@@ -293,7 +298,7 @@ class CpuUpdate {
       prefetch_ahead<0>(gr, begin, kBlock);
       if constexpr (kMomentum) prefetch_ahead<1>(b, begin, kBlock);
       if constexpr (kWeight != Weight::kParam) prefetch_ahead<1>(m, begin, kBlock);
-      if constexpr (kAverage) prefetch_ahead<1>(e, begin, kBlock);
+      if constexpr (kAverage != Averaging::kNone) prefetch_ahead<1>(e, begin, kBlock);
 #ifdef LFSGD_CPU_VECTORS
       if constexpr (!std::is_same_v<P, O>) {
         update_block<kClipValue, kMomentum, kFirst, kStochastic, kAverage, kScheduleFree>(w, gr, b, m, e, begin, c,
@@ -319,7 +324,7 @@ class CpuUpdate {
 #ifdef LFSGD_CPU_VECTORS
   // 16-bit params in the AVX2 and AVX-512 builds run on ATen's vectors (vec_elements.h): the compiler vectorizes
   // neither c10::Half's conversions nor the bf16 roundings' selects well.
-  template <bool kClipValue, bool kMomentum, bool kFirst, bool kStochastic, bool kAverage, bool kScheduleFree>
+  template <bool kClipValue, bool kMomentum, bool kFirst, bool kStochastic, Averaging kAverage, bool kScheduleFree>
   LFSGD_ELEMENT static void update_block(P* w, const P* gr, B* b, M* m, O* e, int64_t i, const Coeffs<O>& c,
                                          uint32_t key, const AverageCoeffs<O>& a) {
     FloatPair wi = load_weight_block<kWeight>(w, m, i);
@@ -328,7 +333,7 @@ class CpuUpdate {
     update_element<kScheduleFree, kClipValue>(wi.low, gi.low, bi.low, c);
     update_element<kScheduleFree, kClipValue>(wi.high, gi.high, bi.high, c);
     store_update<kWeight>(w, b, m, i, wi, bi, kMomentum, kStochastic, key);
-    if constexpr (kAverage) store_average<P>(e, i, wi, a);
+    if constexpr (kAverage != Averaging::kNone) store_average<P>(e, i, wi, a);
   }
 #endif
 
