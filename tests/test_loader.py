@@ -325,3 +325,23 @@ def test_every_kernel_table_is_read_in_the_abis_order_and_checked_at_load(monkey
         ):
             _loader._registered("cpu", library)
         monkeypatch.undo()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("capability", sorted(_build.CPU_CAPABILITIES))
+def test_the_cpu_source_compiles_for_every_capability(capability):
+    """A machine builds its own capability's library; the wheel builds them all (tests/test_wheel.py, heavy).
+    The CPU source passes the compiler's front end with each capability's flags: the scalar loops of the
+    default build, which no machine here runs, included."""
+    from torch.utils import cpp_extension
+
+    includes = [_build.CSRC, *cpp_extension.include_paths()]
+    flags = [
+        "-fsyntax-only",
+        "-std=c++20",
+        *_build.cpu_flags(capability),
+        *(f"-I{path}" for path in includes),
+    ]
+    command = ["g++", *flags, str(_build.CSRC / "fused_sgd.cpp")]
+    result = subprocess.run(command, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-4000:]

@@ -32,6 +32,24 @@
 namespace lfsgd {
 namespace {
 
+// Whether the build steps P (16-bit) params on ATen's vectors, and the loops' block: one such vector, else a cache
+// line of params.
+template <typename P>
+constexpr bool kVectorBlocks =
+#ifdef LFSGD_CPU_VECTORS
+    !std::is_same_v<P, typename OpMath<P>::type>;
+#else
+    false;
+#endif
+
+template <typename P>
+constexpr int64_t block_elems() {
+#ifdef LFSGD_CPU_VECTORS
+  if constexpr (kVectorBlocks<P>) return kBlockElems<P>;
+#endif
+  return 64 / static_cast<int64_t>(sizeof(P));
+}
+
 // fp32 sums are exact enough where they are normal numbers; squares of values below about 1e-19 underflow
 // and above about 1e19 overflow. A chunk whose sums leave that range (zero, tiny, inf, NaN) is summed again in
 // double, as torch's CPU norm sums fp32, so the whole float range works at the cost of fp32 sums everywhere
@@ -289,7 +307,7 @@ class CpuUpdate {
     };
     // Blocks, each asking for the lines of the block kPrefetchElems ahead in every stream, then the tail element
     // by element.
-    constexpr int64_t kBlock = block_elems();
+    constexpr int64_t kBlock = block_elems<P>();
     static_assert(kChunkElems % kBlock == 0, "a chunk holds whole blocks");
     const int64_t end = chunk.end;
     int64_t begin = chunk.begin;
@@ -300,7 +318,7 @@ class CpuUpdate {
       if constexpr (kWeight != Weight::kParam) prefetch_ahead<1>(m, begin, kBlock);
       if constexpr (kAverage != Averaging::kNone) prefetch_ahead<1>(e, begin, kBlock);
 #ifdef LFSGD_CPU_VECTORS
-      if constexpr (!std::is_same_v<P, O>) {
+      if constexpr (kVectorBlocks<P>) {
         update_block<kClipValue, kMomentum, kFirst, kStochastic, kAverage, kScheduleFree>(w, gr, b, m, e, begin, c,
                                                                                           key, a);
         continue;
@@ -311,14 +329,6 @@ class CpuUpdate {
     }
 #pragma omp simd
     for (int64_t i = begin; i < end; ++i) element(i);
-  }
-
-  // A block: a vector of 16-bit params where the build runs them on vectors, else a cache line of params.
-  static constexpr int64_t block_elems() {
-#ifdef LFSGD_CPU_VECTORS
-    if constexpr (!std::is_same_v<P, O>) return kBlockElems<P>;
-#endif
-    return 64 / static_cast<int64_t>(sizeof(P));
   }
 
 #ifdef LFSGD_CPU_VECTORS
@@ -468,12 +478,7 @@ void schedule_free_switch_cpu(const Bucket& bucket, bool train) {
     using M = Companion<kWeight>;
     // As the update loop: blocks (a vector of 16-bit params where the build has vectors, else a cache line of
     // params), each asking for its streams' lines kPrefetchElems ahead, then the tail element by element.
-#ifdef LFSGD_CPU_VECTORS
-    constexpr bool kVectors = !std::is_same_v<P, O>;
-#else
-    constexpr bool kVectors = false;
-#endif
-    constexpr int64_t kBlock = kVectors ? kBlockElems<P> : 64 / static_cast<int64_t>(sizeof(P));
+    constexpr int64_t kBlock = block_elems<P>();
 #pragma omp parallel for schedule(static) num_threads(num_threads_for(work))
     for (int64_t c = 0; c < static_cast<int64_t>(work.chunks.size()); ++c) {
       const Chunk& chunk = work.chunks[c];
@@ -492,7 +497,7 @@ void schedule_free_switch_cpu(const Bucket& bucket, bool train) {
         prefetch_ahead<0>(z, i, kBlock);
         if constexpr (kWeight != Weight::kParam) prefetch_ahead<1>(m, i, kBlock);
 #ifdef LFSGD_CPU_VECTORS
-        if constexpr (kVectors) {
+        if constexpr (kVectorBlocks<P>) {
           FloatPair wi = load_weight_block<kWeight>(w, m, i);
           const FloatPair zi = load_block<P>(z, i);
           wi = {lerp(wi.low, zi.low, to), lerp(wi.high, zi.high, to)};
