@@ -128,6 +128,23 @@ def load_weight(param: Tensor, slots: dict[str, Tensor | None]) -> Tensor:
     return param.to(_opmath(param.dtype))
 
 
+def store_weight(
+    param: Tensor, slots: dict[str, Tensor | None], w_new: Tensor, random_bits: Tensor | None = None
+) -> None:
+    """Stores the new weight (opmath) as ``store_update`` in elements.h does: into the fp32 master and its
+    rounding into the param, rounded to bf16 with what that dropped kept as the Kahan compensation, rounded
+    stochastically with each element's ``random_bits`` (bf16 params alone), or rounded to nearest."""
+    if slots["kahan_compensation"] is not None:
+        rounded = w_new.to(torch.bfloat16)
+        slots["kahan_compensation"].copy_(kahan_compensation(w_new, rounded))
+        w_new = rounded
+    elif slots["master_param"] is not None:
+        slots["master_param"].copy_(w_new)
+    elif random_bits is not None:
+        w_new = stochastic_bf16(w_new, random_bits)
+    param.copy_(w_new)
+
+
 def kahan_compensation(weight: Tensor, rounded: Tensor) -> Tensor:
     """What rounding the fp32 ``weight`` to the bf16 ``rounded`` dropped, 0 where that is not finite (where
     ``rounded`` is inf or NaN) (``kahan_compensation`` in sgd_math.h); rounded to bf16 by the caller."""
@@ -329,19 +346,14 @@ def sgd_step(
                 slots["ema"].copy_(averaged(slots["ema"], w_new, a))
                 updates += 1
             steps += 1
-        if slots["kahan_compensation"] is not None:
-            rounded = w_new.to(torch.bfloat16)
-            slots["kahan_compensation"].copy_(kahan_compensation(w_new, rounded))
-            w_new = rounded
-        elif slots["master_param"] is not None:
-            slots["master_param"].copy_(w_new)
-        elif slots["rounding_step"] is not None:
+        weight_bits = None
+        if slots["rounding_step"] is not None:
             counts.append(slots["rounding_step"])
             random = element_random_bits(rounding_key(h, slots["rounding_step"], i), param)
-            w_new = stochastic_bf16(w_new, random >> 16)
+            weight_bits = random >> 16
             if b is not None:
                 b_new = stochastic_bf16(b_new, random & 0xFFFF)  # the buffer has the param's layout
-        param.copy_(w_new)
+        store_weight(param, slots, w_new, weight_bits)
         if b is not None:
             b.copy_(b_new)
     for count in counts:  # after every tensor read its count
@@ -480,14 +492,9 @@ def schedule_free_switch(
     for i, (param, slots) in enumerate(zip(params, _slots(state, state_slots), strict=True)):
         h = dict(zip(names, hparams[tensor_group[i]]))
         opmath = _opmath(param.dtype)
-        w_new = load_weight(param, slots).lerp(slots["z"].to(opmath), switch_weight(h, train))
-        if slots["kahan_compensation"] is not None:
-            rounded = w_new.to(torch.bfloat16)
-            slots["kahan_compensation"].copy_(kahan_compensation(w_new, rounded))
-            w_new = rounded
-        elif slots["master_param"] is not None:
-            slots["master_param"].copy_(w_new)
-        param.copy_(w_new)
+        store_weight(
+            param, slots, load_weight(param, slots).lerp(slots["z"].to(opmath), switch_weight(h, train))
+        )
 
 
 def schedule_lrs(
