@@ -3,8 +3,10 @@ refusal changed nothing."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
+import socket
 import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
@@ -120,6 +122,30 @@ def end_worker_process() -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now, for a distributed run's rendezvous."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@contextlib.contextmanager
+def counting_calls(owner: Any, name: str):
+    """Counts the calls of ``owner.name`` made inside the block."""
+    original = getattr(owner, name)
+    count = [0]
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        count[0] += 1
+        return original(*args, **kwargs)
+
+    setattr(owner, name, counted)
+    try:
+        yield count
+    finally:
+        setattr(owner, name, original)
 
 
 def op_state(

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from helpers import end_worker_process
+from helpers import counting_calls, end_worker_process
 from torch import nn
 
 import lightning_fusedsgd.optim._step as step_path
@@ -104,27 +104,10 @@ def train(model: nn.Module, optimizer: Any, data: list, counts: list[int] | None
     for x, y in data:
         optimizer.zero_grad()
         ((model(x) - y) ** 2).mean().backward()
-        with _counting_calls(dist, "all_reduce") as count:
+        with counting_calls(dist, "all_reduce") as count:
             optimizer.step()
         if counts is not None:
             counts.append(count[0])
-
-
-@contextlib.contextmanager
-def _counting_calls(owner: Any, name: str):
-    """Counts the calls of ``owner.name`` made inside the block."""
-    original = getattr(owner, name)
-    count = [0]
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        count[0] += 1
-        return original(*args, **kwargs)
-
-    setattr(owner, name, counted)
-    try:
-        yield count
-    finally:
-        setattr(owner, name, original)
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
@@ -199,7 +182,7 @@ def _sharded_runs(out: dict[str, Any], checkpoint_dir: Path) -> None:
         optimizer = make_optimizer(model, kwargs)
         counts: list[int] = []
         # plan_step calls: the steps that planned from scratch rather than reusing the kept plan.
-        with _counting_calls(step_path, "plan_step") as planned:
+        with counting_calls(step_path, "plan_step") as planned:
             train(model, optimizer, batches(dtype), counts)
         out[name] = {
             **snapshot(model, optimizer),

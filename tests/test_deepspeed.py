@@ -7,11 +7,10 @@ scenario (zero_harness.py)."""
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.multiprocessing as mp
+from helpers import free_port
 from oracles import assert_close_rel
 
 pytest.importorskip("deepspeed")
@@ -29,18 +28,10 @@ pytestmark = [
 REL = 1e-5
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("deepspeed")
-    mp.spawn(
-        h.worker, args=(_free_port(), str(tmp / "runs.pt"), str(tmp / "ckpt")), nprocs=h.WORLD, join=True
-    )
+    mp.spawn(h.worker, args=(free_port(), str(tmp / "runs.pt"), str(tmp / "ckpt")), nprocs=h.WORLD, join=True)
     return torch.load(tmp / "runs.pt", weights_only=False)
 
 

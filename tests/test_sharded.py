@@ -4,12 +4,11 @@ step; checkpoints through torch.distributed.checkpoint. One spawn runs every sce
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import sharded_harness as h
 import torch
 import torch.multiprocessing as mp
+from helpers import free_port
 from oracles import assert_close_rel
 
 from lightning_fusedsgd import FusedSGD
@@ -29,16 +28,10 @@ REL_BF16 = 2**-7
 REL_TP = 1e-4
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sharded")
-    mp.spawn(h.worker, args=(_free_port(), str(tmp / "runs.pt"), str(tmp / "dcp")), nprocs=h.WORLD, join=True)
+    mp.spawn(h.worker, args=(free_port(), str(tmp / "runs.pt"), str(tmp / "dcp")), nprocs=h.WORLD, join=True)
     return torch.load(tmp / "runs.pt"), tmp / "dcp"
 
 
@@ -136,7 +129,7 @@ def test_tensor_parallel_lars_with_clipping_equals_one_process(runs):
 @pytest.fixture(scope="module")
 def mesh_2d_runs(tmp_path_factory):
     path = tmp_path_factory.mktemp("mesh_2d") / "runs.pt"
-    mp.spawn(h.mesh_2d_worker, args=(_free_port(), str(path)), nprocs=h.MESH_2D_WORLD, join=True)
+    mp.spawn(h.mesh_2d_worker, args=(free_port(), str(path)), nprocs=h.MESH_2D_WORLD, join=True)
     return torch.load(path)
 
 

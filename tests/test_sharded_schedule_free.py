@@ -5,7 +5,6 @@ and in one process. The model, data and process group are sharded_harness.py's."
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +12,7 @@ import pytest
 import sharded_harness as h
 import torch
 import torch.multiprocessing as mp
+from helpers import free_port
 from oracles import assert_close_rel
 from torch import nn
 
@@ -98,16 +98,10 @@ def worker(rank: int, port: int, result_path: str, checkpoint_dir: str) -> None:
             torch.save(out, result_path)
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> tuple[dict[str, Any], Path]:
     tmp = tmp_path_factory.mktemp("sharded_schedule_free")
-    mp.spawn(worker, args=(_free_port(), str(tmp / "runs.pt"), str(tmp / "dcp")), nprocs=h.WORLD, join=True)
+    mp.spawn(worker, args=(free_port(), str(tmp / "runs.pt"), str(tmp / "dcp")), nprocs=h.WORLD, join=True)
     return torch.load(tmp / "runs.pt"), tmp / "dcp"
 
 

@@ -5,7 +5,6 @@ the one-process gradients exactly, and what is left to differ is the order in wh
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import os
 from pathlib import Path
@@ -14,7 +13,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from helpers import end_worker_process
+from helpers import counting_calls, end_worker_process
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -117,29 +116,13 @@ def _engine(stage: int, name: str, attach: bool = True) -> tuple[Any, FusedSGD, 
     step = optimizer.step
 
     def counted_step(*args: Any, **kwargs: Any) -> Any:
-        with _counting_calls(dist, "all_reduce") as count:
+        with counting_calls(dist, "all_reduce") as count:
             result = step(*args, **kwargs)
         counts.append(count[0])
         return result
 
     optimizer.step = counted_step  # DeepSpeed calls its optimizer's step once per param group
     return engine, optimizer, counts
-
-
-@contextlib.contextmanager
-def _counting_calls(owner: Any, name: str):
-    original = getattr(owner, name)
-    count = [0]
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        count[0] += 1
-        return original(*args, **kwargs)
-
-    setattr(owner, name, counted)
-    try:
-        yield count
-    finally:
-        setattr(owner, name, original)
 
 
 def _train(engine: Any, data: list) -> None:
