@@ -66,9 +66,12 @@ __all__ = [
     "check_flag",
     "check_group",
     "check_groups",
+    "check_param",
+    "clip_thresholds",
     "defaults",
     "hparam_names",
     "kernel_tables",
+    "masters_by_default",
     "options",
     "options_on",
     "plan_key",
@@ -194,6 +197,8 @@ class Option:
         needs_norms: Where it is on, a step takes each tensor's or the global gradient norm (which sharded
             and flat-partition steps must reduce across ranks).
         fused_only: Only the fused kernel does it (torch's own SGD steps sparse gradients without it).
+        clips: The ``gradient_clip_algorithm`` of Lightning's whose threshold it is (``"norm"``, ``"value"``),
+            or None: :func:`clip_thresholds`.
         default: Its value in the groups of an optimizer that takes no argument of its name (FusedSGD's groups
             hold ``schedule_free=False``); ``ARGUMENT`` where every optimizer takes it (:func:`defaults`).
     """
@@ -205,6 +210,7 @@ class Option:
     step_wide: bool = False
     needs_norms: bool = False
     fused_only: bool = False
+    clips: str | None = None
     default: Any = ARGUMENT
 
 
@@ -236,6 +242,7 @@ HPARAMS: tuple[Column, ...] = (
         check=_threshold,
         plan=_is_set,
         fused_only=True,
+        clips="value",
     ),
     Column(key="always_adapt", encode=_flag, check=_bool),
     Column(key="lars_zero_norm", encode=LARS_ZERO_NORMS.index, check=_one_of(LARS_ZERO_NORMS)),
@@ -277,7 +284,13 @@ GROUP_OPTIONS: tuple[Option, ...] = (
     Option(key="master_weights", check=_bool, plan=bool),
     # Clips the one global norm of every group's gradients: one value for the step.
     Option(
-        key="max_grad_norm", check=_threshold, plan=_is_set, step_wide=True, needs_norms=True, fused_only=True
+        key="max_grad_norm",
+        check=_threshold,
+        plan=_is_set,
+        step_wide=True,
+        needs_norms=True,
+        fused_only=True,
+        clips="norm",
     ),
     # torch.optim.SGD's implementation switches: accepted, so configs written for it work, and choosing
     # nothing (every step runs the fused kernel); differentiable=True is refused (check_group).
@@ -291,6 +304,19 @@ GROUP_OPTIONS: tuple[Option, ...] = (
 def options() -> tuple[Option, ...]:
     """Every group option: the columns, then the others."""
     return (*HPARAMS, *GROUP_OPTIONS)
+
+
+def masters_by_default(chosen: Mapping[str, Any], dtypes: Iterable[torch.dtype]) -> bool:
+    """``master_weights`` where a caller decides it from the params' dtypes and the options ``chosen``: on
+    for 16-bit params, unless ``update_rounding`` chooses another way to take their updates (it needs them
+    off)."""
+    return chosen.get("update_rounding", "nearest") == "nearest" and any(d in LOW_PRECISION for d in dtypes)
+
+
+def clip_thresholds() -> dict[str, str]:
+    """The clip thresholds' keys by the ``gradient_clip_algorithm`` each is (``Option.clips``): a group clips
+    by at most one of them."""
+    return {o.clips: o.key for o in options() if o.clips is not None}
 
 
 def defaults(arguments: Mapping[str, Any]) -> dict[str, Any]:
@@ -535,24 +561,54 @@ def seeded(slot: Slot, param: Tensor, weight: Tensor, dtype: torch.dtype, zeros:
 class StepValue:
     """One value of the step row: its name, dtype and shape (``"one"`` element, one per ``"groups"``, or a
     ``"lars_sums"`` row per tensor of the bucket), on the params' device; ``paired_with``: a value it comes
-    with (both or neither), which a step computes where the other is given."""
+    with (both or neither), which a step computes where the other is given; ``doc``: what the ops do with it
+    (their contract)."""
 
     name: str
     dtype: torch.dtype
     shape: str = "one"
     paired_with: str | None = None
+    doc: str = ""
 
 
 STEP_ROW: tuple[StepValue, ...] = (
-    StepValue("grad_scale", torch.float32),  # GradScaler's scale: gradients are unscaled in the kernel
-    StepValue("found_inf", torch.float32),  # GradScaler's flag: a step with found_inf != 0 changes nothing
-    # Clipping by the global norm: the step's one threshold, and every stepped gradient's sum of squares.
-    StepValue("grad_sq_sum", torch.float64, paired_with="max_grad_norm"),
-    StepValue("max_grad_norm", torch.float64, paired_with="grad_sq_sum"),
-    StepValue("lars_sq_sums", torch.float64, "lars_sums"),  # LARS sums reduced across shards
-    StepValue("lrs", torch.float64, "groups"),  # the lrs on the device, in place of the table's lr column
-    # Schedule-free steps: each group's c_{k+1}, the weight of z in this step's average of y.
-    StepValue("ckp1", torch.float64, "groups"),
+    StepValue("grad_scale", torch.float32, doc="GradScaler's scale: gradients are unscaled in the kernel."),
+    StepValue(
+        "found_inf", torch.float32, doc="GradScaler's flag: a step with found_inf != 0 changes nothing."
+    ),
+    StepValue(
+        "grad_sq_sum",
+        torch.float64,
+        paired_with="max_grad_norm",
+        doc="The sum of squares of every gradient the optimizer steps (all its buckets): the global norm.",
+    ),
+    StepValue(
+        "max_grad_norm",
+        torch.float64,
+        paired_with="grad_sq_sum",
+        doc="The step's one threshold of clipping by the global norm of every gradient.",
+    ),
+    StepValue(
+        "lars_sq_sums",
+        torch.float64,
+        "lars_sums",
+        doc="The lars_sq_sums op's rows all-reduced over the shards of sharded params: the trust ratios "
+        "are taken from them instead of the kernel's own norm pass.",
+    ),
+    StepValue(
+        "lrs",
+        torch.float64,
+        "groups",
+        doc="Each group's lr, read here instead of the table's lr column (NaN then): capturable steps, "
+        "and tensor lrs under torch.compile.",
+    ),
+    StepValue(
+        "ckp1",
+        torch.float64,
+        "groups",
+        doc="Schedule-free groups' weight of z in this step's average of y, from schedule_free_scalars "
+        "(as the lrs after warmup in lrs).",
+    ),
 )
 """The step row, in the kernels' order (``LFSGD_STEP_ROW``)."""
 
@@ -708,6 +764,24 @@ def check_group(group: Mapping[str, Any]) -> None:
             "FusedSGD(differentiable=True): the fused step is not differentiable (it writes the params in "
             "place, outside autograd). Use torch.optim.SGD(differentiable=True) to differentiate through "
             "optimizer steps."
+        )
+
+
+def check_param(group: Mapping[str, Any], param: Tensor, label: Callable[[], str]) -> None:
+    """Raises ValueError, naming the param (``label()``, built only for a refusal) and the fix, where its
+    group's options cannot step a param of its dtype."""
+    rounding = group["update_rounding"]
+    if rounding != "nearest" and param.dtype == torch.float16 and not group["master_weights"]:
+        raise ValueError(
+            f"update_rounding={rounding!r} rounds updates to bfloat16, and {label()} is float16 without "
+            "master weights: set master_weights=True for it, make it bfloat16, or put it in a group with "
+            "update_rounding='nearest'."
+        )
+    if param.is_complex() and group["max_grad_value"] is not None:
+        raise ValueError(
+            f"max_grad_value clips each gradient element, and {label()} is complex ({param.dtype}), which "
+            "torch.nn.utils.clip_grad_value_ refuses too (clamp is not defined for complex numbers): use "
+            "max_grad_norm for this group, or leave it unclipped."
         )
 
 

@@ -106,6 +106,14 @@ def test_lars_under_zero_without_attach_is_refused_before_the_partition_is_writt
     assert runs["unattached_unchanged"]
 
 
+def test_lars_beside_an_average_under_zero_is_refused_naming_the_average(runs):
+    """The average's counts are one per flat partition; the refusal names them and the option, not another."""
+    message = runs["counts_in_fragments"]
+    assert "ema_step, ema_updates count the steps of the whole partition" in message
+    assert "without ema_decay=0.9" in message and "update_rounding" not in message
+    assert runs["counts_in_fragments_unchanged"]
+
+
 def test_max_grad_norm_over_groups_that_zero_steps_one_by_one_is_refused(runs):
     assert "steps each of the optimizer's 2 param groups by itself" in runs["two_groups_max_grad_norm"]
     assert "gradient_clipping" in runs["two_groups_max_grad_norm"]

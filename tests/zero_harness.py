@@ -200,6 +200,17 @@ def _refusals(out: dict[str, Any]) -> None:
     except ValueError as error:
         out["unattached"] = str(error)
     out["unattached_unchanged"] = torch.equal(partition, before)
+    # LARS beside an average of the weights, whose counts (one per partition) its fragments cannot share.
+    engine, optimizer, _ = _engine(2, "lars")
+    optimizer.param_groups[0]["ema_decay"] = 0.9
+    partition = optimizer.param_groups[0]["params"][0]
+    before = partition.clone()
+    engine.backward(_loss(engine, x, y))
+    try:
+        engine.step()
+    except ValueError as error:
+        out["counts_in_fragments"] = str(error)
+    out["counts_in_fragments_unchanged"] = torch.equal(partition, before)
     # max_grad_norm where ZeRO steps two param groups one by one: no step sees the global norm.
     engine, optimizer, _ = _engine(2, "lars_weights_only", attach=False)
     optimizer.param_groups[0]["max_grad_norm"] = optimizer.param_groups[1]["max_grad_norm"] = CLIP

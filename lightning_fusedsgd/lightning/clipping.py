@@ -19,12 +19,14 @@ from __future__ import annotations
 import sys
 import types
 import weakref
+from collections.abc import Iterable
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import DeepSpeedStrategy
 
+from lightning_fusedsgd import _abi
 from lightning_fusedsgd.lightning._wrapped import fused_sgd_of
 from lightning_fusedsgd.lightning.deepspeed import AttachDeepSpeed
 from lightning_fusedsgd.lightning.errors import ConfigError
@@ -33,10 +35,9 @@ from lightning_fusedsgd.optim import FusedSGD
 
 __all__ = ["ClipInTheStep", "callbacks", "clip_gradients", "clip_in_the_step"]
 
-# The (max_grad_norm, max_grad_value) each FusedSGD holds because a Trainer handed it over, not its own.
-_HANDED_OVER: weakref.WeakKeyDictionary[FusedSGD, tuple[float | None, float | None]] = (
-    weakref.WeakKeyDictionary()
-)
+# The clip thresholds (_abi.clip_thresholds' values, in order) each FusedSGD holds because a Trainer handed
+# them over, not its own.
+_HANDED_OVER: weakref.WeakKeyDictionary[FusedSGD, tuple[float | None, ...]] = weakref.WeakKeyDictionary()
 
 
 def clip_gradients(
@@ -49,7 +50,7 @@ def clip_gradients(
 
     Lightning's ``MixedPrecision.clip_gradients`` refuses every optimizer that unscales gradients itself
     (``_step_supports_amp_scaling``, as FusedSGD), under ``16-mixed`` and ``bf16-mixed`` alike. For a
-    FusedSGD this hands the threshold to the optimizer instead (``max_grad_norm`` or ``max_grad_value`` on
+    FusedSGD this hands the threshold to the optimizer instead (its group key of the algorithm's name, on
     every group), and the step that follows clips the unscaled gradients in the kernel: one fused call under
     every precision, no extra pass over the gradients in Python. Lightning calls it once per optimizer
     step, so with ``accumulate_grad_batches`` the accumulated gradient is clipped. Other optimizers go
@@ -58,7 +59,7 @@ def clip_gradients(
     The Trainer and the optimizer each may say how to clip; one rule decides:
 
     - a Trainer that does not clip (``gradient_clip_val`` None or 0) leaves the optimizer's own settings as
-      they are (a FusedSGD built with ``max_grad_norm`` keeps clipping), and takes back a threshold it handed
+      they are (a FusedSGD built with a clip threshold keeps clipping), and takes back a threshold it handed
       over;
     - a Trainer threshold goes into an optimizer with no clipping of its own;
     - a Trainer threshold and the optimizer's own clipping must be the same, else :class:`ConfigError` before
@@ -88,40 +89,41 @@ def clip_gradients(
     if fused is None:
         module.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
         return
+    keys = _abi.clip_thresholds()
     algorithm = str(getattr(gradient_clip_algorithm, "value", gradient_clip_algorithm or "norm"))
-    if algorithm not in ("norm", "value"):
+    if algorithm not in keys:
         raise ConfigError(
-            f"gradient_clip_algorithm must be 'norm' or 'value', got {gradient_clip_algorithm!r}"
+            f"gradient_clip_algorithm must be one of {tuple(keys)}, got {gradient_clip_algorithm!r}"
         )
     if isinstance(module.trainer.strategy, DeepSpeedStrategy):
         # DeepSpeed clips, by the value Lightning put in its config; AttachDeepSpeed refused a second clipper.
         return
     threshold = float(gradient_clip_val) if gradient_clip_val else None
-    wanted = (
-        (None, None) if threshold is None else (threshold, None) if algorithm == "norm" else (None, threshold)
-    )
-    settings = [(group["max_grad_norm"], group["max_grad_value"]) for group in fused.param_groups]
+    wanted = tuple(threshold if clips == algorithm else None for clips in keys)
+    settings = [tuple(group[key] for key in keys.values()) for group in fused.param_groups]
     handed = _HANDED_OVER.get(fused)
-    own = sorted({s for s in settings if s != (None, None) and s != handed}, key=str)
+    unclipped = (None,) * len(keys)
+    own = sorted({s for s in settings if s != unclipped and s != handed}, key=str)
     if own:
         if threshold is None or all(s == wanted for s in settings):
             return
         raise ConfigError(
             f"Trainer(gradient_clip_val={gradient_clip_val}, gradient_clip_algorithm={algorithm!r}) and the "
-            f"optimizer's own clipping ({_describe(own)}) disagree: set one of them (gradient_clip_val=None "
-            "or 0 leaves the optimizer's clipping as it is), or the same in both."
+            f"optimizer's own clipping ({_describe(own, keys.values())}) disagree: set one of them "
+            "(gradient_clip_val=None or 0 leaves the optimizer's clipping as it is), or the same in both."
         )
     for group in fused.param_groups:
-        group["max_grad_norm"], group["max_grad_value"] = wanted
+        group.update(zip(keys.values(), wanted))
     if threshold is None:
         _HANDED_OVER.pop(fused, None)
     else:
         _HANDED_OVER[fused] = wanted
 
 
-def _describe(settings: list[tuple[float | None, float | None]]) -> str:
+def _describe(settings: list[tuple[float | None, ...]], keys: Iterable[str]) -> str:
+    keys = tuple(keys)
     return ", ".join(
-        f"max_grad_norm={norm}" if norm is not None else f"max_grad_value={value}" for norm, value in settings
+        f"{key}={value}" for setting in settings for key, value in zip(keys, setting) if value is not None
     )
 
 

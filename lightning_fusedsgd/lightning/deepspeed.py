@@ -1,6 +1,6 @@
 """FusedSGD under Lightning's ``DeepSpeedStrategy``: the :class:`AttachDeepSpeed` callback, which every
 ``Trainer`` gets, hands the strategy's engine to :func:`~lightning_fusedsgd.attach_deepspeed`, so that LARS
-and ``max_grad_norm`` take exact norms from ZeRO's flat partitions (docs: scaling, "DeepSpeed")."""
+and clipping by the global norm take exact norms from ZeRO's flat partitions (docs: scaling, "DeepSpeed")."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
-from lightning_fusedsgd._abi import check_flag
+from lightning_fusedsgd._abi import check_flag, masters_by_default
 from lightning_fusedsgd.lightning.clipping import clip_in_the_step
 from lightning_fusedsgd.lightning.errors import ConfigError
 from lightning_fusedsgd.optim import FusedSGD, FusedSGDScheduleFree
@@ -169,8 +169,8 @@ def configure_fused_sgd(
         weight_decay: L2 weight decay of the decayed group.
         lars: LARS trust ratio on the weights (not on biases/norm parameters, per the ``no_lars_*`` flags).
         master_weights: fp32 master weights; ``None`` turns them on when the module's parameters are
-            bf16/fp16 (``precision="bf16-true"``), unless ``update_rounding`` is passed as ``"stochastic"``
-            or ``"kahan"`` (bf16 without masters, see :class:`FusedSGD`).
+            bf16/fp16 (``precision="bf16-true"``), unless the optimizer's keyword arguments choose stochastic
+            or Kahan rounding of bf16 updates instead (bf16 without masters, see :class:`FusedSGD`).
         no_decay_bias: No weight decay on biases.
         no_decay_norm: No weight decay on normalization and other 1-d parameters.
         no_lars_bias: No LARS on biases.
@@ -245,10 +245,8 @@ def configure_fused_sgd(
     if not lars:
         for group in groups:
             group["name"] = "decay" if group["weight_decay"] else "no_decay"
-    if master_weights is None:  # stochastic or Kahan rounding replaces masters: it needs them off
-        master_weights = optimizer_kwargs.get("update_rounding", "nearest") == "nearest" and any(
-            p.dtype in (torch.float16, torch.bfloat16) for p in module.parameters()
-        )
+    if master_weights is None:
+        master_weights = masters_by_default(optimizer_kwargs, (p.dtype for p in module.parameters()))
 
     common = dict(lr=peak_lr, momentum=momentum, weight_decay=weight_decay, master_weights=master_weights)
     try:

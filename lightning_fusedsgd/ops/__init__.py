@@ -60,15 +60,8 @@ Arguments:
     group_hparams: the hyperparameter table (module docstring).
     tensor_group: [n] each param's row of the table.
     step: [len(_abi.STEP_ROW)] the step row, in ``_abi.STEP_ROW``'s order, each on the params' device or None:
-        ``grad_scale``, ``found_inf`` (GradScaler's one-element float32 tensors: gradients are unscaled in
-        the kernel, and a step with found_inf != 0 changes nothing); ``grad_sq_sum`` and ``max_grad_norm``
-        (one-element float64, both or neither: clipping by the global norm of every gradient the optimizer
-        steps, ``grad_sq_sum`` over all its buckets); ``lars_sq_sums`` (float64 [n, LARS_SUMS], the
-        ``lars_sq_sums`` op's rows all-reduced over the shards of sharded params: the trust ratios are taken
-        from it instead of the kernel's own norm pass); ``lrs`` (float64 [groups]: each group's lr, read
-        there instead of the table's lr column, NaN then: capturable steps, and tensor lrs under
-        torch.compile); ``ckp1`` (float64 [groups]: schedule-free groups' weight of z in this step's average,
-        from ``schedule_free_scalars``, as the lrs after warmup in ``lrs``).
+        each value of the dtype and shape its ``StepValue`` declares, read as its ``doc`` says (a value
+        ``paired_with`` another comes with it, or neither).
 
 A schedule-free bucket (every group ``schedule_free``: ``FusedSGDScheduleFree``) holds each param's y, and its
 ``z`` slot where SGD's momentum buffer is; its step is schedulefree.SGDScheduleFree's

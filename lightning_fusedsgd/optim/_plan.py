@@ -114,21 +114,7 @@ def _check_steppable(param: Tensor, place: _Place) -> None:
             "(float32, float64, bfloat16, float16) or complex64/complex128; convert it, or leave it out of "
             "the optimizer."
         )
-    group = place[0]
-    if group["update_rounding"] != "nearest" and param.dtype == torch.float16 and not group["master_weights"]:
-        label = param_label(*place, param)
-        raise ValueError(
-            f"update_rounding={group['update_rounding']!r} rounds updates to bfloat16, and {label} is "
-            "float16 without master weights: set master_weights=True for it, make it bfloat16, or put it in "
-            "a group with update_rounding='nearest'."
-        )
-    if param.is_complex() and group["max_grad_value"] is not None:
-        label = param_label(*place, param)
-        raise ValueError(
-            f"max_grad_value clips each gradient element, and {label} is complex ({param.dtype}), which "
-            "torch.nn.utils.clip_grad_value_ refuses too (clamp is not defined for complex numbers): use "
-            "max_grad_norm for this group, or leave it unclipped."
-        )
+    _abi.check_param(place[0], param, functools.partial(param_label, *place, param))
     if grad.shape != param.shape:
         label = param_label(*place, param)
         raise ValueError(

@@ -1,8 +1,9 @@
 """Flat partitions that an engine puts in the optimizer's param groups in place of the model's tensors.
 
 DeepSpeed's ZeRO stages 1 and 2 hand each rank one flat fp32 partition per param group, spanning many
-tensors and parts of tensors. Plain SGD is elementwise and steps a partition as it is; LARS and
-``max_grad_norm`` need each tensor's norm and the global one, which a partition does not give. Where the
+tensors and parts of tensors. Plain SGD is elementwise and steps a partition as it is; the options that need
+norms (LARS, clipping by the global norm: ``Option.needs_norms``) need each tensor's norm and the global one,
+which a partition does not give. Where the
 engine says where each tensor lies in it (DeepSpeed's per-parameter ``_hp_mapping``, kept for its universal
 checkpoints; :func:`attach_deepspeed` registers the partitions), a step that needs norms presents the
 partition as one fragment view per model tensor, in the same order on every rank (empty where the rank holds
@@ -82,9 +83,14 @@ def needs_norms(group: dict[str, Any]) -> bool:
     return bool(_abi.options_on(group, "needs_norms"))
 
 
+def _norm_options() -> str:
+    return " and ".join(o.key for o in _abi.options() if o.needs_norms)
+
+
 def attach_deepspeed(engine: Any) -> None:
     """Tells the FusedSGD inside a DeepSpeed engine where each of the model's tensors lies in the flat
-    partitions DeepSpeed hands it, so that LARS and ``max_grad_norm`` are exact under ZeRO stages 1 and 2.
+    partitions DeepSpeed hands it, so that LARS and clipping by the global norm are exact under ZeRO stages 1
+    and 2.
 
     Call it once after ``deepspeed.initialize``; under Lightning's ``DeepSpeedStrategy`` the
     ``AttachDeepSpeed`` callback, which every ``Trainer`` gets, calls it. Each step that needs norms then
@@ -92,16 +98,16 @@ def attach_deepspeed(engine: Any) -> None:
     the data-parallel group: the trust ratios and the global norm are an unsharded run's, to the order in
     which sums are added. Plain SGD needs none of this and steps the partitions as they are.
 
-    ZeRO stage 1/2 steps each param group by itself, so ``max_grad_norm`` is exact there with one param group;
-    with several, clip with DeepSpeed's ``gradient_clipping``, which clips by the global norm before the
-    optimizer's step (``Trainer(gradient_clip_val=...)`` under ``DeepSpeedStrategy``). bf16 weights under
-    ZeRO stage 1 (DeepSpeed's ``BF16_Optimizer``) step every group at once: exact with several.
+    ZeRO stage 1/2 steps each param group by itself, so clipping by the global norm is exact there with one
+    param group; with several, clip with DeepSpeed's ``gradient_clipping``, which clips by the global norm
+    before the optimizer's step (``Trainer(gradient_clip_val=...)`` under ``DeepSpeedStrategy``). bf16
+    weights under ZeRO stage 1 (DeepSpeed's ``BF16_Optimizer``) step every group at once: exact with several.
 
     Args:
         engine: What ``deepspeed.initialize`` returned first (a ``DeepSpeedEngine``), or its ``optimizer``.
 
     Raises:
-        ValueError: Where the optimizer needs norms (a group with ``lars`` or ``max_grad_norm``) that this
+        ValueError: Where the optimizer needs norms (a group with LARS or clipping by norm) that this
             engine's partitions cannot give (ZeRO stage 3, a DeepSpeed without fragment maps), or clips where
             DeepSpeed clips too (its ``gradient_clipping``, 1.0 unless the config says otherwise). Nothing is
             changed then.
@@ -139,7 +145,7 @@ def _has_fragment_maps(tensor_groups: Sequence[Sequence[Tensor]]) -> bool:
 
 def _unmapped_message(made_by: str) -> str:
     return (
-        "LARS and max_grad_norm need each tensor's norm and the global one, and the optimizer steps tensors "
+        f"{_norm_options()} need each tensor's norm and the global one, and the optimizer steps tensors "
         f"that {made_by} put in its param groups without saying which of the model's tensors they hold "
         "(ZeRO puts flat partitions of many tensors there). FusedSGD takes the norms from DeepSpeed's ZeRO "
         "stages 1 and 2: call lightning_fusedsgd.attach_deepspeed(engine) after deepspeed.initialize "
@@ -153,7 +159,7 @@ def _check_one_clipper(groups: Sequence[dict[str, Any]], deepspeed_clip: float |
         {
             f"{key}={group[key]}"
             for group in groups
-            for key in ("max_grad_norm", "max_grad_value")
+            for key in _abi.clip_thresholds().values()
             if group.get(key)
         }
     )
@@ -168,13 +174,28 @@ def _check_one_clipper(groups: Sequence[dict[str, Any]], deepspeed_clip: float |
 
 
 def _check_step_sees_global_norm(kind: _Wrapper, group: dict[str, Any], groups: int) -> None:
-    if group.get("max_grad_norm") is not None and kind.steps_groups_one_by_one and groups > 1:
+    global_norms = [o.key for o in _abi.options() if o.step_wide and o.needs_norms and group.get(o.key)]
+    if global_norms and kind.steps_groups_one_by_one and groups > 1:
         raise ValueError(
-            "max_grad_norm clips by the norm of the whole gradient, and DeepSpeed's "
+            f"{global_norms[0]} takes the norm of the whole gradient, and DeepSpeed's "
             f"{kind.name} steps each of the optimizer's {groups} param groups by itself, so no step sees it. "
             "Clip with DeepSpeed's gradient_clipping instead (Trainer(gradient_clip_val=...) under "
             "DeepSpeedStrategy), which clips by the global norm before the optimizer steps, or put every "
             "parameter in one param group."
+        )
+
+
+def _check_no_counts(param: Tensor, group: dict[str, Any], label: Callable[[], str]) -> None:
+    """A count slot (``Slot.count``) is one 0-d tensor for its whole param: fragments cannot share it."""
+    counts = [s for s in _abi.SLOTS if s.count and s.held(group, param.dtype)]
+    if counts:
+        options = sorted({f"{s.option}={group[s.option]!r}" for s in counts})
+        norms, keys = ", ".join(_abi.options_on(group, "needs_norms")), ", ".join(s.key for s in counts)
+        raise ValueError(
+            f"{label()} is a flat partition that this step presents as per-tensor fragments, for the norms "
+            f"of {norms}, but its {keys} "
+            "count the steps of the whole partition, which its fragments cannot share: under DeepSpeed, "
+            f"step it without {' and '.join(options)}, or without the norms."
         )
 
 
@@ -203,6 +224,7 @@ def fragments(param: Tensor, group: dict[str, Any], label: Callable[[], str]) ->
         )
     tensor_groups = getattr(wrapper, partition.kind.model_tensors)
     _check_step_sees_global_norm(partition.kind, group, len(tensor_groups))
+    _check_no_counts(param, group, label)
     pieces = []
     for tensor in tensor_groups[partition.index]:
         mapping = tensor._hp_mapping
@@ -248,13 +270,6 @@ def split(plan: Any, before: dict[Any, dict[str, int]], parts: Fragments, label:
             continue
         held, fresh = _abi.slots_in(entries["state_slots"][0])
         slots = [slot for slot, holds in zip(_abi.SLOTS, held) if holds]
-        counts = [slot.key for slot in slots if slot.count]
-        if counts:
-            raise ValueError(
-                f"{label()} is a flat partition whose {', '.join(counts)} (one count for the whole "
-                "partition) its fragments cannot share: use update_rounding='nearest' or 'kahan' under "
-                "DeepSpeed."
-            )
         for name in SPLIT_FIELDS:
             del getattr(bucket, name)[lengths.get(name, 0) :]
         for slot, value in zip(slots, entries["state"]):

@@ -255,13 +255,13 @@ class CpuUpdate {
 
   template <bool kClipValue>
   void update_elements(const Chunk& chunk, int32_t t, const Coeffs<O> c) const {
-    if (!average_[t].update) return update_rounding<kClipValue, Averaging::kNone>(chunk, t, c);
-    if (average_[t].copy) return update_rounding<kClipValue, Averaging::kFirstUpdate>(chunk, t, c);
-    return update_rounding<kClipValue, Averaging::kUpdate>(chunk, t, c);
+    if (!average_[t].update) return choose_rounding<kClipValue, Averaging::kNone>(chunk, t, c);
+    if (average_[t].copy) return choose_rounding<kClipValue, Averaging::kFirstUpdate>(chunk, t, c);
+    return choose_rounding<kClipValue, Averaging::kUpdate>(chunk, t, c);
   }
 
   template <bool kClipValue, Averaging kAverage>
-  void update_rounding(const Chunk& chunk, int32_t t, const Coeffs<O> c) const {
+  void choose_rounding(const Chunk& chunk, int32_t t, const Coeffs<O> c) const {
     if constexpr (kMayRoundStochastically) {
       if (count_ptr_[t] != nullptr) return update_cases<kClipValue, true, kAverage>(chunk, t, c);
     }
