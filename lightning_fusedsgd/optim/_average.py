@@ -23,6 +23,18 @@ def averaged_params(
     ]
 
 
+def check_averaged(decay: float, params: list[Any]) -> None:
+    """An average of the weights is kept of dense real params only: refuses a group asking one of others."""
+    for index, entry in enumerate(params):
+        name, param = entry if isinstance(entry, tuple) else (f"parameter {index}", entry)
+        if isinstance(param, Tensor) and (param.is_complex() or param.layout != torch.strided):
+            kind = param.dtype if param.is_complex() else param.layout
+            raise ValueError(
+                f"ema_decay={decay}: an average of the weights is kept of dense real params, and {name} "
+                f"(shape {tuple(param.shape)}) is {kind}: put it in a group with ema_decay=None."
+            )
+
+
 def _bits(tensor: Tensor) -> Tensor:
     return tensor.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()])
 

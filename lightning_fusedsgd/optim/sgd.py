@@ -16,18 +16,6 @@ from lightning_fusedsgd.optim._lrs import LrStorage, as_numbers, stacked_lrs
 from lightning_fusedsgd.optim._plan import StepInputs
 
 
-def _check_averaged(decay: float, params: list[Any]) -> None:
-    """An average of the weights is kept of dense real params only: refuses a group asking one of others."""
-    for index, entry in enumerate(params):
-        name, param = entry if isinstance(entry, tuple) else (f"parameter {index}", entry)
-        if isinstance(param, Tensor) and (param.is_complex() or param.layout != torch.strided):
-            kind = param.dtype if param.is_complex() else param.layout
-            raise ValueError(
-                f"ema_decay={decay}: an average of the weights is kept of dense real params, and {name} "
-                f"(shape {tuple(param.shape)}) is {kind}: put it in a group with ema_decay=None."
-            )
-
-
 class FusedSGD(Optimizer):
     """SGD with momentum whose update runs in one compiled multi-tensor call per (device, dtype): a drop-in
     ``torch.optim.SGD`` (same arguments, defaults, state format and, on the plain fp32/fp64 path, bits), with
@@ -198,7 +186,7 @@ class FusedSGD(Optimizer):
             )
         decay = {**self.defaults, **param_group}["ema_decay"]
         if decay is not None:
-            _check_averaged(decay, params)
+            _average.check_averaged(decay, params)
         if len({id(p) for p in tensors}) != len(tensors):
             # torch.optim only warns; in one fused call a repeated tensor would be updated twice at once.
             raise ValueError("A parameter group lists the same parameter twice: pass each parameter once.")
@@ -250,9 +238,8 @@ class FusedSGD(Optimizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)  # also called by load_state_dict, with the state and groups only
-        if (
-            "_steps" in state
-        ):  # unpickled: its params are new tensors (after load_state_dict, an engine's are not)
+        # Unpickled: its params are new tensors (after load_state_dict, an engine's are not).
+        if "_steps" in state:
             _zero.register_given(p for group in self.param_groups for p in group["params"])
         self.__dict__.setdefault("capturable", False)
         self.__dict__.setdefault("_lrs", LrStorage() if self.capturable else None)  # bound at the first step
@@ -276,9 +263,8 @@ class FusedSGD(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._group_checks(
-            self.param_groups, self.defaults
-        )  # first: a refused lr must not reach the lr storage
+        # First: a refused lr must not reach the lr storage.
+        self._group_checks(self.param_groups, self.defaults)
         lrs = self.lr_tensor() if self._lrs is not None else stacked_lrs(self.param_groups)
         found_inf: Tensor | int | None = getattr(self, "found_inf", None)
         if found_inf is not None and not isinstance(found_inf, Tensor):
