@@ -66,12 +66,14 @@ __all__ = [
     "check_flag",
     "check_group",
     "check_groups",
+    "check_average",
     "check_param",
     "clip_thresholds",
     "defaults",
     "hparam_names",
     "kernel_tables",
     "masters_by_default",
+    "option",
     "options",
     "options_on",
     "plan_key",
@@ -767,6 +769,22 @@ def check_group(group: Mapping[str, Any]) -> None:
         )
 
 
+def check_average(decay: float, param: Tensor, label: Callable[[], str]) -> None:
+    """Raises ValueError where an average of the weights (``ema_decay``) is asked of a param the kernel cannot
+    average: it keeps averages of dense real params."""
+    if param.is_complex() or param.layout != torch.strided:
+        kind = param.dtype if param.is_complex() else param.layout
+        raise ValueError(
+            f"ema_decay={decay}: an average of the weights is kept of dense real params, and {label()} "
+            f"(shape {tuple(param.shape)}) is {kind}: put it in a group with ema_decay=None."
+        )
+
+
+def option(key: str) -> Option:
+    """The option of a group key."""
+    return next(o for o in options() if o.key == key)
+
+
 def check_param(group: Mapping[str, Any], param: Tensor, label: Callable[[], str]) -> None:
     """Raises ValueError, naming the param (``label()``, built only for a refusal) and the fix, where its
     group's options cannot step a param of its dtype."""
@@ -777,6 +795,8 @@ def check_param(group: Mapping[str, Any], param: Tensor, label: Callable[[], str
             "master weights: set master_weights=True for it, make it bfloat16, or put it in a group with "
             "update_rounding='nearest'."
         )
+    if group["ema_decay"] is not None:
+        check_average(group["ema_decay"], param, label)
     if param.is_complex() and group["max_grad_value"] is not None:
         raise ValueError(
             f"max_grad_value clips each gradient element, and {label()} is complex ({param.dtype}), which "

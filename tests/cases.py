@@ -404,7 +404,17 @@ REFUSALS = [
         "sparse-with-an-average-of-the-weights",
         _sparse(ema_decay=0.99),
         RuntimeError,
-        "'emb.weight' has a sparse gradient.*without ema_decay",
+        r"'emb.weight' has a sparse gradient.*without ema_decay \(set in its group\)",
+    ),
+    Refusal(
+        "average-edited-into-a-group-with-a-complex-param",
+        lambda: _step_refusal(
+            [nn.Parameter(torch.randn(4, dtype=torch.complex64)), nn.Parameter(torch.randn(3))],
+            _set("ema_decay", 0.9),
+        ),
+        ValueError,
+        r"ema_decay=0.9: an average of the weights is kept of dense real params, and parameter 0 of group 0 "
+        r".*is torch.complex64: put it in a group with ema_decay=None",
     ),
     Refusal(
         "sparse-with-weight-decay",

@@ -66,13 +66,30 @@ def _same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
 
 
 @pytest.mark.slow
-def test_fused_runs_give_lightnings_weights_and_metrics_bit_for_bit(tmp_path):
-    """Training ends with the averaged weights (buffers averaged too) in the module, and every validation ran
-    on the averages: the same bits as Lightning's callback with torch.optim.SGD."""
-    theirs, _ = _fit("torch", LightningEMA(**SCHEDULE), tmp_path / "theirs")
-    callback = EMAWeightAveraging(**SCHEDULE)
+@pytest.mark.parametrize(
+    "schedule, fused",
+    [
+        pytest.param(SCHEDULE, True, id="buffers-averaged"),
+        # AveragedModel copies the buffers at each update: validation between updates runs on older ones.
+        pytest.param({**SCHEDULE, "use_buffers": False}, True, id="buffers-as-of-the-last-update"),
+        pytest.param(
+            dict(decay=0.8, update_starting_at_step=-1, update_every_n_steps=3), True, id="start-below-0"
+        ),
+        # No step updates, only epoch ends: nothing to fuse, Lightning's callback runs.
+        pytest.param(
+            dict(decay=0.8, update_every_n_steps=0, update_starting_at_epoch=1), False, id="epochs-only"
+        ),
+    ],
+)
+def test_fused_runs_give_lightnings_weights_and_metrics_bit_for_bit(schedule, fused, tmp_path):
+    """Training ends with the averaged weights in the module, and every validation ran on the averages: the
+    same bits as Lightning's callback with torch.optim.SGD."""
+    theirs, _ = _fit("torch", LightningEMA(**schedule), tmp_path / "theirs")
+    callback = EMAWeightAveraging(**schedule)
     ours, trainer = _fit("fused", callback, tmp_path / "ours")
-    assert callback.fused and trainer.optimizers[0].state  # the average was kept in FusedSGD's step
+    assert callback.fused == fused
+    # The average was kept in FusedSGD's step, or by Lightning's callback.
+    assert any("ema" in state for state in trainer.optimizers[0].state.values()) == fused
     _same_bits(ours.state_dict(), theirs.state_dict())
     assert ours.validation == theirs.validation and len(ours.validation) == 2 * 4  # sanity check + 3 epochs
 
@@ -113,3 +130,26 @@ def test_a_checkpoint_of_either_callback_resumes_the_other_exactly(first, second
     optimizer, callback = make[second]()
     resumed, _ = _fit(optimizer, callback, tmp_path / "second", ckpt_path=tmp_path / "ckpt" / "last.ckpt")
     _same_bits(resumed.state_dict(), uninterrupted.state_dict())
+
+
+@pytest.mark.parametrize("decay", [1.0, -0.1, float("nan"), "0.9"])
+def test_a_decay_outside_0_1_is_refused_when_the_callback_is_made(decay):
+    with pytest.raises(ValueError, match=r"EMAWeightAveraging\(decay=.*\): .*0\.999 is the usual choice"):
+        EMAWeightAveraging(decay=decay)
+
+
+@pytest.mark.slow
+def test_a_complex_param_is_refused_by_name_before_the_first_step(tmp_path):
+    """FusedSGD averages dense real params; the callback sets the average on every group and checks them."""
+
+    class WithComplex(Classifier):
+        def __init__(self) -> None:
+            super().__init__("fused")
+            self.phase = torch.nn.Parameter(torch.zeros(4, dtype=torch.complex64))
+
+    module = WithComplex()
+    before = {name: p.detach().clone() for name, p in module.named_parameters()}
+    trainer = cpu_trainer(max_epochs=1, callbacks=[EMAWeightAveraging()], default_root_dir=tmp_path)
+    with pytest.raises(ValueError, match=r"parameter 'phase' \(shape \(4,\)\) is torch.complex64.*lightning"):
+        trainer.fit(module)
+    _same_bits({name: p.detach() for name, p in module.named_parameters()}, before)

@@ -5,7 +5,8 @@ schedule names, reads every weight again to update the copy: 36 bytes a paramete
 With a FusedSGD, :class:`EMAWeightAveraging` sets the same schedule on the optimizer's groups (``ema_decay``,
 ``ema_every``, ``ema_start``) and the kernel updates each param's average while its new weight is in
 registers (8 bytes a parameter); the callback averages only what no FusedSGD steps (the buffers where
-``use_buffers``, frozen params), with the same function. Validation runs on the averages, swapped into the
+``use_buffers``, frozen params), with the same function, and without ``use_buffers`` keeps the buffers as
+they were at the last update, as ``AveragedModel`` does. Validation runs on the averages, swapped into the
 module and back; training ends with them in the module; checkpoints carry Lightning's keys (``state_dict`` the
 averaged model, ``current_model_state``, ``averaging_state``), so either callback resumes the other's. With
 another optimizer it is Lightning's callback."""
@@ -42,9 +43,10 @@ class EMAWeightAveraging(LightningEMAWeightAveraging):
         device: As Lightning's: where the averaged model lives, for another optimizer (FusedSGD keeps each
             average beside its param).
         use_buffers: Average the buffers too (BatchNorm statistics), as Lightning does; else the averaged
-            model's buffers are the module's.
-        decay: The decay of the average.
-        update_every_n_steps: Update at every n-th optimizer step.
+            model's buffers are the module's as of the last update.
+        decay: The decay of the average, in [0, 1).
+        update_every_n_steps: Update at every n-th optimizer step; 0 for none (Lightning's callback then runs
+            as it is: there is nothing to fuse).
         update_starting_at_step: The first step (0-based) that updates the average, which copies the weights.
         update_starting_at_epoch: Update at the end of every epoch from this one on, too.
         kwargs: Passed to Lightning's callback (``AveragedModel``), for another optimizer.
@@ -61,6 +63,12 @@ class EMAWeightAveraging(LightningEMAWeightAveraging):
         **kwargs: Any,
     ) -> None:
         _abi.check_flag("use_buffers", use_buffers)
+        problem = _abi.option("ema_decay").check(decay) if decay is not None else "It must be a number."
+        if problem is not None:
+            raise ValueError(
+                f"EMAWeightAveraging(decay={decay!r}): {problem} A decay of 1 keeps the first copy of the "
+                "weights for ever; 0.999 is the usual choice."
+            )
         super().__init__(
             device=device,
             use_buffers=use_buffers,
@@ -73,6 +81,8 @@ class EMAWeightAveraging(LightningEMAWeightAveraging):
         self._decay = decay
         self._optimizers: list[FusedSGD] = []  # fused mode: the FusedSGDs that keep the params' averages
         self._others: list[tuple[Tensor, Tensor]] = []  # (tensor, its average) this callback keeps
+        # Without use_buffers: (buffer, its value at the last update), as AveragedModel keeps its buffers.
+        self._copies: list[tuple[Tensor, Tensor]] = []
         self._count = 0  # updates of the average (AveragedModel's n_averaged)
         self._stash: dict[str, Any] | None = None  # a checkpoint's average, until the state it goes in exists
         self._swapped: list[tuple[Any, Any]] = []
@@ -106,7 +116,7 @@ class EMAWeightAveraging(LightningEMAWeightAveraging):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._module = pl_module
         optimizers = [fused_sgd_of(o) for o in trainer.optimizers]
-        if not optimizers or None in optimizers:
+        if not optimizers or None in optimizers or self.update_every_n_steps <= 0:
             super().setup(trainer, pl_module, "fit")  # another optimizer: Lightning's callback, as it is
             if self._stash is not None:
                 self._lightning_load(pl_module)
@@ -114,9 +124,9 @@ class EMAWeightAveraging(LightningEMAWeightAveraging):
         self._optimizers = optimizers
         stepped = {id(p) for o in optimizers for g in o.param_groups for p in g["params"]}
         others = [p for p in pl_module.parameters() if id(p) not in stepped]
-        if self._use_buffers:
-            others += list(pl_module.buffers())
-        self._others = [(t, t.detach().clone()) for t in others]
+        buffers = [(t, t.detach().clone()) for t in pl_module.buffers()]
+        self._others = [(t, t.detach().clone()) for t in others] + (buffers if self._use_buffers else [])
+        self._copies = [] if self._use_buffers else buffers
         self._set_schedule()
 
     def on_sanity_check_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -163,13 +173,13 @@ class EMAWeightAveraging(LightningEMAWeightAveraging):
         with torch.no_grad():
             for param, average in self._param_averages():
                 param.copy_(average)
-            for tensor, average in self._others:
+            for tensor, average in self._kept():
                 tensor.copy_(average)
 
     def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not self.fused:
             return super().on_validation_epoch_start(trainer, pl_module)
-        self._swapped = [(pairs, _average.swap(pairs)) for pairs in (self._param_averages(), self._others)]
+        self._swapped = [(pairs, _average.swap(pairs)) for pairs in (self._param_averages(), self._kept())]
 
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not self.fused:
@@ -202,7 +212,7 @@ class EMAWeightAveraging(LightningEMAWeightAveraging):
     ) -> None:
         if not self.fused:
             return super().on_save_checkpoint(trainer, pl_module, checkpoint)
-        averages = {id(t): a for t, a in itertools.chain(self._param_averages(), self._others)}
+        averages = {id(t): a for t, a in itertools.chain(self._param_averages(), self._kept())}
         tensors = dict(itertools.chain(pl_module.named_parameters(), pl_module.named_buffers()))
         checkpoint["current_model_state"] = checkpoint["state_dict"]
         checkpoint["state_dict"] = {
@@ -214,16 +224,32 @@ class EMAWeightAveraging(LightningEMAWeightAveraging):
         device = next(iter(checkpoint["state_dict"].values())).device
         checkpoint["averaging_state"] = {_COUNT: torch.tensor(self._count, dtype=torch.long, device=device)}
 
+    def _kept(self) -> list[tuple[Tensor, Tensor]]:
+        """What this callback keeps beside the params' averages: (tensor, its value in the averaged model)."""
+        return self._others + self._copies
+
     def _set_schedule(self) -> None:
-        """The callback's schedule on every group of the FusedSGDs (the kernel applies it)."""
+        """The callback's schedule on every group of the FusedSGDs (the kernel applies it). A negative start
+        is Lightning's first step (its schedule compares step >= start)."""
         schedule = dict(
             ema_decay=self._decay,
             ema_every=self.update_every_n_steps,
-            ema_start=self.update_starting_at_step or 0,
+            ema_start=max(self.update_starting_at_step or 0, 0),
             ema_warmup_gamma=None,
         )
+        names = {id(p): name for name, p in self._module.named_parameters()} if self._module else {}
         for optimizer in self._optimizers:
             for group in optimizer.param_groups:
+                try:
+                    _average.check_averaged(
+                        self._decay, [(f"parameter {names.get(id(p), '?')!r}", p) for p in group["params"]]
+                    )
+                except ValueError as error:
+                    raise ValueError(
+                        f"EMAWeightAveraging keeps the average in FusedSGD's step, which averages dense real "
+                        f"params only: {error} Or use lightning.pytorch.callbacks.EMAWeightAveraging, which "
+                        "keeps it outside the step."
+                    ) from None
                 if group.get("ema_decay") not in (None, self._decay):
                     rank_zero_info(
                         f"EMAWeightAveraging: decay {self._decay} replaces the optimizer's ema_decay "
@@ -238,11 +264,13 @@ class EMAWeightAveraging(LightningEMAWeightAveraging):
 
     def _update_others(self) -> None:
         """What no FusedSGD steps, averaged as Lightning's AveragedModel averages it (get_ema_avg_fn; the
-        first update copies)."""
+        first update copies), and the buffers it keeps in sync (without use_buffers)."""
         update = get_ema_avg_fn(self._decay)
         with torch.no_grad():
             for tensor, average in self._others:
                 average.copy_(tensor if self._count == 0 else update(average, tensor, self._count))
+            for tensor, copy in self._copies:
+                copy.copy_(tensor)
 
     def _update_params_here(self) -> None:
         """An update of the params' averages outside a step (an epoch's end): the same function, on the
@@ -287,7 +315,7 @@ class EMAWeightAveraging(LightningEMAWeightAveraging):
                 "(the optimizer state it carries keeps none)."
             )
         with torch.no_grad():
-            for tensor, kept in self._others:
+            for tensor, kept in self._kept():
                 name = by_id.get(id(tensor))
                 if name in average:
                     kept.copy_(average[name])

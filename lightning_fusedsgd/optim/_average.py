@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_fusedsgd import _abi
 from lightning_fusedsgd.optim import _dtensor
 
 AVERAGE = "ema"  # the average's slot (lightning_fusedsgd._abi.SLOTS)
@@ -24,15 +25,12 @@ def averaged_params(
 
 
 def check_averaged(decay: float, params: list[Any]) -> None:
-    """An average of the weights is kept of dense real params only: refuses a group asking one of others."""
+    """Refuses a group that asks an average of a param the kernel cannot average (``_abi.check_average``),
+    when it is built: ``params`` as a group lists them (tensors, or (name, tensor) pairs)."""
     for index, entry in enumerate(params):
         name, param = entry if isinstance(entry, tuple) else (f"parameter {index}", entry)
-        if isinstance(param, Tensor) and (param.is_complex() or param.layout != torch.strided):
-            kind = param.dtype if param.is_complex() else param.layout
-            raise ValueError(
-                f"ema_decay={decay}: an average of the weights is kept of dense real params, and {name} "
-                f"(shape {tuple(param.shape)}) is {kind}: put it in a group with ema_decay=None."
-            )
+        if isinstance(param, Tensor):
+            _abi.check_average(decay, param, lambda name=name: name)
 
 
 def _bits(tensor: Tensor) -> Tensor:

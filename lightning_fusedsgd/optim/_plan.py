@@ -135,12 +135,13 @@ def _check_sparse_steppable(param: Tensor, place: _Place) -> None:
     refused where its group asks for what only the fused kernel does."""
     group = place[0]
     options = _abi.options_on(group, "fused_only")
-    # The state torch's SGD does not keep, named by the options that ask for it.
-    options += [
-        f"{slot.option}={group[slot.option]!r}"
+    # The state torch's SGD does not keep, named by the options that ask for it (each once).
+    asking = dict.fromkeys(
+        slot.option
         for slot in _abi.SLOTS
-        if not slot.torch_sgd and slot.held(group, param.dtype)
-    ]
+        if not slot.torch_sgd and slot.held(group, param.dtype) and slot.option not in options
+    )
+    options += [f"{option}={group[option]!r}" for option in asking]
     if group["weight_decay"] != 0:
         label = param_label(*place, param)
         raise RuntimeError(
