@@ -93,8 +93,8 @@ def _trainer(tmp_path, epochs, callbacks=(), **kwargs) -> pl.Trainer:
 
 def _by_hand(epochs: int) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]], list[torch.Tensor]]:
     """The same training with schedulefree.SGDScheduleFree, switched by hand where its README says: train for
-    the epochs, eval for each validation and for each checkpoint written; eval at the end. Returns the weights
-    each validation saw, those each checkpoint held, and the final weights."""
+    the epochs, eval for each validation and the checkpoint written after it; eval at the end. Returns the
+    weights each validation saw, those each checkpoint held, and the final weights."""
     net = _net()
     optimizer = schedulefree.SGDScheduleFree(net.parameters(), **HPARAMS)
     loader = DataLoader(_data(), batch_size=16)
@@ -108,11 +108,8 @@ def _by_hand(epochs: int) -> tuple[list[list[torch.Tensor]], list[list[torch.Ten
             optimizer.step()
         optimizer.eval()
         validated.append([p.detach().clone() for p in net.parameters()])
-        optimizer.train()
-        optimizer.eval()  # the checkpoint at the epoch's end
-        saved.append([p.detach().clone() for p in net.parameters()])
-        optimizer.train()
-    optimizer.eval()
+        saved.append([p.detach().clone() for p in net.parameters()])  # the checkpoint at the epoch's end
+    optimizer.eval()  # already: the fit ends as the last validation left it
     return validated, saved, [p.detach().clone() for p in net.parameters()]
 
 
@@ -149,6 +146,37 @@ def test_a_resumed_fit_continues_exactly_as_an_uninterrupted_one(tmp_path):
         [theirs.state[p]["z"] for p in straight.parameters()],
     )
     assert ours.state_dict()["param_groups"][0]["k"] == theirs.state_dict()["param_groups"][0]["k"] == 16
+
+
+def _fit_with_step_checkpoints(directory, save_last: bool, ckpt_path=None) -> Module:
+    """3 epochs of 4 steps, a checkpoint at each epoch's last step (in train mode; with save_last a second one
+    at the same step), no validation."""
+    every = ModelCheckpoint(
+        dirpath=directory, filename="{step}", save_top_k=-1, every_n_train_steps=4, save_last=save_last
+    )
+    module = Module()
+    pl.Trainer(
+        accelerator="cpu",
+        max_epochs=3,
+        limit_val_batches=0,
+        callbacks=[every],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    ).fit(module, ckpt_path=ckpt_path)
+    return module
+
+
+def test_checkpoints_written_in_train_mode_resume_exactly_and_one_or_two_give_the_same_fit(tmp_path):
+    """Two checkpoints at one step switch to x once: the fit is the one with one checkpoint there, and a fit
+    resumed from the first written continues exactly."""
+    one = _fit_with_step_checkpoints(tmp_path / "one", save_last=False)
+    two = _fit_with_step_checkpoints(tmp_path / "two", save_last=True)
+    assert _equal(list(two.parameters()), list(one.parameters()))
+    resumed = _fit_with_step_checkpoints(
+        tmp_path / "resumed", False, ckpt_path=tmp_path / "two" / "step=4.ckpt"
+    )
+    assert _equal(list(resumed.parameters()), list(two.parameters()))
 
 
 def test_batchnorm_recalibrated_at_x(tmp_path):

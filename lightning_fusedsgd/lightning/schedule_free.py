@@ -31,11 +31,18 @@ class ScheduleFreeModes(pl.Callback):
     """Puts every FusedSGDScheduleFree of the Trainer in train mode for training, in eval mode otherwise.
 
     - train: when a fit starts, when training starts (after a resumed checkpoint's optimizer state is
-      loaded), at each training epoch and batch, and after a validation inside a fit;
+      loaded), at each training epoch and batch;
     - eval: for validation, test and predict, when the fit ends (the module then holds ``x``, the weights to
-      evaluate or export), and while a checkpoint is written (``trainer.save_checkpoint``: the checkpoint
-      holds ``x`` and the optimizer in eval mode, as schedulefree asks; training resumes at ``y`` afterwards,
-      and a fit resumed from it switches to train exactly as the uninterrupted one did).
+      evaluate or export), and for a checkpoint (``trainer.save_checkpoint``: the checkpoint holds ``x`` and
+      the optimizer in eval mode, as schedulefree asks).
+
+    Between two training batches the optimizer switches to eval once, for whatever needs ``x`` there (a
+    validation, the checkpoints written after it, at the batch's end or the epoch's), and back to train at
+    the next batch: every checkpoint of that interval holds the ``x`` that was validated, and a fit resumed
+    from any of them switches to train from the same ``x`` as the uninterrupted fit did, so it continues
+    exactly. (The switch there and back rounds: a fit that writes checkpoints where it would not switch
+    otherwise is not bit for bit one that does not.) A checkpoint written during a training batch (from
+    ``training_step``) switches back at once.
 
     A checkpoint is written in eval mode by wrapping the Trainer's ``save_checkpoint`` for the fit (every
     writer calls it: ModelCheckpoint, OnExceptionCheckpoint, the SLURM requeue handler, a user), since
@@ -61,6 +68,7 @@ class ScheduleFreeModes(pl.Callback):
                 f"bn_recalibration_batches must be an int >= 0 (0: off), got {bn_recalibration_batches!r}"
             )
         self.bn_recalibration_batches = bn_recalibration_batches
+        self.in_training_batch = False  # between on_train_batch_start and on_train_batch_end
 
     def _optimizers(self, trainer: pl.Trainer) -> list[FusedSGDScheduleFree]:
         first = next(cb for cb in trainer.callbacks if isinstance(cb, ScheduleFreeModes))
@@ -92,17 +100,19 @@ class ScheduleFreeModes(pl.Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        self._switch(trainer, train=True)  # a no-op unless something switched to eval mid-epoch
+        self._switch(trainer, train=True)  # after a validation or checkpoint since the last batch
+        self.in_training_batch = True
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self.in_training_batch = False
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._switch(trainer, train=False)
         fitting = trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking
         if fitting and self.bn_recalibration_batches and self._optimizers(trainer):
             self._recalibrate(trainer, pl_module)
-
-    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.state.fn == TrainerFn.FITTING:
-            self._switch(trainer, train=True)
 
     def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._switch(trainer, train=False)
@@ -164,8 +174,8 @@ def _generators(loader: Any) -> list[torch.Generator]:
 
 
 def _saved_in_eval_mode(save_checkpoint: Any, callback: ScheduleFreeModes, trainer: pl.Trainer) -> Any:
-    """``trainer.save_checkpoint`` writing with every FusedSGDScheduleFree in eval mode, the ones that were in
-    train mode switched back afterwards."""
+    """``trainer.save_checkpoint`` writing with every FusedSGDScheduleFree in eval mode; they stay there until
+    the next training batch, unless the checkpoint is written during one."""
 
     @functools.wraps(save_checkpoint)
     def saved(*args: Any, **kwargs: Any) -> None:
@@ -175,8 +185,9 @@ def _saved_in_eval_mode(save_checkpoint: Any, callback: ScheduleFreeModes, train
         try:
             save_checkpoint(*args, **kwargs)
         finally:
-            for optimizer in training:
-                optimizer.train()
+            if callback.in_training_batch:
+                for optimizer in training:
+                    optimizer.train()
 
     saved.schedule_free_modes = callback  # type: ignore[attr-defined]
     return saved
