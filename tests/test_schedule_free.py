@@ -6,6 +6,7 @@ in the step), against the peer fed what those give it."""
 from __future__ import annotations
 
 import copy
+import inspect
 
 import pytest
 import torch
@@ -255,6 +256,14 @@ def test_a_group_added_mid_run_follows_the_peer():
         ours.step()
         peer.step()
     _assert_same(ours, peer, params, copies)
+
+
+def test_every_argument_of_the_peer_has_its_default():
+    """A drop-in: the peer's arguments, each with the peer's default (so a group dict, and a state dict's
+    param_groups, hold what the peer's would)."""
+    ours = inspect.signature(FusedSGDScheduleFree).parameters
+    for name, parameter in inspect.signature(schedulefree.SGDScheduleFree).parameters.items():
+        assert name in ours and ours[name].default == parameter.default, name
 
 
 def _scalars_op_run(library):

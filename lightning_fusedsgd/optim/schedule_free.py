@@ -52,7 +52,8 @@ class FusedSGDScheduleFree(FusedSGD):
         warmup_steps: Steps of linear lr warmup.
         r: Polynomial weighting of the average, ``(k + 1) ** r``.
         weight_lr_power: The average's weights are ``lr_max ** weight_lr_power`` (0: unweighted).
-        foreach: Accepted as schedulefree takes it; chooses nothing (every step runs the kernel).
+        foreach: Accepted as schedulefree takes it (its default, True, too, so the groups match); chooses
+            nothing (every step runs the kernel).
         master_weights: fp32 master weights and ``z`` for bf16/fp16 params (``state[p]["master_param"]``).
         update_rounding: How bf16 params without master weights take their update (FusedSGD's).
         rounding_seed: The seed of stochastic rounding.
@@ -77,7 +78,7 @@ class FusedSGDScheduleFree(FusedSGD):
         warmup_steps: int = 0,
         r: float = 0.0,
         weight_lr_power: float = 2.0,
-        foreach: bool | None = None,
+        foreach: bool | None = True,
         *,
         master_weights: bool = False,
         update_rounding: str = "nearest",
