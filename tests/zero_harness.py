@@ -188,9 +188,9 @@ def _zero_runs(out: dict[str, Any], checkpoint_dir: Path) -> None:
     out["resumed"] = _snapshot(resumed)
 
 
-def _refusals(out: dict[str, Any]) -> None:
-    # Not attached: the step is refused before it writes the partition.
-    engine, optimizer, _ = _engine(2, "lars", attach=False)
+def _refused_step(out: dict[str, Any], name: str, engine: Any, optimizer: FusedSGD) -> None:
+    """One step of ``engine``, which must be refused: ``out[name]`` its message, ``out[name + "_unchanged"]``
+    whether the first partition kept its values."""
     partition = optimizer.param_groups[0]["params"][0]
     before = partition.clone()
     x, y = batches()[0]
@@ -198,19 +198,17 @@ def _refusals(out: dict[str, Any]) -> None:
     try:
         engine.step()
     except ValueError as error:
-        out["unattached"] = str(error)
-    out["unattached_unchanged"] = torch.equal(partition, before)
+        out[name] = str(error)
+    out[f"{name}_unchanged"] = torch.equal(partition, before)
+
+
+def _refusals(out: dict[str, Any]) -> None:
+    # Not attached: the step is refused before it writes the partition.
+    _refused_step(out, "unattached", *_engine(2, "lars", attach=False)[:2])
     # LARS beside an average of the weights, whose counts (one per partition) its fragments cannot share.
     engine, optimizer, _ = _engine(2, "lars")
     optimizer.param_groups[0]["ema_decay"] = 0.9
-    partition = optimizer.param_groups[0]["params"][0]
-    before = partition.clone()
-    engine.backward(_loss(engine, x, y))
-    try:
-        engine.step()
-    except ValueError as error:
-        out["counts_in_fragments"] = str(error)
-    out["counts_in_fragments_unchanged"] = torch.equal(partition, before)
+    _refused_step(out, "counts_in_fragments", engine, optimizer)
     # max_grad_norm where ZeRO steps two param groups one by one: no step sees the global norm.
     engine, optimizer, _ = _engine(2, "lars_weights_only", attach=False)
     optimizer.param_groups[0]["max_grad_norm"] = optimizer.param_groups[1]["max_grad_norm"] = CLIP
