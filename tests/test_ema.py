@@ -208,6 +208,39 @@ def test_averaged_weights_swaps_in_and_back_bit_for_bit(dtype):
     assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+def test_averaged_weights_entered_inside_itself_keeps_the_averages_in(dtype):
+    """An evaluation helper that enters the context inside a block of it: the params hold their averages for
+    the whole inner block and after it, ``averaged_state_dict`` is the averages everywhere, and the outer
+    block's end gives every param and average back bit for bit."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2)).to(dtype)
+    optimizer = FusedSGD(model.parameters(), lr=0.1, momentum=0.9, ema_decay=0.5)
+    for _ in range(3):
+        model(torch.randn(16, 4, dtype=dtype)).float().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    params = dict(model.named_parameters())
+    averages = {name: optimizer.state[p]["ema"].to(dtype, copy=True) for name, p in params.items()}
+    weights = {name: p.detach().clone() for name, p in params.items()}
+    state = {name: optimizer.state[p]["ema"].clone() for name, p in params.items()}
+    assert any(not torch.equal(averages[name], weights[name]) for name in params)
+
+    def assert_bits(tensors, expected):
+        for name, tensor in tensors.items():
+            assert torch.equal(tensor.detach(), expected[name]), name
+
+    assert_bits(optimizer.averaged_state_dict(model), averages)
+    with optimizer.averaged_weights():
+        with optimizer.averaged_weights():
+            assert_bits(params, averages)
+            assert_bits(optimizer.averaged_state_dict(model), averages)
+        assert_bits(params, averages)
+        assert_bits(optimizer.averaged_state_dict(model), averages)
+    assert_bits(params, weights)
+    assert_bits({name: optimizer.state[p]["ema"] for name, p in params.items()}, state)
+
+
 def test_averaged_state_dict_is_the_averaged_model_other_code_loads():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))

@@ -132,6 +132,68 @@ def test_a_checkpoint_of_either_callback_resumes_the_other_exactly(first, second
     _same_bits(resumed.state_dict(), uninterrupted.state_dict())
 
 
+class EvaluatesInTheAveragedWeights(Classifier):
+    """A validation step that enters ``averaged_weights()`` itself, as an evaluation helper does, inside the
+    validation the callback runs on the averages."""
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        with self.trainer.optimizers[0].averaged_weights():
+            super().validation_step(batch, batch_idx)
+
+
+@pytest.mark.slow
+def test_averaged_weights_entered_during_validation_still_validates_the_averages(tmp_path):
+    theirs, _ = _fit("torch", LightningEMA(**SCHEDULE), tmp_path / "theirs")
+    torch.manual_seed(0)
+    ours = EvaluatesInTheAveragedWeights("fused")
+    cpu_trainer(max_epochs=3, callbacks=[EMAWeightAveraging(**SCHEDULE)], default_root_dir=tmp_path).fit(ours)
+    assert ours.validation == theirs.validation
+    _same_bits(ours.state_dict(), theirs.state_dict())
+
+
+class Masked(Classifier):
+    """A module with masks and counters among its buffers: bool, uint8 and int8 tensors, used in forward."""
+
+    def __init__(self, optimizer: str) -> None:
+        super().__init__(optimizer)
+        self.register_buffer("keep", torch.tensor([True, False, True, True]))
+        self.register_buffer("scale", torch.tensor([1, 2, 1, 3], dtype=torch.uint8))
+        self.register_buffer("shift", torch.tensor([-1, 0, 2, 0], dtype=torch.int8))
+        self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return (self.net(images) * self.scale + self.shift).masked_fill(~self.keep, 0.0)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        images, targets = batch
+        return F.cross_entropy(self(images), targets)
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        images, targets = batch
+        self.validation.append((F.cross_entropy(self(images), targets).item(), 0.0))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("use_buffers", [True, False])
+def test_buffers_of_every_dtype_swap_as_lightnings_callback_keeps_them(use_buffers, tmp_path):
+    """Bool, uint8, int8 and int64 buffers: validation and the final module as Lightning's callback with
+    torch.optim.SGD gives them."""
+    runs = {}
+    for optimizer, callback in (("torch", LightningEMA), ("fused", EMAWeightAveraging)):
+        torch.manual_seed(0)
+        module = Masked(optimizer)
+        trainer = cpu_trainer(
+            max_epochs=2,
+            callbacks=[callback(**SCHEDULE, use_buffers=use_buffers)],
+            default_root_dir=tmp_path / optimizer,
+        )
+        trainer.fit(module)
+        runs[optimizer] = module
+    assert runs["fused"].validation == runs["torch"].validation
+    _same_bits(runs["fused"].state_dict(), runs["torch"].state_dict())
+
+
 @pytest.mark.parametrize("decay", [1.0, -0.1, float("nan"), "0.9"])
 def test_a_decay_outside_0_1_is_refused_when_the_callback_is_made(decay):
     with pytest.raises(ValueError, match=r"EMAWeightAveraging\(decay=.*\): .*0\.999 is the usual choice"):

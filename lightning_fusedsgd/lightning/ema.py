@@ -85,7 +85,7 @@ class EMAWeightAveraging(LightningEMAWeightAveraging):
         self._copies: list[tuple[Tensor, Tensor]] = []
         self._count = 0  # updates of the average (AveragedModel's n_averaged)
         self._stash: dict[str, Any] | None = None  # a checkpoint's average, until the state it goes in exists
-        self._swapped: list[tuple[Any, Any]] = []
+        self._swapped: _average.Swapped = []  # during validation: the averages swapped into the module
         self._module: pl.LightningModule | None = None
 
     @property
@@ -179,13 +179,12 @@ class EMAWeightAveraging(LightningEMAWeightAveraging):
     def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not self.fused:
             return super().on_validation_epoch_start(trainer, pl_module)
-        self._swapped = [(pairs, _average.swap(pairs)) for pairs in (self._param_averages(), self._kept())]
+        self._swapped = _average.swap(self._param_averages() + self._kept())
 
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not self.fused:
             return super().on_validation_epoch_end(trainer, pl_module)
-        for pairs, kept in self._swapped:
-            _average.unswap(pairs, kept)
+        _average.unswap(self._swapped)
         self._swapped = []
 
     @contextlib.contextmanager
@@ -200,12 +199,11 @@ class EMAWeightAveraging(LightningEMAWeightAveraging):
                 self._swap_models(self._module)
             return
         swapped, self._swapped = self._swapped, []
-        for pairs, kept in swapped:
-            _average.unswap(pairs, kept)
+        _average.unswap(swapped)
         try:
             yield
         finally:
-            self._swapped = [(pairs, _average.swap(pairs)) for pairs, _ in swapped]
+            self._swapped = _average.swap([(param, average) for param, average, _ in swapped])
 
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
