@@ -16,7 +16,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_helpers import UserModule, cpu_trainer
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_fusedsgd import FusedSGD
+from lightning_fusedsgd import FusedSGD, FusedSGDScheduleFree
 from lightning_fusedsgd.lightning import EMAWeightAveraging
 
 HPARAMS = dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3)
@@ -192,6 +192,54 @@ def test_buffers_of_every_dtype_swap_as_lightnings_callback_keeps_them(use_buffe
         runs[optimizer] = module
     assert runs["fused"].validation == runs["torch"].validation
     _same_bits(runs["fused"].state_dict(), runs["torch"].state_dict())
+
+
+class ScheduleFree(Classifier):
+    def configure_optimizers(self) -> Any:
+        return FusedSGDScheduleFree(self.parameters(), lr=0.1, momentum=0.9, warmup_steps=2)
+
+
+@pytest.mark.slow
+def test_with_a_schedule_free_optimizer_it_is_lightnings_callback(tmp_path):
+    """FusedSGDScheduleFree's step keeps no average of the weights: the callback is Lightning's, with the
+    same validation and final module as Lightning's own on the same module."""
+    runs = {}
+    for name, callback in (("theirs", LightningEMA(**SCHEDULE)), ("ours", EMAWeightAveraging(**SCHEDULE))):
+        torch.manual_seed(0)
+        module = ScheduleFree("schedule_free")
+        cpu_trainer(max_epochs=2, callbacks=[callback], default_root_dir=tmp_path / name).fit(module)
+        runs[name] = module
+    assert not callback.fused
+    assert runs["ours"].validation == runs["theirs"].validation
+    _same_bits(runs["ours"].state_dict(), runs["theirs"].state_dict())
+
+
+class BuildsInConfigureModel(Classifier):
+    """Its layers are built in configure_model(), at each call, as Lightning's own test module does."""
+
+    def configure_model(self) -> None:
+        self.net = torch.nn.Sequential(
+            torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(512, 4)
+        )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", ["torch", "fused"])
+def test_layers_built_in_configure_model_are_the_ones_trained_as_with_lightnings(optimizer, tmp_path):
+    """configure_model() runs where Lightning's callback runs it, before the optimizer takes the params: the
+    params trained and the averaged model are the ones Lightning's callback gives. (No sanity check: there
+    Lightning's callback validates its copy of the first call's layers, which nothing trains.)"""
+    runs = {}
+    for name, callback in (("theirs", LightningEMA(**SCHEDULE)), ("ours", EMAWeightAveraging(**SCHEDULE))):
+        torch.manual_seed(0)
+        module = BuildsInConfigureModel("torch" if name == "theirs" else optimizer)
+        trainer = cpu_trainer(
+            max_epochs=2, callbacks=[callback], default_root_dir=tmp_path / name, num_sanity_val_steps=0
+        )
+        trainer.fit(module)
+        runs[name] = module
+    assert runs["ours"].validation == runs["theirs"].validation
+    _same_bits(runs["ours"].state_dict(), runs["theirs"].state_dict())
 
 
 @pytest.mark.parametrize("decay", [1.0, -0.1, float("nan"), "0.9"])

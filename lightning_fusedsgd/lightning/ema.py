@@ -9,7 +9,8 @@ registers (8 bytes a parameter); the callback averages only what no FusedSGD ste
 they were at the last update, as ``AveragedModel`` does. Validation runs on the averages, swapped into the
 module and back; training ends with them in the module; checkpoints carry Lightning's keys (``state_dict`` the
 averaged model, ``current_model_state``, ``averaging_state``), so either callback resumes the other's. With
-another optimizer it is Lightning's callback."""
+another optimizer, a FusedSGDScheduleFree included (its step keeps no average of the weights), it is
+Lightning's callback."""
 
 from __future__ import annotations
 
@@ -21,13 +22,14 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import EMAWeightAveraging as LightningEMAWeightAveraging
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
-from torch.optim.swa_utils import get_ema_avg_fn
+from torch.optim.swa_utils import AveragedModel, get_ema_avg_fn
 
 from lightning_fusedsgd import _abi
 from lightning_fusedsgd.lightning._wrapped import fused_sgd_of
-from lightning_fusedsgd.optim import FusedSGD, _average
+from lightning_fusedsgd.optim import FusedSGD, FusedSGDScheduleFree, _average
 
 __all__ = ["EMAWeightAveraging"]
 
@@ -93,7 +95,15 @@ class EMAWeightAveraging(LightningEMAWeightAveraging):
         return bool(self._optimizers)
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Lightning's callback copies the module here; this one waits for the optimizers (on_fit_start)."""
+        """Lightning's callback calls ``configure_model()`` here, before the optimizers exist, and copies the
+        module; this one calls it here too (a module that builds its layers there builds them in Lightning's
+        order, before the optimizer takes their params) and waits for the optimizers (on_fit_start)."""
+        if stage == "fit" and is_overridden("configure_model", pl_module):
+            rank_zero_warn(
+                "EMAWeightAveraging calls configure_model() before the strategy does, as Lightning's "
+                "WeightAveraging does: the layers it builds are not sharded then; you may run out of memory."
+            )
+            pl_module.configure_model()
 
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
@@ -116,8 +126,18 @@ class EMAWeightAveraging(LightningEMAWeightAveraging):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._module = pl_module
         optimizers = [fused_sgd_of(o) for o in trainer.optimizers]
-        if not optimizers or None in optimizers or self.update_every_n_steps <= 0:
-            super().setup(trainer, pl_module, "fit")  # another optimizer: Lightning's callback, as it is
+        if (
+            not optimizers
+            or None in optimizers
+            or any(isinstance(o, FusedSGDScheduleFree) for o in optimizers)
+            or self.update_every_n_steps <= 0
+        ):
+            # Another optimizer (schedule-free's keeps no average in its step): Lightning's callback, whose
+            # setup copies the module (configure_model() ran in setup).
+            device = self._device or pl_module.device
+            self._average_model = AveragedModel(
+                model=pl_module, device=device, use_buffers=self._use_buffers, **self._kwargs
+            )
             if self._stash is not None:
                 self._lightning_load(pl_module)
             return
