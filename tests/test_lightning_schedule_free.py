@@ -306,3 +306,69 @@ def test_a_step_the_grad_scaler_skips_leaves_y_z_and_the_scalars(tmp_path):
     )
     trainer.fit(module)
     assert trainer.optimizers[0].state_dict()["param_groups"][0]["k"] == 4  # 6 steps, 2 skipped
+
+
+class Tuned(Module):
+    """A module with the attributes Lightning's finders tune, ``lr`` and ``batch_size``."""
+
+    def __init__(self, peer: bool = False) -> None:
+        super().__init__()
+        self.lr, self.batch_size, self.peer = HPARAMS["lr"], 16, peer
+
+    def configure_optimizers(self):
+        kind = schedulefree.SGDScheduleFree if self.peer else FusedSGDScheduleFree
+        return kind(self.parameters(), **{**HPARAMS, "lr": self.lr})
+
+    def training_step(self, batch, batch_idx):
+        if not self.peer:
+            return super().training_step(batch, batch_idx)
+        inputs, targets = batch
+        return F.cross_entropy(self.net(inputs), targets)
+
+    def on_train_start(self) -> None:
+        if self.peer:  # schedulefree's optimizer, switched by hand where its README says
+            self.optimizers().optimizer.train()
+
+    def train_dataloader(self):
+        return DataLoader(_data(), batch_size=self.batch_size)
+
+
+def test_lightnings_lr_finder_steps_in_train_mode_and_leaves_the_optimizer_as_it_found_it(tmp_path):
+    """Tuner.lr_find replaces the Trainer's callbacks for its trial fit: its steps still run in train mode,
+    with schedulefree's losses for the same lrs, and the fit after it starts from the weights and mode the
+    finder found."""
+    from lightning.pytorch.tuner import Tuner
+
+    results = {}
+    for peer in (True, False):
+        module = Tuned(peer=peer)
+        trainer = _trainer(tmp_path / str(peer), epochs=2)
+        finder = Tuner(trainer).lr_find(
+            module, min_lr=1e-3, max_lr=1.0, num_training=6, early_stop_threshold=None
+        )
+        results[peer] = finder.results
+        optimizer = trainer.optimizers[0]
+        if not peer:
+            assert not optimizer.training  # as the finder found it: a fresh optimizer is in eval mode
+            assert _equal(
+                [p.detach() for p in module.parameters()], [p.detach() for p in _net().parameters()]
+            )
+            trainer.fit(module)  # and the fit after it trains
+            assert module.modes == [True] * (6 + 2 * 4)  # the finder's steps and the fit's
+    assert results[False]["lr"] == results[True]["lr"] and len(results[False]["lr"]) == 6
+    assert results[False]["loss"] == results[True]["loss"]
+
+
+def test_lightnings_batch_size_finder_steps_in_train_mode(tmp_path):
+    """Tuner.scale_batch_size's trials run in train mode: the size schedulefree's optimizer gets, and the
+    weights and mode as the finder found them."""
+    from lightning.pytorch.tuner import Tuner
+
+    sizes = {}
+    for peer in (True, False):
+        module = Tuned(peer=peer)
+        trainer = _trainer(tmp_path / str(peer), epochs=1, limit_train_batches=1)
+        sizes[peer] = Tuner(trainer).scale_batch_size(module, mode="power", steps_per_trial=1, max_trials=3)
+    assert sizes[False] == sizes[True] > 2  # grown from Lightning's first size, 2
+    assert not trainer.optimizers[0].training
+    assert _equal([p.detach() for p in module.parameters()], [p.detach() for p in _net().parameters()])

@@ -16,6 +16,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import BatchSizeFinder, LearningRateFinder
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.seed import isolate_rng
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -57,6 +58,10 @@ class ScheduleFreeModes(pl.Callback):
             batches; the global RNG and the loader's generators are left as they were, so the training data
             and augmentation do not change. With persistent workers, validate at the ends of epochs.
 
+    Lightning's lr and batch size finders (``Tuner.lr_find``, ``Tuner.scale_batch_size``) run a trial fit with
+    their own callback in place of the Trainer's: each runs with the optimizers in train mode, and leaves them
+    in the mode it found them in.
+
     Of several instances in a Trainer (the entry point's and one passed in ``callbacks``), the first acts.
     """
 
@@ -69,6 +74,7 @@ class ScheduleFreeModes(pl.Callback):
             )
         self.bn_recalibration_batches = bn_recalibration_batches
         self.in_training_batch = False  # between on_train_batch_start and on_train_batch_end
+        self.in_tuner_trial = False  # while one of Lightning's finders runs its trial fit
 
     def _optimizers(self, trainer: pl.Trainer) -> list[FusedSGDScheduleFree]:
         first = next(cb for cb in trainer.callbacks if isinstance(cb, ScheduleFreeModes))
@@ -80,6 +86,14 @@ class ScheduleFreeModes(pl.Callback):
         for optimizer in self._optimizers(trainer):
             optimizer.train() if train else optimizer.eval()
 
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # Lightning's lr and batch size finders fit with their own callbacks in place of the Trainer's, so
+        # nothing of ours switches there: each finder runs with the optimizers in train mode.
+        for finder in trainer.callbacks:
+            method = next((m for kind, m in _TUNER_TRIALS.items() if isinstance(finder, kind)), None)
+            if method is not None and method not in vars(finder):
+                setattr(finder, method, _in_train_mode(getattr(finder, method), self, trainer))
+
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._optimizers(trainer) and "save_checkpoint" not in vars(trainer):
             trainer.save_checkpoint = _saved_in_eval_mode(trainer.save_checkpoint, self, trainer)
@@ -90,6 +104,10 @@ class ScheduleFreeModes(pl.Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if getattr(vars(trainer).get("save_checkpoint"), "schedule_free_modes", None) is self:
             del trainer.save_checkpoint
+        for finder in trainer.callbacks:
+            for method in _TUNER_TRIALS.values():
+                if getattr(vars(finder).get(method), "schedule_free_modes", None) is self:
+                    delattr(finder, method)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._switch(trainer, train=True)
@@ -185,9 +203,36 @@ def _saved_in_eval_mode(save_checkpoint: Any, callback: ScheduleFreeModes, train
         try:
             save_checkpoint(*args, **kwargs)
         finally:
-            if callback.in_training_batch:
+            if callback.in_training_batch or callback.in_tuner_trial:
                 for optimizer in training:
                     optimizer.train()
 
     saved.schedule_free_modes = callback  # type: ignore[attr-defined]
     return saved
+
+
+# Lightning's finders and their methods that run a trial fit (with the finder's callbacks only) and then
+# restore the checkpoint written before it.
+_TUNER_TRIALS = {LearningRateFinder: "lr_find", BatchSizeFinder: "scale_batch_size"}
+
+
+def _in_train_mode(trial: Any, callback: ScheduleFreeModes, trainer: pl.Trainer) -> Any:
+    """A finder's trial run with every FusedSGDScheduleFree in train mode (a checkpoint it writes first is
+    written in eval mode, as every checkpoint is); after it, each in the mode it was found in."""
+
+    @functools.wraps(trial)
+    def in_train_mode(*args: Any, **kwargs: Any) -> Any:
+        optimizers = callback._optimizers(trainer)
+        modes = [optimizer.training for optimizer in optimizers]
+        for optimizer in optimizers:
+            optimizer.train()
+        callback.in_tuner_trial = True
+        try:
+            return trial(*args, **kwargs)
+        finally:
+            callback.in_tuner_trial = False
+            for optimizer, training in zip(optimizers, modes):
+                optimizer.train() if training else optimizer.eval()
+
+    in_train_mode.schedule_free_modes = callback  # type: ignore[attr-defined]
+    return in_train_mode
