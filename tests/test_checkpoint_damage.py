@@ -233,6 +233,23 @@ def test_checkpoints_of_other_writers_load(tmp_path):
     assert bit_equal(read_checkpoint_file(tmp_path / "rewritten.pt"), weights)
 
 
+def test_a_checkpoint_saved_without_crcs_loads_as_torch_loads_it(original, tmp_path, monkeypatch):
+    """torch's own option to skip CRCs records 0 for each: the file loads exactly, as torch.load reads it, and
+    structure damage is still refused; one record's CRC of 0 among recorded ones is still checked."""
+    monkeypatch.setattr(torch.utils.serialization.config.save, "compute_crc32", False)
+    path = tmp_path / "archive.ckpt"
+    saved_checkpoint(path)
+    data = path.read_bytes()
+    assert {info.CRC for info in zipfile.ZipFile(path).infolist()} == {0}
+    expected = torch.load(path, weights_only=True)
+    assert loads_exactly_or_refuses(path, data, expected) == "same"
+    assert bit_equal(expected, original[1])
+    directory = with_central_field(data, storage_record(data), CD_METHOD, 8)  # "compressed"
+    assert loads_exactly_or_refuses(tmp_path / "damaged.ckpt", directory, expected) == "refused"
+    one_zeroed = with_central_field(original[0], storage_record(original[0]), CD_CRC, 0, "<I")
+    assert loads_exactly_or_refuses(tmp_path / "one_zeroed.ckpt", one_zeroed, expected) == "refused"
+
+
 @pytest.mark.filterwarnings("ignore:`torch.jit.s:FutureWarning")
 def test_a_torchscript_module_is_named_as_such(tmp_path):
     path = tmp_path / "module.pt"

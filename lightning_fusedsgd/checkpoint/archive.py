@@ -5,7 +5,9 @@ checks, and trusts what the central directory says: a record marked as a directo
 by copying nothing into the buffer torch allocated for it, so its tensors hold whatever that memory held. So
 the archive is read here as miniz reads it (the end records, the zip64 records, each central-directory entry
 and the local header it points to), and every record must be one miniz hands over whole: a regular file,
-stored uncompressed, not encrypted, inside the file, its bytes those whose CRC-32 the writer recorded. Names
+stored uncompressed, not encrypted, inside the file, its bytes those whose CRC-32 the writer recorded (an
+archive torch.save wrote without CRCs, every one 0, has none to check: damage inside its records loads, as
+it does with torch.load). Names
 are looked up as miniz does (ASCII case folded), so they must be unique that way. Then each storage the
 pickle references must be a record of exactly the bytes its tensors are rebuilt from. What passes is read by
 ``torch.load`` as it was written; anything else is refused with the reason (:class:`ArchiveDamage`).
@@ -78,11 +80,14 @@ def check_archive(file: BinaryIO) -> None:
     prefix = _prefix(entries)
     if any(entry.name == prefix + b"constants.pkl" for entry in entries):  # how torch.load tells
         raise TorchScriptArchive("it is a TorchScript module (torch.jit.save): load it with torch.jit.load")
+    # torch.save with serialization.config.save.compute_crc32 = False records a CRC of 0 for every record:
+    # such an archive has no CRCs to check. One record's CRC of 0 among others' is checked (0, or damage).
+    crcs = any(entry.crc != 0 for entry in entries)
     records: dict[bytes, tuple[int, int]] = {}  # by name in ASCII lower case: (data offset, size)
     for entry in entries:
         if entry.name.lower() in records:
             raise ArchiveDamage(f"two records are named {_shown(entry.name)}, ASCII case aside")
-        records[entry.name.lower()] = _checked_data(file, size, entry)
+        records[entry.name.lower()] = _checked_data(file, size, entry, crcs)
     pickle_name = prefix + b"data.pkl"
     if pickle_name.lower() not in records:
         raise ArchiveDamage(f"it has no record {_shown(pickle_name)}, the pickle torch.load reads")
@@ -220,9 +225,10 @@ def _prefix(entries: list[_Entry]) -> bytes:
     return prefix
 
 
-def _checked_data(file: BinaryIO, size: int, entry: _Entry) -> tuple[int, int]:
+def _checked_data(file: BinaryIO, size: int, entry: _Entry, crcs: bool) -> tuple[int, int]:
     """(offset, size) of the bytes miniz copies out for ``entry``, which must be the whole record as written:
-    a regular file, stored, unencrypted, inside the file, of the CRC-32 the writer recorded."""
+    a regular file, stored, unencrypted, inside the file, of the CRC-32 the writer recorded (where the
+    archive records CRCs: ``crcs``)."""
     where = f"record {_shown(entry.name)}"
     if entry.disk != 0:
         raise ArchiveDamage(f"{where} says it starts on disk {entry.disk}")
@@ -244,7 +250,7 @@ def _checked_data(file: BinaryIO, size: int, entry: _Entry) -> tuple[int, int]:
     data_offset = entry.local_offset + _LOCAL.size + local[9] + local[10]  # past its name and extra field
     if data_offset + entry.size > size:
         raise ArchiveDamage(f"{where} runs past the end of the file")
-    if _crc32(file, data_offset, entry.size) != entry.crc:
+    if crcs and _crc32(file, data_offset, entry.size) != entry.crc:
         raise ArchiveDamage(f"{where} fails its CRC check: its bytes changed after it was written")
     return data_offset, entry.size
 
