@@ -5,6 +5,7 @@ test_parity.py."""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from helpers import clone_params, make_params, set_grads
 from oracles import assert_close_rel
 from torch import nn
 
-from lightning_fusedsgd import FusedSGD, ops
+from lightning_fusedsgd import FusedLARS, FusedSGD, FusedSGDScheduleFree, ops
 
 BACKENDS = ["compiled", "reference"]
 
@@ -538,3 +539,27 @@ def test_momentum_zero_keeps_no_state_like_torch():
         p.grad = torch.ones_like(p)
     ref.step()
     assert opt.state_dict()["state"] == ref.state_dict()["state"] == {}
+
+
+@pytest.mark.parametrize("kind", [FusedSGD, FusedLARS, FusedSGDScheduleFree], ids=lambda kind: kind.__name__)
+def test_the_earlier_backend_name_torch_warns_and_runs_the_reference(kind):
+    """``backend="torch"`` (renamed ``"reference"``) still runs, for one minor version: a FutureWarning at the
+    user's line, then the reference's steps, bit for bit."""
+    runs = []
+    for backend in ("reference", "torch"):
+        params = make_params([(5, 3), (7,)])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            optimizer = kind(params, lr=0.1, momentum=0.9, backend=backend)
+        renamed = [w for w in caught if issubclass(w.category, FutureWarning)]
+        assert len(renamed) == (backend == "torch")
+        if renamed:
+            assert "backend='reference'" in str(renamed[0].message) and renamed[0].filename == __file__
+        assert optimizer.backend == "reference"
+        if kind is FusedSGDScheduleFree:
+            optimizer.train()
+        for p in params:
+            p.grad = torch.ones_like(p)
+        optimizer.step()
+        runs.append([p.detach().clone() for p in params])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))

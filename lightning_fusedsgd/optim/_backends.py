@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 import warnings
 from typing import Any
 
@@ -23,7 +24,37 @@ from lightning_fusedsgd import ops
 from lightning_fusedsgd.ops import reference
 
 BACKENDS = ("auto", "compiled", "reference", "cuda_emulated")
+# Earlier names, accepted with a FutureWarning until 0.3.0.
+_RENAMED = {"torch": "reference"}
 _KERNEL_DEVICES = ("cpu", "cuda")
+
+
+def checked(backend: Any) -> str:
+    """The backend asked for, by its current name (an earlier name warns).
+
+    Raises:
+        ValueError: Naming the backends there are.
+    """
+    if backend in _RENAMED:
+        warnings.warn(
+            f"backend={backend!r} is now backend={_RENAMED[backend]!r} (the same math in plain PyTorch); "
+            "the old name is accepted until lightning_fusedsgd 0.3.0.",
+            FutureWarning,
+            stacklevel=_first_frame_outside_the_package(),
+        )
+        return _RENAMED[backend]
+    if backend not in BACKENDS:
+        raise ValueError(f"Unknown backend {backend!r}; choose one of {BACKENDS}.")
+    return backend
+
+
+def _first_frame_outside_the_package() -> int:
+    """The stack level of the user's code that called into the package (a warning's place)."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 @functools.cache

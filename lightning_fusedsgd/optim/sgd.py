@@ -128,8 +128,7 @@ class FusedSGD(Optimizer):
         """The constructor, from the groups' defaults (a subclass with other arguments makes its own)."""
         _abi.check_flag("set_grad_none", set_grad_none)
         _abi.check_flag("capturable", capturable)
-        if backend not in _backends.BACKENDS:
-            raise ValueError(f"Unknown backend {backend!r}; choose one of {_backends.BACKENDS}.")
+        backend = _backends.checked(backend)
         if isinstance(params, Tensor):
             raise TypeError(
                 "params argument given to the optimizer should be an iterable of Tensors or dicts, but got "
