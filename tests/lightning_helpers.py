@@ -137,9 +137,11 @@ def compose_train(overrides: list[str], output_dir: Path) -> DictConfig:
     return cfg
 
 
-def run_train_py(args: list[str], cwd: Path = ROOT, timeout: float = 300) -> subprocess.CompletedProcess:
-    """``python train.py ARGS`` as a user runs it."""
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "HYDRA_FULL_ERROR": "0"}
+def run_train_py(
+    args: list[str], cwd: Path = ROOT, timeout: float = 300, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """``python train.py ARGS`` as a user runs it (with ``env`` added to this environment)."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "HYDRA_FULL_ERROR": "0", **(env or {})}
     return subprocess.run(
         [sys.executable, str(ROOT / "train.py"), *args],
         cwd=cwd,
