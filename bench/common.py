@@ -111,9 +111,10 @@ def machine_info() -> dict[str, object]:
     }
 
 
-def write_json(name: str, payload: dict[str, object]) -> Path:
-    RESULTS_DIR.mkdir(exist_ok=True)
-    path = RESULTS_DIR / f"{name}.json"
+def write_json(name: str, payload: dict[str, object], path: Path | None = None) -> Path:
+    """The result ``name`` with the machine it ran on, in ``bench/results/NAME.json`` or ``path``."""
+    path = path or RESULTS_DIR / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"machine": machine_info(), **payload}, indent=2) + "\n")
     return path
 
