@@ -417,6 +417,27 @@ def _buffer_dtype(group: Mapping[str, Any], dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if _masters(group, dtype) else dtype
 
 
+def _average_family() -> tuple[Slot, ...]:
+    """The average of the weights (ema_decay) and its two counts, held, dropped and declared together: the
+    average in the opmath type (fp32 beside 16-bit params), updated in the step from its new weight and seeded
+    from the weight, as a copy of the model is where an average begins; the param's applied steps since its
+    average began (the schedule's step: ema_start, ema_every); the updates the average has had (the first
+    copies the weight; the decay's warmup counts them)."""
+    family = dict(held=_averages, option="ema_decay", stale_unheld=True)
+    count = dict(dtype=lambda group, dtype: torch.int64, seed="zeros", count=True, **family)
+    return (
+        Slot(
+            key="ema",
+            dtype=lambda group, dtype: torch.float64 if dtype == torch.float64 else torch.float32,
+            seed="weight",
+            missing_said=True,
+            **family,
+        ),
+        Slot(key="ema_step", **count),
+        Slot(key="ema_updates", **count),
+    )
+
+
 SLOTS: tuple[Slot, ...] = (
     # As torch.optim.SGD keeps it (none when momentum is 0, or schedule-free, whose momentum interpolates).
     Slot(
@@ -456,37 +477,7 @@ SLOTS: tuple[Slot, ...] = (
         option="update_rounding",
         count=True,
     ),
-    # The average of the weights (ema_decay), in the opmath type (fp32 beside 16-bit params), updated in the
-    # step from its new weight; seeded from the weight, as a copy of the model is where an average begins.
-    Slot(
-        key="ema",
-        held=_averages,
-        dtype=lambda group, dtype: torch.float64 if dtype == torch.float64 else torch.float32,
-        seed="weight",
-        option="ema_decay",
-        stale_unheld=True,
-        missing_said=True,
-    ),
-    # The param's applied steps since its average began (the schedule's step: ema_start, ema_every) and the
-    # updates the average has had (the first copies the weight; the decay's warmup counts them).
-    Slot(
-        key="ema_step",
-        held=_averages,
-        dtype=lambda group, dtype: torch.int64,
-        seed="zeros",
-        option="ema_decay",
-        count=True,
-        stale_unheld=True,
-    ),
-    Slot(
-        key="ema_updates",
-        held=_averages,
-        dtype=lambda group, dtype: torch.int64,
-        seed="zeros",
-        option="ema_decay",
-        count=True,
-        stale_unheld=True,
-    ),
+    *_average_family(),
     # Schedule-free SGD's z (schedulefree's state key), the sequence of plain SGD steps that the param's y and
     # x average; started from the weight.
     Slot(

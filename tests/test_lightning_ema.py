@@ -75,6 +75,10 @@ def _same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
         pytest.param(
             dict(decay=0.8, update_starting_at_step=-1, update_every_n_steps=3), True, id="start-below-0"
         ),
+        # Steps and, from the second epoch on, epoch ends: those update the averages outside a step.
+        pytest.param(
+            dict(decay=0.8, update_every_n_steps=3, update_starting_at_epoch=1), True, id="steps-and-epochs"
+        ),
         # No step updates, only epoch ends: nothing to fuse, Lightning's callback runs.
         pytest.param(
             dict(decay=0.8, update_every_n_steps=0, update_starting_at_epoch=1), False, id="epochs-only"

@@ -182,7 +182,8 @@ class EMAWeightAveraging(LightningEMAWeightAveraging):
             return super().on_train_epoch_end(trainer, pl_module)
         epoch = trainer.current_epoch
         if epoch > self._latest_update_epoch and self.should_update(epoch_idx=epoch):
-            self._update_params_here()
+            for optimizer in self._optimizers:
+                optimizer.update_average()
             self._update_others()
             self._count += 1
             self._latest_update_epoch = epoch
@@ -276,9 +277,7 @@ class EMAWeightAveraging(LightningEMAWeightAveraging):
                 group.update(schedule)
 
     def _param_averages(self) -> list[tuple[Tensor, Tensor]]:
-        params = (p for o in self._optimizers for g in o.param_groups for p in g["params"])
-        state = {p: s for o in self._optimizers for p, s in o.state.items()}
-        return _average.averaged_params(params, state)
+        return [pair for optimizer in self._optimizers for pair in optimizer.averaged_params()]
 
     def _update_others(self) -> None:
         """What no FusedSGD steps, averaged as Lightning's AveragedModel averages it (get_ema_avg_fn; the
@@ -290,23 +289,6 @@ class EMAWeightAveraging(LightningEMAWeightAveraging):
             for tensor, copy in self._copies:
                 copy.copy_(tensor)
 
-    def _update_params_here(self) -> None:
-        """An update of the params' averages outside a step (an epoch's end): the same function, on the
-        weights the optimizers hold, counted as an update of each."""
-        update = get_ema_avg_fn(self._decay)
-        with torch.no_grad():
-            for optimizer in self._optimizers:
-                for group in optimizer.param_groups:
-                    for param in group["params"]:
-                        state = optimizer.state.get(param, {})
-                        if _average.AVERAGE not in state:
-                            continue
-                        average = state[_average.AVERAGE]
-                        weight = _abi.stored_weight(param.detach(), state).to(average.dtype)
-                        first = int(state["ema_updates"]) == 0
-                        average.copy_(weight if first else update(average, weight, int(state["ema_updates"])))
-                        state["ema_updates"] += 1
-
     def _restore(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """A checkpoint's average into the state: the params' where a loaded optimizer state has none (a
         checkpoint of Lightning's callback), counted from the run's step; the rest into the callback's."""
@@ -315,18 +297,8 @@ class EMAWeightAveraging(LightningEMAWeightAveraging):
         self._count = int(averaging[_COUNT]) if averaging is not None else 0
         tensors = dict(itertools.chain(pl_module.named_parameters(), pl_module.named_buffers()))
         by_id = {id(t): name for name, t in tensors.items()}
-        missing = 0
-        for optimizer in self._optimizers:
-            for group in optimizer.param_groups:
-                for param in group["params"]:
-                    state = optimizer.state[param]
-                    if _average.AVERAGE in state or by_id.get(id(param)) not in average:
-                        continue
-                    missing += 1
-                    dtype = _abi.slot(_average.AVERAGE).dtype(group, param.dtype)
-                    state[_average.AVERAGE] = average[by_id[id(param)]].to(param.device, dtype, copy=True)
-                    state["ema_step"] = torch.tensor(trainer.global_step, device=param.device)
-                    state["ema_updates"] = torch.tensor(self._count, device=param.device)
+        averages = {tensor: average[name] for name, tensor in tensors.items() if name in average}
+        missing = sum(o.seed_averages(averages, trainer.global_step, self._count) for o in self._optimizers)
         if missing:
             rank_zero_info(
                 f"EMAWeightAveraging: {missing} params take their average from the checkpoint's state_dict "

@@ -8,11 +8,13 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.optim.swa_utils import get_ema_avg_fn
 
 from lightning_fusedsgd import _abi
 from lightning_fusedsgd.optim import _dtensor
 
-AVERAGE = "ema"  # the average's slot (lightning_fusedsgd._abi.SLOTS)
+# The average's slots (lightning_fusedsgd._abi.SLOTS): the average, its applied steps, its updates.
+AVERAGE, STEP, UPDATES = "ema", "ema_step", "ema_updates"
 
 
 def averaged_params(
@@ -22,6 +24,13 @@ def averaged_params(
     return [
         (_dtensor.local(p), _dtensor.local(state[p][AVERAGE])) for p in params if AVERAGE in state.get(p, {})
     ]
+
+
+def check_group(defaults: Mapping[str, Any], group: Mapping[str, Any]) -> None:
+    """Refuses a new group (``add_param_group``) that asks an average of a param the kernel cannot average."""
+    decay = {**defaults, **group}["ema_decay"]
+    if decay is not None:
+        check_averaged(decay, group["params"])
 
 
 def check_averaged(decay: float, params: list[Any]) -> None:
@@ -99,6 +108,48 @@ def unswap(swapped: Swapped) -> None:
         else:
             param.copy_(copy)
         _HOLDING.discard(_where(param))
+
+
+@torch.no_grad()
+def update_outside_step(groups: list[dict[str, Any]], state: Mapping[Tensor, dict[str, Any]]) -> None:
+    """An update of every average outside a step, by the function ``torch.optim.swa_utils.get_ema_avg_fn``
+    applies (its group's decay, no warmup; the first update copies), on the weight the state holds, counted
+    as an update of each."""
+    for group in groups:
+        update = get_ema_avg_fn(group["ema_decay"]) if group["ema_decay"] is not None else None
+        for param in group["params"]:
+            held = state.get(param, {})
+            if update is None or AVERAGE not in held:
+                continue
+            average, updates = held[AVERAGE], int(held[UPDATES])
+            weight = _abi.stored_weight(param.detach(), held).to(average.dtype)
+            average.copy_(weight if updates == 0 else update(average, weight, updates))
+            held[UPDATES] += 1
+
+
+def seed(
+    groups: list[dict[str, Any]],
+    state: dict[Tensor, dict[str, Any]],
+    averages: Mapping[Tensor, Tensor],
+    step: int,
+    updates: int,
+) -> int:
+    """Gives each param of an averaging group that has no average the one in ``averages`` (by param: another
+    callback's or a checkpoint's), as of ``step`` applied steps and ``updates`` updates; returns how many."""
+    seeded = 0
+    for group in groups:
+        if group["ema_decay"] is None:
+            continue
+        for param in group["params"]:
+            held = state[param]
+            if AVERAGE in held or param not in averages:
+                continue
+            dtype = _abi.slot(AVERAGE).dtype(group, param.dtype)
+            held[AVERAGE] = averages[param].to(param.device, dtype, copy=True)
+            held[STEP] = torch.tensor(step, device=param.device)
+            held[UPDATES] = torch.tensor(updates, device=param.device)
+            seeded += 1
+    return seeded
 
 
 def averaged_state_dict(module: nn.Module, state: Mapping[Tensor, dict[str, Any]]) -> dict[str, Any]:

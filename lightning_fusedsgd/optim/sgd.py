@@ -183,9 +183,7 @@ class FusedSGD(Optimizer):
                 f"All parameters of one group must be on one device, got {sorted(map(str, devices))}: "
                 "move the model to one device before building the optimizer, or use one group per device."
             )
-        decay = {**self.defaults, **param_group}["ema_decay"]
-        if decay is not None:
-            _average.check_averaged(decay, params)
+        _average.check_group(self.defaults, param_group)
         if len({id(p) for p in tensors}) != len(tensors):
             # torch.optim only warns; in one fused call a repeated tensor would be updated twice at once.
             raise ValueError("A parameter group lists the same parameter twice: pass each parameter once.")
@@ -218,8 +216,22 @@ class FusedSGD(Optimizer):
     def averaged_weights(self) -> Iterator[None]:
         """A context in which every param with an average of its weights (``ema_decay``) holds it, for
         evaluation or export; on leaving, each holds its own values again, bit for bit (docs/guide/ema.md)."""
-        params = (p for group in self.param_groups for p in group["params"])
-        yield from _average.iterate(_average.averaged_params(params, self.state))
+        yield from _average.iterate(self.averaged_params())
+
+    def averaged_params(self) -> list[tuple[Tensor, Tensor]]:
+        """Each param with an average of its weights, with it (local shards of DTensors), in group order."""
+        return _average.averaged_params((p for g in self.param_groups for p in g["params"]), self.state)
+
+    def update_average(self) -> None:
+        """Updates every average once outside a step (an epoch's end under ``EMAWeightAveraging``) by
+        ``torch.optim.swa_utils.get_ema_avg_fn``'s formula with its group's decay, counted as an update."""
+        _average.update_outside_step(self.param_groups, self.state)
+
+    def seed_averages(self, averages: dict[Tensor, Tensor], step: int, updates: int) -> int:
+        """Gives each param whose group averages its weights but whose state has no average the one in
+        ``averages`` (by param: e.g. a checkpoint's averaged model), as of ``step`` applied steps and
+        ``updates`` updates, in its slot's dtype; returns how many it gave one."""
+        return _average.seed(self.param_groups, self.state, averages, step, updates)
 
     def averaged_state_dict(self, module: torch.nn.Module) -> dict[str, Any]:
         """``module.state_dict()`` with each param's average, in its dtype: the averaged model, as
