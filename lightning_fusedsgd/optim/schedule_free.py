@@ -37,6 +37,16 @@ class FusedSGDScheduleFree(FusedSGD):
     :class:`~lightning_fusedsgd.lightning.ScheduleFreeModes` callback, which every Trainer gets, switches at
     the right hooks.
 
+    The update of each element, in y (the params in train mode) and z (``state[p]["z"]``), x never formed
+    (``ops/csrc/sgd_math.h``: ``schedule_free_element``; the scalars in ``schedule_free.h``)::
+
+        g <- clip(g / scale) + wd y                   (decay taken at y)
+        lr_t = lr min(1, (k + 1) / warmup_steps)      (k: the applied steps before this one)
+        c = w_k / (w_0 + ... + w_k),  w_k = (k + 1)^r max(lr_0..lr_t)^weight_lr_power
+        y <- (1 - c) y + c z + lr_t (momentum (1 - c) - 1) g
+        z <- z - lr_t g
+        x = (y - (1 - momentum) z) / momentum         (eval() puts x in the params, train() y back)
+
     Example::
 
         optimizer = FusedSGDScheduleFree(param_groups(model, weight_decay=5e-4), lr=1.0, warmup_steps=500)

@@ -21,6 +21,19 @@ class FusedSGD(Optimizer):
     ``torch.optim.SGD`` (same arguments, defaults, state format and, on the plain fp32/fp64 path, bits), with
     LARS, clipping, fp32 master weights and GradScaler unscaling fused into the same call.
 
+    The update of each element, computed in one place (``ops/csrc/sgd_math.h``: ``sgd_element``,
+    ``trust_ratio``, ``averaged``; ``ops/reference.py`` mirrors it)::
+
+        g <- sign * g / scale                         (sign -1 with maximize; scale: a GradScaler's)
+        g <- clip(g)                                  (max_grad_value; max_grad_norm: g min(1, c / ||G||))
+        g <- g + wd w                                 (coupled decay, unless wd_after_momentum)
+        g <- r g,  r = eta ||w|| / (||g|| + wd ||w|| + eps)        (lars; lars_denominator, trust_clip)
+        b <- g at the first step, else mu b + (1 - dampening) g     (momentum)
+        d <- g + mu b with nesterov, else b
+        d <- d + wd w                                 (wd_after_momentum)
+        w <- w - lr d
+        a <- w at its first update, else decay a + (1 - decay) w    (ema_decay, at the steps ema_* name)
+
     Example::
 
         optimizer = FusedSGD(param_groups(model, weight_decay=1e-4), lr=0.4, momentum=0.9, nesterov=True)
