@@ -20,15 +20,17 @@ The schedule op reads a schedule as a row (``SCHEDULE_HEADER`` then the mileston
 per-group scalars as ``SCHEDULE_FREE_SCALARS`` rows on the device. The C++ side exports its order of
 every table (``kernel_tables``), compared when the library loads.
 
-A group's values are checked here too, before anything is written: each option's own check
-(:func:`check_group`, whose refusals start with torch.optim.SGD's words where torch refuses the same value),
-the rules that relate two keys, and the values one for the whole step (:func:`check_groups`).
+Each option declares the values the kernels accept (its ``check``); ``lightning_fusedsgd._checks`` checks a
+group's values against them, and the rules that relate two keys, before anything is written.
 
 Adding a hyperparameter: its column here, its argument on ``FusedSGD``, its field and math in ``sgd_math.h``,
 its math in ``ops/reference.py``, and a row of the test table. Adding a kind of state: its slot here and in
 ``LFSGD_SLOTS``, and its element math.
 
-Imports nothing of this package: every layer may use it.
+Imports nothing of this package: every layer may use it. It is longer than 400 lines because each of its
+tables is the Python half of one C++ table (``LFSGD_HPARAMS``, ``LFSGD_SLOTS``, ``LFSGD_STEP_ROW``, the
+schedule, LARS and schedule-free rows), compared with it when the library loads, and a change to the ABI is
+read and reviewed as one file; what users hand the optimizer is checked in ``lightning_fusedsgd._checks``.
 """
 
 from __future__ import annotations
@@ -58,21 +60,17 @@ __all__ = [
     "STEP_ROW",
     "UPDATE_ROUNDINGS",
     "Column",
-    "GroupChecks",
     "Option",
     "Slot",
     "StepRow",
     "StepValue",
-    "check_flag",
-    "check_group",
-    "check_groups",
-    "check_average",
-    "check_param",
     "clip_thresholds",
     "defaults",
+    "flag_problem",
     "hparam_names",
     "kernel_tables",
     "masters_by_default",
+    "number_problem",
     "option",
     "options",
     "options_on",
@@ -97,7 +95,7 @@ def _flag(value: Any) -> float:
     return 1.0 if value else 0.0
 
 
-def _type_problem(value: Any) -> str | None:
+def number_problem(value: Any) -> str | None:
     """Why ``value`` is no number at all (a str, None, ...): the check names the type it expected."""
     if isinstance(value, numbers.Real) or (hasattr(value, "numel") and value.numel() == 1):
         return None  # a number, or a one-element tensor (lr, as torch.optim.SGD takes it)
@@ -105,18 +103,18 @@ def _type_problem(value: Any) -> str | None:
 
 
 def _finite(value: Any) -> str | None:
-    problem = _type_problem(value)
+    problem = number_problem(value)
     if problem is None and not math.isfinite(value):
         problem = "It must be a finite number."
     return problem
 
 
 def _non_negative(value: Any) -> str | None:
-    return _type_problem(value) or (None if value >= 0 else "It must be >= 0.")
+    return number_problem(value) or (None if value >= 0 else "It must be >= 0.")
 
 
 def _positive(value: Any) -> str | None:
-    return _type_problem(value) or (None if value > 0 else "It must be > 0.")
+    return number_problem(value) or (None if value > 0 else "It must be > 0.")
 
 
 def _threshold(value: Any) -> str | None:
@@ -125,7 +123,7 @@ def _threshold(value: Any) -> str | None:
     return "It must be a number > 0, or None for no clipping."
 
 
-def _bool(value: Any) -> str | None:
+def flag_problem(value: Any) -> str | None:
     # A string is the usual mistake (a config's "false", which Python takes as true).
     return f"It must be True or False, got a {type(value).__name__}." if isinstance(value, str) else None
 
@@ -230,13 +228,13 @@ HPARAMS: tuple[Column, ...] = (
     Column(key="momentum", check=_non_negative, refused="Invalid momentum value: {}", plan=lambda v: v != 0),
     Column(key="dampening", check=_finite),
     Column(key="weight_decay", check=_non_negative, refused="Invalid weight_decay value: {}"),
-    Column(key="nesterov", encode=_flag, check=_bool),
-    Column(key="maximize", encode=_flag, check=_bool),
-    Column(key="wd_after_momentum", encode=_flag, check=_bool, fused_only=True),
-    Column(key="lars", encode=_flag, check=_bool, plan=bool, needs_norms=True, fused_only=True),
+    Column(key="nesterov", encode=_flag, check=flag_problem),
+    Column(key="maximize", encode=_flag, check=flag_problem),
+    Column(key="wd_after_momentum", encode=_flag, check=flag_problem, fused_only=True),
+    Column(key="lars", encode=_flag, check=flag_problem, plan=bool, needs_norms=True, fused_only=True),
     Column(key="trust_coefficient", check=_positive),
     Column(key="lars_eps", check=_non_negative),
-    Column(key="trust_clip", encode=_flag, check=_bool),
+    Column(key="trust_clip", encode=_flag, check=flag_problem),
     Column(key="lars_denominator", encode=LARS_DENOMINATORS.index, check=_one_of(LARS_DENOMINATORS)),
     Column(
         key="max_grad_value",
@@ -246,7 +244,7 @@ HPARAMS: tuple[Column, ...] = (
         fused_only=True,
         clips="value",
     ),
-    Column(key="always_adapt", encode=_flag, check=_bool),
+    Column(key="always_adapt", encode=_flag, check=flag_problem),
     Column(key="lars_zero_norm", encode=LARS_ZERO_NORMS.index, check=_one_of(LARS_ZERO_NORMS)),
     Column(
         key="update_rounding",
@@ -269,7 +267,7 @@ HPARAMS: tuple[Column, ...] = (
     Column(key="ema_warmup_power", check=_positive),
     # Schedule-free SGD (FusedSGDScheduleFree, as schedulefree.SGDScheduleFree): its groups hold z and no
     # momentum buffer (momentum is its interpolation, in (0, 1)); the scalars' warmup and average weights.
-    Column(key="schedule_free", encode=_flag, check=_bool, plan=bool, fused_only=True, default=False),
+    Column(key="schedule_free", encode=_flag, check=flag_problem, plan=bool, fused_only=True, default=False),
     Column(key="warmup_steps", check=_non_negative, default=0),
     Column(key="r", check=_finite, default=0.0),
     Column(key="weight_lr_power", check=_non_negative, default=2.0),
@@ -283,7 +281,7 @@ def hparam_names() -> tuple[str, ...]:
 
 
 GROUP_OPTIONS: tuple[Option, ...] = (
-    Option(key="master_weights", check=_bool, plan=bool),
+    Option(key="master_weights", check=flag_problem, plan=bool),
     # Clips the one global norm of every group's gradients: one value for the step.
     Option(
         key="max_grad_norm",
@@ -301,6 +299,11 @@ GROUP_OPTIONS: tuple[Option, ...] = (
     Option(key="differentiable", check=_switch),
 )
 """The group keys the kernels do not read as columns."""
+
+
+def option(key: str) -> Option:
+    """The option of a group key."""
+    return next(o for o in options() if o.key == key)
 
 
 def options() -> tuple[Option, ...]:
@@ -643,8 +646,8 @@ class StepRow:
 
 
 def step_row(groups: Sequence[Mapping[str, Any]], **values: Any) -> StepRow:
-    """The row of a step of these groups: their step-wide options (equal in every group: ``check_groups``)
-    and ``values``."""
+    """The row of a step of these groups: their step-wide options (equal in every group, as
+    ``_checks.check_groups`` requires) and ``values``."""
     return StepRow({o.key: groups[0][o.key] for o in GROUP_OPTIONS if o.step_wide} | values)
 
 
@@ -704,163 +707,3 @@ def kernel_tables() -> tuple[tuple[str, tuple[str, ...], str], ...]:
         ("lars_sum_names", LARS_SUM_NAMES, "LARS sums"),
         ("schedule_free_scalar_names", SCHEDULE_FREE_SCALARS, "schedule-free scalars"),
     )
-
-
-def _shown(value: Any) -> str:
-    if isinstance(value, Tensor):
-        return str(value.item()) if value.numel() == 1 else f"a tensor of shape {tuple(value.shape)}"
-    return repr(value) if isinstance(value, str) else str(value)
-
-
-def check_flag(key: str, value: Any) -> None:
-    """Raises ValueError for a value of a boolean option that no step may take as True or False: a string
-    (a config's ``"false"``, which Python takes as true). Every boolean option is checked by this, wherever it
-    enters."""
-    problem = _bool(value)
-    if problem is not None:
-        raise ValueError(f"Invalid {key}: {_shown(value)}. {problem}")
-
-
-def check_group(group: Mapping[str, Any]) -> None:
-    """Raises ValueError, naming the value and the fix, for a hyperparameter the step cannot use. Where
-    ``torch.optim.SGD`` refuses the same value, the message starts with torch's words."""
-    lr = group["lr"]
-    if isinstance(lr, Tensor) and lr.numel() != 1:
-        raise ValueError(
-            f"Tensor lr must be 1-element, got shape {tuple(lr.shape)}: set a float or a 0-d tensor."
-        )
-    if group.get("schedule_free"):
-        _check_schedule_free(group)
-    for option in options():
-        value = group.get(option.key)
-        if option.check is None or option.key not in group:
-            continue  # a key the group lacks is no value to check (the table refuses a missing column)
-        if isinstance(value, Tensor) and torch.compiler.is_compiling():
-            continue  # a traced step cannot branch on a tensor's value; eager steps check it
-        problem = option.check(value)
-        if problem is not None:
-            start = (option.refused or f"Invalid {option.key}: {{}}").format(_shown(value))
-            raise ValueError(f"{start}. {problem}")
-    if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
-        raise ValueError(
-            "Nesterov momentum requires a momentum and zero dampening "
-            f"(got momentum={group['momentum']}, dampening={group['dampening']}): "
-            "set nesterov=False or choose a momentum > 0 with dampening = 0."
-        )
-    if group["max_grad_norm"] is not None and group["max_grad_value"] is not None:
-        raise ValueError(
-            "max_grad_norm and max_grad_value are alternatives (as Lightning's gradient_clip_algorithm "
-            "'norm' and 'value'): set one of them, and None for the other."
-        )
-    if group["differentiable"]:
-        raise ValueError(
-            "FusedSGD(differentiable=True): the fused step is not differentiable (it writes the params in "
-            "place, outside autograd). Use torch.optim.SGD(differentiable=True) to differentiate through "
-            "optimizer steps."
-        )
-
-
-def check_average(decay: float, param: Tensor, label: Callable[[], str]) -> None:
-    """Raises ValueError where an average of the weights (``ema_decay``) is asked of a param the kernel cannot
-    average: it keeps averages of dense real params."""
-    if param.is_complex() or param.layout != torch.strided:
-        kind = param.dtype if param.is_complex() else param.layout
-        raise ValueError(
-            f"ema_decay={decay}: an average of the weights is kept of dense real params, and {label()} "
-            f"(shape {tuple(param.shape)}) is {kind}: put it in a group with ema_decay=None."
-        )
-
-
-def option(key: str) -> Option:
-    """The option of a group key."""
-    return next(o for o in options() if o.key == key)
-
-
-def check_param(group: Mapping[str, Any], param: Tensor, label: Callable[[], str]) -> None:
-    """Raises ValueError, naming the param (``label()``, built only for a refusal) and the fix, where its
-    group's options cannot step a param of its dtype."""
-    rounding = group["update_rounding"]
-    if rounding != "nearest" and param.dtype == torch.float16 and not group["master_weights"]:
-        raise ValueError(
-            f"update_rounding={rounding!r} rounds updates to bfloat16, and {label()} is float16 without "
-            "master weights: set master_weights=True for it, make it bfloat16, or put it in a group with "
-            "update_rounding='nearest'."
-        )
-    if group["ema_decay"] is not None:
-        check_average(group["ema_decay"], param, label)
-    if param.is_complex() and group["max_grad_value"] is not None:
-        raise ValueError(
-            f"max_grad_value clips each gradient element, and {label()} is complex ({param.dtype}), which "
-            "torch.nn.utils.clip_grad_value_ refuses too (clamp is not defined for complex numbers): use "
-            "max_grad_norm for this group, or leave it unclipped."
-        )
-
-
-def _check_schedule_free(group: Mapping[str, Any]) -> None:
-    """A schedule-free group's rules (schedulefree.SGDScheduleFree's words where it refuses the same): its
-    momentum interpolates, so it lies in (0, 1), and the options of SGD's momentum and of LARS are off."""
-    momentum = group["momentum"]
-    if _type_problem(momentum) is None and not 0 < momentum < 1:
-        raise ValueError(
-            f"Momentum must be between 0 and 1 exclusive: {_shown(momentum)}. Schedule-free SGD's momentum "
-            "interpolates between the average x and the SGD sequence z: choose one in (0, 1), e.g. 0.9."
-        )
-    sgd_only = [key for key in ("nesterov", "wd_after_momentum", "lars") if group.get(key) is True]
-    sgd_only += ["dampening"] if group.get("dampening", 0) != 0 else []
-    sgd_only += ["ema_decay"] if group.get("ema_decay") is not None else []
-    if sgd_only:
-        raise ValueError(
-            f"A schedule-free group steps without {', '.join(sgd_only)} (options of SGD's momentum buffer, "
-            "of LARS and of an average of the weights, which schedule-free SGD has not: its x is an "
-            "average already): leave them out of the group, or step it with FusedSGD."
-        )
-
-
-def check_groups(groups: Sequence[Mapping[str, Any]], label: str = "param_groups") -> None:
-    """Every group's check, naming the group, and the values one for the whole step."""
-    for index, group in enumerate(groups):
-        try:
-            check_group(group)
-        except ValueError as error:
-            raise ValueError(f"{label}[{index}]: {error}") from None
-    for option in options():
-        values = {group.get(option.key) for group in groups} if option.step_wide else ()
-        if len(values) > 1:
-            raise ValueError(
-                f"{option.key} differs between parameter groups ({sorted(map(str, values))}), but it is one "
-                "value for the whole step (max_grad_norm clips the one global norm of every group's "
-                f"gradients): set it on the optimizer (FusedSGD(..., {option.key}=...)), not per group."
-            )
-    if len({bool(group.get("schedule_free")) for group in groups}) > 1:
-        raise ValueError(
-            "schedule_free differs between parameter groups: it is the optimizer's, not a group's "
-            "(FusedSGDScheduleFree steps every group schedule-free, FusedSGD none): leave it out of the "
-            "groups."
-        )
-
-
-class GroupChecks:
-    """:func:`check_groups`, run again only where the groups' values changed since they last passed: a group
-    dict can be edited at any time, and a bad value must fail before anything is written."""
-
-    def __init__(self) -> None:
-        self._passed: list[tuple[Any, ...]] | None = None
-
-    def __call__(self, groups: Sequence[Mapping[str, Any]], keys: Iterable[str]) -> None:
-        values = [tuple(map(group.get, keys)) for group in groups]
-        if not self._same(values):
-            check_groups(groups)
-            self._passed = values
-
-    def _same(self, values: list[tuple[Any, ...]]) -> bool:
-        """Tensors (an lr) compare by identity, as their elements may be many (a refused lr), the others by
-        value."""
-        return (
-            self._passed is not None
-            and len(values) == len(self._passed)
-            and all(
-                len(a) == len(b)
-                and all(x is y or (not isinstance(x, Tensor) and x == y) for x, y in zip(a, b))
-                for a, b in zip(values, self._passed)
-            )
-        )

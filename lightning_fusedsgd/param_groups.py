@@ -20,7 +20,7 @@ from typing import Any
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 
-from lightning_fusedsgd._abi import check_flag
+from lightning_fusedsgd._checks import check_flag
 
 __all__ = ["NORM_MODULE_TYPES", "param_groups"]
 

@@ -27,7 +27,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.optim.swa_utils import AveragedModel, get_ema_avg_fn
 
-from lightning_fusedsgd import _abi
+from lightning_fusedsgd import _abi, _checks
 from lightning_fusedsgd.lightning._wrapped import fused_sgd_of
 from lightning_fusedsgd.optim import FusedSGD, FusedSGDScheduleFree, _average
 
@@ -64,7 +64,7 @@ class EMAWeightAveraging(LightningEMAWeightAveraging):
         update_starting_at_epoch: int | None = None,
         **kwargs: Any,
     ) -> None:
-        _abi.check_flag("use_buffers", use_buffers)
+        _checks.check_flag("use_buffers", use_buffers)
         problem = _abi.option("ema_decay").check(decay) if decay is not None else "It must be a number."
         if problem is not None:
             raise ValueError(

@@ -22,7 +22,8 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
-from lightning_fusedsgd._abi import check_flag, masters_by_default
+from lightning_fusedsgd._abi import masters_by_default
+from lightning_fusedsgd._checks import check_flag
 from lightning_fusedsgd.lightning.clipping import clip_in_the_step
 from lightning_fusedsgd.lightning.errors import ConfigError
 from lightning_fusedsgd.optim import FusedSGD, FusedSGDScheduleFree

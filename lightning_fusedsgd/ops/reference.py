@@ -9,7 +9,10 @@ rounds as they do (``x.add(y, alpha=a)`` is the kernel's ``mul_add``, ``x.lerp(y
 ``sgd_step``, ``grad_sq_sum``, ``lars_sq_sums``, ``schedule_lrs``, ``schedule_free_scalars`` and
 ``schedule_free_switch`` implement the contract documented with the ops' schemas in ``ops/__init__.py``, so
 either implementation can run a bucket. Unlike the kernels, these read device values on the host
-(``found_inf``, the lrs, the schedule position and the schedule-free scalars): they are not capturable."""
+(``found_inf``, the lrs, the schedule position and the schedule-free scalars): they are not capturable.
+
+Longer than 400 lines because it mirrors two C++ headers function for function, in their order, so that
+the mirror is checked by reading the two side by side."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim.swa_utils import get_ema_avg_fn
 
-from lightning_fusedsgd import _abi
+from lightning_fusedsgd import _abi, _checks
 from lightning_fusedsgd.optim import _dtensor
 
 # The average's slots (lightning_fusedsgd._abi.SLOTS): the average, its applied steps, its updates.
@@ -34,12 +34,12 @@ def check_group(defaults: Mapping[str, Any], group: Mapping[str, Any]) -> None:
 
 
 def check_averaged(decay: float, params: list[Any]) -> None:
-    """Refuses a group that asks an average of a param the kernel cannot average (``_abi.check_average``),
+    """Refuses a group that asks an average of a param the kernel cannot average (``_checks.check_average``),
     when it is built: ``params`` as a group lists them (tensors, or (name, tensor) pairs)."""
     for index, entry in enumerate(params):
         name, param = entry if isinstance(entry, tuple) else (f"parameter {index}", entry)
         if isinstance(param, Tensor):
-            _abi.check_average(decay, param, lambda name=name: name)
+            _checks.check_average(decay, param, lambda name=name: name)
 
 
 # A tensor's bits as the integer type of its size, for an exchange by xor without a temporary.

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_fusedsgd import _abi
+from lightning_fusedsgd import _abi, _checks
 from lightning_fusedsgd._abi import LOW_PRECISION, Slot, StepRow, seeded, state_slots, stored_weight
 from lightning_fusedsgd.optim import _dtensor, _zero
 from lightning_fusedsgd.optim._overlap import check_no_overlap, has_internal_overlap
@@ -114,7 +114,7 @@ def _check_steppable(param: Tensor, place: _Place) -> None:
             "(float32, float64, bfloat16, float16) or complex64/complex128; convert it, or leave it out of "
             "the optimizer."
         )
-    _abi.check_param(place[0], param, functools.partial(param_label, *place, param))
+    _checks.check_param(place[0], param, functools.partial(param_label, *place, param))
     if grad.shape != param.shape:
         label = param_label(*place, param)
         raise ValueError(

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_fusedsgd import _abi
+from lightning_fusedsgd import _abi, _checks
 from lightning_fusedsgd.checkpoint import (
     check_optimizer_state_dict,
     remap_optimizer_state_dict,
@@ -90,7 +90,7 @@ def check_loadable(state_dict: Any, defaults: Mapping[str, Any]) -> None:
     for index, saved in enumerate(state_dict["param_groups"]):
         group = {**defaults, **{k: v for k, v in saved.items() if k in defaults}}
         try:
-            _abi.check_group(group)
+            _checks.check_group(group)
         except ValueError as error:
             raise ValueError(f"saved param_groups[{index}]: {error}") from None
 

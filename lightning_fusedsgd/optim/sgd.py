@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_fusedsgd import _abi
+from lightning_fusedsgd import _abi, _checks
 from lightning_fusedsgd.optim import _average, _backends, _state_dict, _step, _zero
 from lightning_fusedsgd.optim._lrs import LrStorage, as_numbers, stacked_lrs
 from lightning_fusedsgd.optim._plan import StepInputs
@@ -139,8 +139,8 @@ class FusedSGD(Optimizer):
         capturable: bool,
     ) -> None:
         """The constructor, from the groups' defaults (a subclass with other arguments makes its own)."""
-        _abi.check_flag("set_grad_none", set_grad_none)
-        _abi.check_flag("capturable", capturable)
+        _checks.check_flag("set_grad_none", set_grad_none)
+        _checks.check_flag("capturable", capturable)
         backend = _backends.checked(backend)
         if isinstance(params, Tensor):
             raise TypeError(
@@ -154,11 +154,11 @@ class FusedSGD(Optimizer):
                 "groups) containing at least one tensor; check that not every parameter is frozen or "
                 "filtered out."
             )
-        _abi.check_group(defaults)
+        _checks.check_group(defaults)
         self.set_grad_none = set_grad_none
         self.capturable = capturable
         self._steps = _step.Steps(backend)
-        self._group_checks = _abi.GroupChecks()
+        self._group_checks = _checks.GroupChecks()
         # A dict, updated in place: dynamo replays dict updates of a traced step, not attribute stores.
         self._last_step: dict[str, Tensor | bool] = {"applied": True}
         # capturable: every group's lr a view of one float64 tensor on the params' device.
@@ -185,7 +185,7 @@ class FusedSGD(Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Validates the group's hyperparameters, alone and beside the other groups', and its devices before
         adding it (nothing added on error)."""
-        _abi.check_groups([*self.param_groups, {**self.defaults, **param_group}])
+        _checks.check_groups([*self.param_groups, {**self.defaults, **param_group}])
         params = param_group["params"]
         # Materialized once: a generator (model.parameters()) would be used up by the checks below.
         params = param_group["params"] = [params] if isinstance(params, Tensor) else list(params)
@@ -268,7 +268,7 @@ class FusedSGD(Optimizer):
         self.__dict__.setdefault("capturable", False)
         self.__dict__.setdefault("_lrs", LrStorage() if self.capturable else None)  # bound at the first step
         self._steps.kept = None
-        self._group_checks = _abi.GroupChecks()
+        self._group_checks = _checks.GroupChecks()
         self._last_step = {"applied": True}
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
