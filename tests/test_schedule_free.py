@@ -386,11 +386,11 @@ def test_a_start_from_an_fp32_run_keeps_its_z_and_seeds_the_masters_from_its_wei
 def test_a_switch_keeps_its_plan_while_params_and_state_are_the_same(monkeypatch):
     """Switches plan once while nothing changed; a z replaced (a loaded state) is planned anew and switched
     with: the compiled kernel's weights equal the reference backend's."""
-    from lightning_fusedsgd.optim import schedule_free
+    from lightning_fusedsgd.optim import _step
 
     plans = []
-    planned = schedule_free.plan_switch
-    monkeypatch.setattr(schedule_free, "plan_switch", lambda *args: plans.append(1) or planned(*args))
+    planned = _step.plan_switch
+    monkeypatch.setattr(_step, "plan_switch", lambda *args: plans.append(1) or planned(*args))
     runs = []
     for backend in ("compiled", "reference"):
         params = make_params()

@@ -11,8 +11,6 @@ import torch
 from torch import Tensor
 
 from lightning_fusedsgd import _abi
-from lightning_fusedsgd.optim import _backends
-from lightning_fusedsgd.optim._plan import Plan, plan_switch
 from lightning_fusedsgd.optim.sgd import FusedSGD
 
 # The scalars a group holds (as schedulefree's groups do), views of the device tensor (ScheduleFreeScalars).
@@ -125,52 +123,16 @@ class FusedSGDScheduleFree(FusedSGD):
         return all(group["train_mode"] for group in self.param_groups)
 
     def _switch(self, train: bool) -> None:
-        """The groups not in the mode asked for, switched in one pass over each weight and its ``z``
-        (``schedule_free_switch``), checked and planned before anything is written; a param without a ``z``
-        (never stepped) is at ``x = y`` already."""
+        """The groups not in the mode asked for, switched in one pass over each weight and its ``z`` (a kind
+        of step on the one step path: ``_step.Steps.switch``), checked and planned before anything is
+        written; a param without a ``z`` (never stepped) is at ``x = y`` already."""
         switching = [i for i, group in enumerate(self.param_groups) if bool(group["train_mode"]) != train]
         if not switching:
             return
         self._group_checks(self.param_groups, self.defaults)
-        plan = self._switch_plan(switching)
-        table = _abi.table(self.param_groups, lr_on_device=True)  # the switch reads no lr
-        chosen = {key: _backends.implementation(self.backend, key[0])[1] for key in plan.buckets}
-        for key, bucket in plan.buckets.items():
-            chosen[key].schedule_free_switch(
-                bucket.params, bucket.state, bucket.state_slots, table, bucket.tensor_group, train
-            )
-        for param, dense in plan.staged:
-            param.copy_(dense)
-        for param, key, value in plan.new_state:
-            if value is None:
-                del self.state[param][key]
-            else:
-                self.state[param][key] = value
+        self._steps.switch(self.param_groups, self.state, switching, train)
         for index in switching:
             self.param_groups[index]["train_mode"] = train
-
-    def _switch_plan(self, switching: list[int]) -> Plan:
-        """The switch's plan: the one kept from the last switch where the groups, params (by identity and
-        layout) and state tensors (by identity) are the same, else a new one, kept where it stores nothing and
-        steps the params themselves (not DTensor shards or copies, which a later switch must take anew).
-        Planning costs about as much as a third of the pass over ResNet-50's weights."""
-        key = [tuple(switching)]
-        for index in switching:
-            group = self.param_groups[index]
-            key.append(_abi.plan_key(group))
-            for param in group["params"]:
-                state = self.state.get(param)
-                key.append(
-                    (id(param), param.stride(), None if state is None else tuple(map(id, state.values())))
-                )
-        kept = self.__dict__.get("_kept_switch")
-        if kept is not None and kept[0] == key:
-            return kept[1]
-        plan = plan_switch(self.param_groups, self.state, switching)
-        steps_params = all(p is s for b in plan.buckets.values() for p, s in zip(b.params, b.sources))
-        keep = steps_params and not (plan.staged or plan.new_state or plan.dtensors)
-        self._kept_switch = (key, plan) if keep else None
-        return plan
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
