@@ -17,6 +17,9 @@
 //   would hang or be undefined; so is a shuffle of less than a full warp.
 // - capturing() is a switch of the tests (set_capturing), so that the capture path's host code runs too; every
 //   launch and copy completes before it returns.
+// - A launch of more threads per block than the kernel's __launch_bounds__ fails, as on a GPU.
+// - The math functions are the host's (glibc): a device's pow, cos or exp differs from them in the last bits, which
+//   no emulated test can see (tests/test_device_claims.py runs the claims that meet this on CUDA).
 //
 // Fibers rather than an OS thread per CUDA thread: a 512-thread block would create and join hundreds of OS threads
 // and wake them all through the kernel at each barrier; fibers switch in user space (a few nanoseconds, no system
