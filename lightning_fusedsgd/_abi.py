@@ -15,10 +15,10 @@ they accept.
   reduced across shards, the lrs on the device, schedule-free's average weights), handed to the ops as one
   list (``LFSGD_STEP_ROW``).
 
-The schedule op reads a schedule as a row (``SCHEDULE_HEADER`` then the milestones, decays numbered as
-``DECAYS``); ``lars_sq_sums`` returns ``LARS_SUM_NAMES`` sums per tensor; a schedule-free optimizer keeps its
-per-group scalars as ``SCHEDULE_FREE_SCALARS`` rows on the device. The C++ side exports its order of
-every table (``kernel_tables``), compared when the library loads.
+The schedule op reads a schedule as a row (``SCHEDULE_HEADER``, the milestones and the decay's factors,
+decays numbered as ``DECAYS``); ``lars_sq_sums`` returns ``LARS_SUM_NAMES`` sums per tensor; a schedule-free
+optimizer keeps its per-group scalars as ``SCHEDULE_FREE_SCALARS`` rows on the device. The C++ side exports
+its order of every table (``kernel_tables``), compared when the library loads.
 
 Each option declares the values the kernels accept (its ``check``); ``lightning_fusedsgd._checks`` checks a
 group's values against them, and the rules that relate two keys, before anything is written.
@@ -662,9 +662,11 @@ SCHEDULE_HEADER: tuple[str, ...] = (
     "gamma",
     "power",
     "end_lr",
+    "milestone_count",
 )
 """A schedule row's leading values, ``WarmupSchedule``'s fields of these names (the decay as its index in
-``DECAYS``), in the order of ``LFSGD_SCHEDULE_HEADER`` in ops/csrc/schedule.h; the milestones follow."""
+``DECAYS``, ``milestone_count`` the number of milestones), in the order of ``LFSGD_SCHEDULE_HEADER`` in
+ops/csrc/schedule.h; the milestones and the decay's factors follow (``WarmupSchedule.as_row``)."""
 
 LARS_SUM_NAMES: tuple[str, ...] = ("w_sq", "term_sq", "w_term")
 """A ``lars_sq_sums`` row, per tensor: the sums of w^2, of the LARS norm term squared and of w times it, in

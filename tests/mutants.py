@@ -154,6 +154,12 @@ MUTANTS = [
         "i < count; i += blockDim.x) out[i] = in.bytes[i];",
         "i < count; i += 2 * blockDim.x) out[i] = in.bytes[i];",
     ),
+    # A launch past a kernel's declared bounds (a GPU refuses it).
+    Mutant(
+        "lars-rows-declared-for-half-the-block",
+        "__launch_bounds__(kThreads)\n    lars_rows_kernel(",
+        "__launch_bounds__(kThreads / 2)\n    lars_rows_kernel(",
+    ),
     # Indices.
     Mutant(
         "update-reads-the-row-of-its-block",
@@ -196,6 +202,11 @@ MUTANTS = [
         "lars-sums-ignore-the-grad-scale",
         "make_coeffs<O>(h, inverse_scale_of(grad_scale), /*clip=*/1.0, false)",
         "make_coeffs<O>(h, 1.0, /*clip=*/1.0, false)",
+    ),
+    Mutant(
+        "lars-sums-unscale-by-a-double-inverse",
+        "return grad_scale == nullptr ? 1.0 : inverse_scale(*grad_scale);",
+        "return grad_scale == nullptr ? 1.0 : 1.0 / *grad_scale;",
     ),
     Mutant(
         "clip-ignores-the-grad-scale",

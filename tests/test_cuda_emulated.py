@@ -482,7 +482,7 @@ def test_schedule_lrs_gives_the_cpu_kernels_lrs(decay, seed, emulated, cpu):
         assert torch.equal(states[1][0], states[0][0]) and torch.equal(states[1][1], states[0][1])
     lrs, position = states[1]
     assert position.tolist() == [13, 1]
-    assert lrs.tolist() == pytest.approx([schedule.lr_at(13, 0.4), schedule.lr_at(13, 0.1)], rel=1e-15)
+    assert lrs.tolist() == [schedule.lr_at(13, 0.4), schedule.lr_at(13, 0.1)]
 
 
 @pytest.mark.parametrize(
@@ -540,6 +540,37 @@ def test_lars_training_through_the_cuda_kernels_equals_the_cpu_kernels(seed):
     assert_close_rel(runs[1], runs[0], 1e-5)
 
 
+@pytest.mark.parametrize("lars", [False, True], ids=["sgd", "lars"])
+@pytest.mark.parametrize("backend", ["compiled", "cuda_emulated"])
+def test_a_grad_scale_that_is_no_power_of_two_unscales_as_torchs_grad_scaler(backend, lars):
+    """GradScaler(init_scale=1000.0) handing its scale to the step gives the bits of the same step on the
+    grads GradScaler.unscale_ unscaled: the kernels multiply by 1 / 1000 rounded to float as it does, in the
+    update and in the LARS sums (float64 params, whose math runs in double, where a double 1 / 1000 would
+    differ; a power-of-two scale cannot tell them apart). Oracles: torch.optim.SGD after unscale_ (the plain
+    path's bits), and for LARS the same optimizer stepping the unscaled grads."""
+    runs = []
+    for in_the_step in (True, False):
+        params = make_params([(70_000,), (33, 17), (8,)], dtype=torch.float64)
+        hparams = dict(lr=0.1, momentum=0.9, weight_decay=1e-3)
+        if lars or in_the_step:
+            optimizer = FusedSGD(params, lars=lars, backend=backend, **hparams)
+        else:
+            optimizer = torch.optim.SGD(params, **hparams)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1000.0, growth_interval=100)
+        generator = torch.Generator().manual_seed(4)
+        for _ in range(3):
+            scaler.scale(torch.ones(()))  # a loss scaled, which the scaler's step asks for
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=generator, dtype=torch.float64) * 1000.0
+            if not in_the_step:
+                scaler.unscale_(optimizer)
+            scaler.step(optimizer)
+            scaler.update()
+        assert scaler.get_scale() == 1000.0
+        runs.append([*params, *(optimizer.state[p]["momentum_buffer"] for p in params)])
+    _assert_same_bits(runs[0], runs[1])
+
+
 def test_the_shapes_are_written_for_the_emulated_builds_geometry(emulated):
     """BOUNDARY_SHAPES and MANY_CHUNKS cross the loop boundaries of this geometry: a chunk takes a full and
     a partial unrolled pass, and MANY_CHUNKS more chunks than a block has threads."""
@@ -581,18 +612,23 @@ def test_params_in_one_storage_step_as_the_cpu_kernels_do(seed, emulated, cpu):
             r"outside a kernel, at address 0x\w+, 0 bytes into a device allocation of 20 bytes",
         ),
         ("host_item", r"read a device value on the host, through aten::_local_scalar_dense"),
+        (
+            "past_launch_bounds",
+            r"a launch of 128 threads per block of a kernel declared with __launch_bounds__\(64\)",
+        ),
     ],
 )
 def test_the_emulation_fails_what_a_gpu_faults_on(kind, error, emulated):
-    """Kernels past the end of a __shared__ array or a device allocation or at a wild pointer, and host code
-    reading device memory or a device value (faulty_access, a test op of the emulated library), fail the
-    call with the address and what it is; the emulation goes on, and an access in bounds is no fault."""
+    """Kernels past the end of a __shared__ array or a device allocation or at a wild pointer, host code
+    reading device memory or a device value, and a launch of more threads per block than the kernel's
+    __launch_bounds__ (faulty_access, a test op of the emulated library), fail the call, with the address and
+    what it is; the emulation goes on, and an access in bounds or a launch at the bound is no fault."""
     data = torch.arange(5.0)
     with pytest.raises(RuntimeError, match=error):
         emulated.faulty_access(kind, data)
     assert torch.equal(data, torch.arange(5.0))
-    emulated.faulty_access("device_in_bounds", data)  # data[0] = data[4], in a kernel
-    assert data.tolist() == [4.0, 1.0, 2.0, 3.0, 4.0]
+    emulated.faulty_access("device_in_bounds", data)  # data[0] = data[4]; data[1] = 64 threads, at the bound
+    assert data.tolist() == [4.0, 64.0, 2.0, 3.0, 4.0]
 
 
 @pytest.mark.parametrize(

@@ -23,6 +23,9 @@ schedulefree = pytest.importorskip("schedulefree")
 STEPS = 120
 # Two groups with their own lr and decay, warmup, r > 0: every scalar of the peer's step matters.
 HPARAMS = dict(lr=0.5, weight_decay=1e-3, warmup_steps=10, r=1.0, weight_lr_power=2.0)
+# float64 on CUDA against the peer there: within this much of each tensor's largest value, not bit for bit
+# (measured on an H200: up to 47 ulps of an element). docs/design.md, "Values computed on the device".
+CUDA_FLOAT64_REL = 1e-14
 
 
 def _groups(params, second=None):
@@ -39,13 +42,18 @@ def _pair(params, momentum, backend="auto", **options):
     return ours, peer, copies
 
 
-def _assert_same(ours, peer, params, copies, weights=None):
-    """y (or x) and z bit for bit; ``weights``: where ours keeps its weights (its fp32 masters)."""
+def _assert_same(ours, peer, params, copies, weights=None, rel=0.0):
+    """y (or x) and z bit for bit, or within ``rel`` of each tensor's largest value; ``weights``: where ours
+    keeps its weights (its fp32 masters)."""
+
+    def same(a, b):
+        return torch.equal(a, b) if rel == 0.0 else bool((a - b).abs().max() <= rel * b.abs().max())
+
     for p, q in zip(params, copies):
         weight = p.detach() if weights is None else ours.state[p][weights]
-        assert torch.equal(weight, q.detach())
+        assert same(weight, q.detach())
         if "z" in peer.state[q]:
-            assert torch.equal(ours.state[p]["z"], peer.state[q]["z"])
+            assert same(ours.state[p]["z"], peer.state[q]["z"])
         else:
             assert "z" not in ours.state[p]
 
@@ -55,7 +63,9 @@ def _assert_same(ours, peer, params, copies, weights=None):
 @pytest.mark.parametrize("backend", ["compiled", "reference"])
 def test_steps_and_switches_are_schedulefrees_bit_for_bit(backend, dtype, momentum, device):
     """120 steps, params without grads on some steps (and one step without any), an eval/train round trip
-    every 40 steps as a validation makes: y, z, x and every group scalar equal the peer's."""
+    every 40 steps as a validation makes: y, z, x and every group scalar equal the peer's (on CUDA: float64
+    weights within CUDA_FLOAT64_REL, weight_sum within 4e-15, test_device_claims' tolerance of CUDA's pow)."""
+    rel = CUDA_FLOAT64_REL if device.type == "cuda" and dtype == torch.float64 else 0.0
     params = make_params(dtype=dtype, device=device)
     ours, peer, copies = _pair(params, momentum, backend)
     generator = torch.Generator().manual_seed(1)
@@ -69,14 +79,18 @@ def test_steps_and_switches_are_schedulefrees_bit_for_bit(backend, dtype, moment
         if step % 40 == 39:
             ours.eval()
             peer.eval()
-            _assert_same(ours, peer, params, copies)  # x
+            _assert_same(ours, peer, params, copies, rel=rel)  # x
             ours.train()
             peer.train()
-    _assert_same(ours, peer, params, copies)
+    _assert_same(ours, peer, params, copies, rel=rel)
     saved = ours.state_dict()["param_groups"]
     for group, theirs in zip(saved, peer.param_groups):
         for key in ("k", "lr_max", "weight_sum", "scheduled_lr", "train_mode"):
-            assert group[key] == theirs[key] and type(group[key]) is type(theirs[key]), key
+            assert type(group[key]) is type(theirs[key]), key
+            if device.type == "cuda" and key == "weight_sum":
+                assert group[key] == pytest.approx(theirs[key], rel=4e-15, abs=0.0)
+            else:
+                assert group[key] == theirs[key], key
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

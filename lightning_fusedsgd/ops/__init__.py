@@ -90,7 +90,8 @@ SCHEMAS["schedule_lrs"] = (
 Arguments:
     lrs: float64 [groups], written: f(applied steps) of each group's peak.
     position: int64 [applied steps, skipped steps], advanced.
-    schedule: the schedule as a float64 row (``_abi.SCHEDULE_HEADER`` then the milestones).
+    schedule: the schedule as a float64 row (``WarmupSchedule.as_row``: ``_abi.SCHEDULE_HEADER``, the
+        milestones, the decay's factors).
     peaks: float64 [groups], each group's peak lr.
     applied: a one-element bool, whether the optimizer's last step was applied (None: it was).
     advance: False only sets the lrs from the position (a new or resumed scheduler).

@@ -26,6 +26,7 @@ from lightning_fusedsgd._abi import (
     LARS_SUMS,
     LARS_ZERO_NORMS,
     SCHEDULE_FREE_SCALARS,
+    SCHEDULE_HEADER,
     hparam_names,
     slot_keys,
     slots_in,
@@ -511,6 +512,8 @@ def schedule_lrs(
             position[1] += 1
             return
         position[0] += 1
-    function = WarmupSchedule.from_row(schedule.tolist())
+    milestones = int(schedule[SCHEDULE_HEADER.index("milestone_count")])
+    # The header and the milestones: the factors that follow are lr_at's own.
+    function = WarmupSchedule.from_row(schedule[: len(SCHEDULE_HEADER) + milestones].tolist())
     step = int(position[0])
     lrs.copy_(torch.tensor([function.lr_at(step, peak) for peak in peaks.tolist()], dtype=torch.float64))

@@ -182,13 +182,18 @@ class WarmupSchedule:
         if self.decay == "constant":
             return peak
         if self.decay == "multistep":
-            return peak * self.gamma ** bisect.bisect_right(self.milestones, step)
-        progress = (step - self.warmup_steps) / (self.total_steps - self.warmup_steps)
+            return peak * self._factor(bisect.bisect_right(self.milestones, step))
+        return self.end_lr + (peak - self.end_lr) * self._factor(step)
+
+    def _factor(self, index: int) -> float:
+        """The decay's factor: ``gamma ** index`` (multistep, ``index`` milestones reached), or the shape at
+        step ``index`` from ``warmup_steps`` to ``total_steps`` (cosine, poly, linear)."""
+        if self.decay == "multistep":
+            return self.gamma**index
+        progress = (index - self.warmup_steps) / (self.total_steps - self.warmup_steps)
         if self.decay == "cosine":
-            shape = 0.5 * (1.0 + math.cos(math.pi * progress))
-        else:
-            shape = (1.0 - progress) ** (1.0 if self.decay == "linear" else self.power)
-        return self.end_lr + (peak - self.end_lr) * shape
+            return 0.5 * (1.0 + math.cos(math.pi * progress))
+        return (1.0 - progress) ** (1.0 if self.decay == "linear" else self.power)
 
     def changes_within(self, other: WarmupSchedule, num_steps: int) -> dict[str, tuple[Any, Any]]:
         """The differences from ``other`` that change the lr of one of steps ``0 ... num_steps - 1``.
@@ -245,20 +250,37 @@ class WarmupSchedule:
     def as_row(self) -> list[float]:
         """The schedule as the device op ``schedule_lrs`` reads it (csrc/schedule.h): the fields named by
         :data:`~lightning_fusedsgd._abi.SCHEDULE_HEADER` in its order (the decay as its index in
-        :data:`DECAYS`), then the milestones."""
+        :data:`DECAYS`, ``milestone_count`` the number of milestones), the milestones, then the decay's
+        factors as :meth:`lr_at` computes them here: ``gamma ** k`` for k = 0 ... milestones (multistep),
+        the shape of each step from ``warmup_steps`` to ``total_steps`` (cosine, poly, linear; 8 bytes a
+        step), none (constant). The device takes these rather than its own ``cos`` and ``pow``, whose last
+        bits differ from the host's (CUDA's libm is not glibc's), so that its lrs are :meth:`lr_at`'s bit
+        for bit: the rest is +, -, * and / in the same order, rounded alike everywhere."""
         header = [
-            DECAYS.index(self.decay) if name == "decay" else getattr(self, name) for name in SCHEDULE_HEADER
+            DECAYS.index(self.decay)
+            if name == "decay"
+            else len(self.milestones)
+            if name == "milestone_count"
+            else getattr(self, name)
+            for name in SCHEDULE_HEADER
         ]
-        return [float(value) for value in (*header, *self.milestones)]
+        if self.decay == "multistep":
+            factors = [self._factor(k) for k in range(len(self.milestones) + 1)]
+        elif self.decay == "constant":
+            factors = []
+        else:
+            factors = [self._factor(step) for step in range(self.warmup_steps, self.total_steps + 1)]
+        return [float(value) for value in (*header, *self.milestones)] + factors
 
     @classmethod
     def from_row(cls, row: Sequence[float]) -> WarmupSchedule:
-        """The schedule :meth:`as_row` encoded."""
+        """The schedule :meth:`as_row` encoded (its header and milestones; the factors follow from them)."""
         fields = dict(zip(SCHEDULE_HEADER, row[: len(SCHEDULE_HEADER)], strict=True))
         fields["decay"] = DECAYS[int(fields["decay"])]
-        for name in ("total_steps", "warmup_steps"):
+        for name in ("total_steps", "warmup_steps", "milestone_count"):
             fields[name] = int(fields[name])
-        return cls(**fields, milestones=tuple(int(m) for m in row[len(SCHEDULE_HEADER) :]))
+        milestones = row[len(SCHEDULE_HEADER) : len(SCHEDULE_HEADER) + fields.pop("milestone_count")]
+        return cls(**fields, milestones=tuple(int(m) for m in milestones))
 
     def curve(self, peak: float, num_steps: int | None = None) -> list[float]:
         """``[f(0), ..., f(num_steps - 1)]``: the lrs of a run, ``total_steps`` of them by default."""

@@ -17,6 +17,9 @@
 //   would hang or be undefined; so is a shuffle of less than a full warp.
 // - capturing() is a switch of the tests (set_capturing), so that the capture path's host code runs too; every
 //   launch and copy completes before it returns.
+// - A launch of more threads per block than the kernel's __launch_bounds__ fails, as on a GPU.
+// - The math functions are the host's (glibc): a device's pow, cos or exp differs from them in the last bits, which
+//   no emulated test can see (tests/test_device_claims.py runs the claims that meet this on CUDA).
 //
 // Fibers rather than an OS thread per CUDA thread: a 512-thread block would create and join hundreds of OS threads
 // and wake them all through the kernel at each barrier; fibers switch in user space (a few nanoseconds, no system
@@ -55,7 +58,10 @@
 #define __device__
 #define __host__
 #define __forceinline__ inline
-#define __launch_bounds__(...)
+// __launch_bounds__(n): the largest block a kernel may be launched with (a GPU refuses a larger one). GCC keeps no
+// attribute's value where code can read it back but this one: n NOPs at the function's entry, which the launch
+// counts (declared_block_bound).
+#define __launch_bounds__(max_threads, ...) __attribute__((patchable_function_entry((max_threads), 0)))
 #define __shared__ static_assert(false, "declare shared arrays with LFSGD_SHARED (device.h)");
 #define LFSGD_SHARED(T, name, count)                            \
   static ::lfsgd::emulation::SharedArray lfsgd_shared_##name; \
@@ -350,6 +356,22 @@ void invoke(void* body) {
   (*static_cast<Body*>(body))();
 }
 
+// The block size a kernel declared with __launch_bounds__: the NOPs at its entry (after the branch-target marker
+// of a build with control-flow protection), or CUDA's limit of 1024 threads where it declared none.
+inline int declared_block_bound(const void* kernel) {
+  int nops = 0;
+#if defined(__x86_64__)
+  const auto* code = static_cast<const unsigned char*>(kernel);
+  if (std::memcmp(code, "\xf3\x0f\x1e\xfa", 4) == 0) code += 4;  // endbr64
+  while (code[nops] == 0x90) ++nops;
+#elif defined(__aarch64__)
+  const auto* code = static_cast<const uint32_t*>(kernel);
+  if ((code[0] & 0xFFFFFF3Fu) == 0xD503241Fu) ++code;  // bti
+  while (code[nops] == 0xD503201Fu) ++nops;
+#endif  // elsewhere no bound is read: CUDA's limit alone applies
+  return nops > 0 ? nops : 1024;
+}
+
 // A launch: `body` runs each thread of `blocks` blocks of `threads` threads.
 template <typename Body>
 void run_grid(int64_t blocks, int threads, Body& body) {
@@ -447,6 +469,9 @@ inline at::Tensor host_buffer(int64_t bytes, bool) { return emulation::host_byte
 
 template <typename... Params, typename... Args>
 void launch(void (*kernel)(Params...), int64_t blocks, int threads, Stream, Args&&... args) {
+  const int bound = emulation::declared_block_bound(reinterpret_cast<const void*>(kernel));
+  TORCH_CHECK(threads <= bound, "CUDA emulation: a launch of ", threads, " threads per block of a kernel declared ",
+              "with __launch_bounds__(", bound, ")");
   auto body = [&]() { kernel(args...); };
   emulation::run_grid(blocks, threads, body);
 }

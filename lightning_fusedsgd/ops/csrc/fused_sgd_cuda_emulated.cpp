@@ -18,6 +18,10 @@ __global__ void write_shared_kernel() {
 
 __global__ void copy_element_kernel(float* data, int64_t from) { data[0] = data[from]; }
 
+__global__ void __launch_bounds__(64) bounded_kernel(float* data) {
+  if (threadIdx.x == 0) data[0] = static_cast<float>(blockDim.x);
+}
+
 void faulty_access(c10::string_view kind, const at::Tensor& data) {
   TORCH_CHECK(data.scalar_type() == at::kFloat && data.numel() > 0, "faulty_access: a float tensor");
   if (kind == "shared_past_end") {
@@ -26,6 +30,8 @@ void faulty_access(c10::string_view kind, const at::Tensor& data) {
     device::launch(&copy_element_kernel, 1, 1, 0, data.data_ptr<float>(), data.numel());
   } else if (kind == "wild_pointer") {
     device::launch(&copy_element_kernel, 1, 1, 0, reinterpret_cast<float*>(uintptr_t{64}), int64_t{1});
+  } else if (kind == "past_launch_bounds") {
+    device::launch(&bounded_kernel, 1, 128, 0, data.data_ptr<float>());  // declared for 64 threads
   } else if (kind == "host_read") {
     const volatile float* element = data.data_ptr<float>();
     data.fill_(*element);
@@ -35,6 +41,7 @@ void faulty_access(c10::string_view kind, const at::Tensor& data) {
   } else {
     TORCH_CHECK(kind == "device_in_bounds", "faulty_access: no kind ", kind);
     device::launch(&copy_element_kernel, 1, 1, 0, data.data_ptr<float>(), data.numel() - 1);
+    device::launch(&bounded_kernel, 1, 64, 0, data.data_ptr<float>() + 1);
   }
 }
 
