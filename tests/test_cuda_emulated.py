@@ -1,5 +1,5 @@
 """The CUDA kernels and their host code, run on the CPU: ``fused_sgd_cuda.cu`` built by the host compiler with
-an emulation of CUDA's execution model (``ops/csrc/device_emulated.h``), its ops registered as
+an emulation of CUDA's execution model (``ops/csrc/emulation/``), its ops registered as
 ``torch.ops.lightning_fusedsgd_cuda_emulated``. Every op and launch path (tables copied, tables written by
 kernels as under graph capture, a plan kept in C++) runs under several scheduling seeds (blocks, and threads
 between barriers, in order, reversed, shuffled), so a result that depends on the order of threads fails. The
@@ -40,7 +40,7 @@ pytestmark = [pytest.mark.cuda_emulated, pytest.mark.slow]  # slow: it builds a 
 
 SEEDS = [0, 1, 2, 3]  # in order, reversed, two shuffles
 # The emulated build's threads per block, loads in flight per thread and elements per block (a chunk):
-# fused_sgd_cuda_emulated.cpp.
+# emulation/fused_sgd_cuda_emulated.cpp.
 THREADS, UNROLL, CHUNK = 512, 4, 2560
 # Tensors whose last chunk ends at, short of and past the update loop's unrolled pass (THREADS * UNROLL
 # elements) and its steps (THREADS): one pass, a chunk less one, a chunk, one more, a chunk and a step and 3,

@@ -92,8 +92,9 @@ def test_a_build_key_covers_the_files_its_library_is_compiled_from(monkeypatch, 
     keys = {kind: _build.build_key(kind) for kind in _build.EXTENSIONS}
     changes = {
         "fused_sgd_cuda.cu": {"cuda", "cuda_emulated"},
-        "emulated_memory.h": {"cuda", "cuda_emulated"},  # device.h includes both devices' headers
-        "fused_sgd_cuda_emulated.cpp": {"cuda_emulated"},
+        "emulation/emulated_memory.h": {"cuda", "cuda_emulated"},  # device.h includes both devices' headers
+        "emulation/op_call.h": {"cuda_emulated"},
+        "emulation/fused_sgd_cuda_emulated.cpp": {"cuda_emulated"},
         "plan_arguments.h": {"cpu"},
         "vec_math.h": {"cpu", "cuda", "cuda_emulated"},  # through sgd_math.h
     }

@@ -13,7 +13,7 @@ import re
 import shutil
 import subprocess
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 CSRC = Path(__file__).parent / "csrc"
 # `#include "name"`: a header of csrc/ (the system's and torch's are `<...>`).
@@ -55,11 +55,11 @@ EXTENSIONS = {
         "lightning_fusedsgd_cuda", ("fused_sgd_cuda.cu",), ("-O3",), (), ("-O3", "--fmad=false")
     ),
     # The CUDA source built by the host compiler, its kernels run on the CPU under an emulation of CUDA's
-    # execution model (csrc/device_emulated.h): for the tests, not shipped. With the CPU library's capability
-    # flags, so that both fuse multiply-adds alike (as CUDA does where the CPU has FMA).
+    # execution model (csrc/emulation/): for the tests, not shipped prebuilt. With the CPU library's
+    # capability flags, so that both fuse multiply-adds alike (as CUDA does where the CPU has FMA).
     "cuda_emulated": Extension(
         "lightning_fusedsgd_cuda_emulated",
-        ("fused_sgd_cuda_emulated.cpp",),
+        ("emulation/fused_sgd_cuda_emulated.cpp",),
         ("-O2", "-ffp-contract=off"),
         namespace="lightning_fusedsgd_cuda_emulated",
         per_cpu_capability=True,
@@ -103,8 +103,16 @@ def source_files(device_type: str) -> list[str]:
         name = pending.pop()
         if name not in files:
             files.append(name)
-            pending.extend(_LOCAL_INCLUDE.findall((CSRC / name).read_text(encoding="utf-8")))
+            included = _LOCAL_INCLUDE.findall((CSRC / name).read_text(encoding="utf-8"))
+            pending.extend(_included_file(include, name) for include in included)
     return sorted(files)
+
+
+def _included_file(include: str, including: str) -> str:
+    """The file of csrc/ an ``#include "..."`` names, as the compiler finds it: beside the including file,
+    else in csrc/ (the include path)."""
+    beside = (PurePosixPath(including).parent / include).as_posix()
+    return beside if (CSRC / beside).exists() else include
 
 
 def build_key(device_type: str, *parts: str) -> str:

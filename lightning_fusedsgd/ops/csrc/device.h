@@ -1,6 +1,6 @@
 // What the CUDA kernels' host code needs from a device runtime, behind one small interface (namespace
 // lfsgd::device) with two implementations: CUDA's (device_cuda.h, under nvcc) and an emulation of CUDA's execution
-// model on the CPU (device_emulated.h, under a host compiler), which runs the same kernels and host code on CPU
+// model on the CPU (emulation/device_emulated.h, under a host compiler), which runs the same kernels and host code on CPU
 // tensors, for the tests. The interface:
 //   LFSGD_DEVICE_LIBRARY, LFSGD_DEVICE_DISPATCH  the op library and dispatch key the kernels register under
 //   kName, on_device(tensor)                     the device's name, and whether a tensor lives there
@@ -14,5 +14,5 @@
 #ifdef __CUDACC__
 #include "device_cuda.h"
 #else
-#include "device_emulated.h"
+#include "emulation/device_emulated.h"
 #endif

@@ -1,5 +1,5 @@
 // The CUDA library's source, fused_sgd_cuda.cu, built by the host compiler: device.h then takes the emulation of
-// CUDA's execution model (device_emulated.h), and the ops run on CPU tensors under their own names
+// CUDA's execution model (emulation/device_emulated.h), and the ops run on CPU tensors under their own names
 // (torch.ops.lightning_fusedsgd_cuda_emulated), for the tests.
 //
 // Blocks of 2560 elements (5 x 512 threads) rather than 65536, so that small tensors cross every loop's
@@ -7,6 +7,7 @@
 // a tensor has more chunks than a block has threads (the LARS rows' loop) from 1.3M elements rather than 34M.
 #define LFSGD_BLOCK_CHUNK_ELEMS 2560
 #include "fused_sgd_cuda.cu"
+#include "op_call.h"
 
 namespace lfsgd::emulation {
 

@@ -265,7 +265,7 @@ inline void resume(Launch& launch, Fiber& fiber) {
 
 inline bool fiber_running() { return current != nullptr && current->running != nullptr; }
 
-// From the fault handler (emulated_memory.h), on the faulting fiber's stack, which is left for good.
+// From the fault handler (op_call.h), on the faulting fiber's stack, which is left for good.
 [[noreturn]] inline void end_fiber_with_fault(const Fault& fault) {
   Launch& launch = *current;
   if (!launch.fault.has_value()) {
