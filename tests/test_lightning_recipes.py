@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import json
 import re
 
@@ -10,11 +11,18 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from hydra.utils import instantiate
+from lightning.fabric.utilities import registry
 from lightning_helpers import ROOT, compose_train
 from omegaconf import OmegaConf
 
 from lightning_fusedsgd.checkpoint import read_checkpoint_file
-from lightning_fusedsgd.lightning import ConfigError, Schedule
+from lightning_fusedsgd.lightning import (
+    AttachDeepSpeed,
+    ClipInTheStep,
+    ConfigError,
+    Schedule,
+    ScheduleFreeModes,
+)
 from runner.model import ImageClassifier
 from runner.run import train
 from runner.simclr import SimCLR
@@ -132,6 +140,7 @@ PUBLISHED = {
     },
 }
 
+FACTORIES = "lightning.pytorch.callbacks_factory"  # the entry point group Lightning reads
 OFFLINE = {"quickstart", "simclr"}  # digits ship with scikit-learn: the tiny runs use the real data
 
 
@@ -290,3 +299,32 @@ def test_schedule_free_with_a_second_average_is_refused_before_the_run(tmp_path)
     refused = r"optim=schedule_free with ema.decay=0.94175: .*add ema.decay=null"
     with pytest.raises(ConfigError, match=refused):
         train(cfg)
+
+
+def test_enable_progress_bar_false_turns_the_configs_progress_bar_off(tmp_path):
+    """A user's first override to quiet a log: the config's TQDMProgressBar would make Lightning refuse it."""
+    overrides = ["trainer.fast_dev_run=true", "trainer.accelerator=cpu", "trainer.enable_progress_bar=false"]
+    assert train(compose_train(overrides, tmp_path))["global_step"] == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("installed", [True, False])
+def test_the_runner_adds_the_package_callbacks_once_installed_or_not(installed, tmp_path, monkeypatch):
+    """A checkout that was not pip-installed registers no entry point: the runner adds the package's callbacks
+    itself (schedule-free SGD fails without its modes), and where the entry point adds them too, each runs
+    once."""
+    entry_point = importlib.metadata.EntryPoint(
+        name="lightning_fusedsgd", value="lightning_fusedsgd.lightning.clipping:callbacks", group=FACTORIES
+    )
+    found = {FACTORIES: [entry_point] if installed else []}
+    for module in (registry, importlib.metadata):
+        monkeypatch.setattr(module, "entry_points", lambda group: found.get(group, []))
+    seen: list[list[pl.Callback]] = []
+    fit = pl.Trainer.fit
+    monkeypatch.setattr(
+        pl.Trainer, "fit", lambda self, *a, **k: (seen.append(self.callbacks), fit(self, *a, **k))
+    )
+    summary = train(compose_train(["optim=schedule_free", "debug=tiny", "trainer.max_epochs=1"], tmp_path))
+    assert summary["global_step"] == 3
+    kinds = [type(callback) for callback in seen[0]]
+    assert [kinds.count(kind) for kind in (ClipInTheStep, AttachDeepSpeed, ScheduleFreeModes)] == [1, 1, 1]
