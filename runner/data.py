@@ -24,10 +24,16 @@ from typing import Any
 import lightning.pytorch as pl
 import numpy as np
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, TensorDataset
 from torchvision.transforms import v2
 
 from lightning_fusedsgd.lightning import ConfigError
+from runner.augment import normalize
+from runner.decode import UnreadableImage
+from runner.files import EncodedFolder
+from runner.image_pipeline import FolderSamples, LoadedBatch, collate
+from runner.synthetic import SYNTHETIC_MEAN, SYNTHETIC_STD, Indices, SyntheticImages, SyntheticPool
 
 __all__ = [
     "CIFAR10DataModule",
@@ -38,6 +44,7 @@ __all__ = [
     "ImageFolderDataModule",
     "SeededDataset",
     "SyntheticDataModule",
+    "UnreadableImagesError",
 ]
 
 
@@ -71,6 +78,18 @@ class DataNotFoundError(ConfigError):
         else:
             lines.append("  or use synthetic data (SyntheticDataModule / data=synthetic)")
         return "\n".join(lines)
+
+
+class UnreadableImagesError(ConfigError):
+    """Files of the data no decoder reads (empty, truncated, not an image): each named with the reason."""
+
+    def __init__(self, unreadable: list[UnreadableImage]) -> None:
+        files = "\n".join(f"  {image}" for image in unreadable)
+        super().__init__(
+            f"{len(unreadable)} file(s) of the data cannot be decoded:\n{files}\n"
+            "  remove or re-encode them, or add data.skip_unreadable=true to leave such files out of their "
+            "batches (each is warned about and counted)"
+        )
 
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -247,6 +266,7 @@ class _SeededDataModule(pl.LightningDataModule):
         self.bank_set: Dataset | None = None  # with views: the training images as validation sees them
         self._train_sampler: EpochSampler | None = None
         self._resume: tuple[int, int] | None = None  # (epoch, batches used), from a checkpoint
+        self.collate_fn: Callable[[list[Any]], Any] | None = None  # None: the DataLoader's own
 
     def _check_declared(self, num_classes: int, in_channels: int) -> None:
         """A dataset whose classes and channels are fixed must be declared with those."""
@@ -323,6 +343,7 @@ class _SeededDataModule(pl.LightningDataModule):
             pin_memory=torch.cuda.is_available(),
             drop_last=self.drop_last and sampler is not None,
             persistent_workers=self.num_workers > 0,
+            collate_fn=self.collate_fn,
         )
 
     def train_dataloader(self) -> DataLoader:
@@ -484,8 +505,11 @@ class CIFAR10DataModule(_SeededDataModule):
 class ImageFolderDataModule(_SeededDataModule):
     """ImageNet layout (``root/train/<class>/*``, ``root/val/<class>/*``), standard ResNet transforms.
 
-    Training: RandomResizedCrop + horizontal flip. Validation: resize to ``image_size / 0.875``
-    then center crop (256 -> 224).
+    Training: RandomResizedCrop (per image) + horizontal flip. Validation: resize to ``image_size / 0.875``
+    then center crop (256 -> 224). The loader workers read the files' bytes; where they are decoded is
+    ``decode``'s choice (``runner.image_pipeline``), and the batch is normalized on the training device in
+    channels-last (``on_after_batch_transfer``). With ``views`` (self-supervised), the workers decode with PIL
+    and run the view transform per image.
 
     Args:
         root: Dataset folder with ``train/`` and ``val/``.
@@ -495,6 +519,10 @@ class ImageFolderDataModule(_SeededDataModule):
         seed: Seed of the training order and augmentation.
         drop_last: Drop the last incomplete training batch.
         num_classes: Class folders in ``train/`` (checked); in_channels: 3 (RGB).
+        decode: ``gpu``: the training GPU decodes each batch (nvJPEG) and crops, resizes and flips it;
+            ``cpu``: the workers decode, crop and resize; ``auto``: ``gpu`` where training runs on a GPU.
+        skip_unreadable: Leave files no decoder reads out of their batches (warned about, counted in
+            ``unreadable``) instead of stopping the run with their names.
         views: A multi-view transform for self-supervised training (lightly's ``SimCLRTransform``,
             say, with ``normalize=None``); see the module docstring. ``None``: supervised batches.
         bank_size: With ``views``: training images in the kNN memory bank (a fixed random subset);
@@ -515,13 +543,21 @@ class ImageFolderDataModule(_SeededDataModule):
         drop_last: bool = False,
         num_classes: int = 1000,
         in_channels: int = 3,
+        decode: str = "auto",
+        skip_unreadable: bool = False,
         views: Transform | None = None,
         bank_size: int | None = None,
     ) -> None:
         super().__init__(batch_size, num_workers, seed, drop_last, num_classes, in_channels, views, bank_size)
         self._check_declared(num_classes=num_classes, in_channels=3)
+        if decode not in ("auto", "gpu", "cpu"):
+            raise ConfigError(f"data.decode={decode!r}: choose auto, gpu or cpu")
         self.root = root
         self.image_size = image_size
+        self.decode = decode
+        self.skip_unreadable = skip_unreadable
+        #: The files left out of their batches (``skip_unreadable``), in the order met.
+        self.unreadable: list[UnreadableImage] = []
 
     def check_data(self) -> None:
         root = Path(self.root).expanduser().resolve()
@@ -536,41 +572,54 @@ class ImageFolderDataModule(_SeededDataModule):
                 f"data.num_classes={self.num_classes}: set data.num_classes={classes}"
             )
 
+    def _decode_on_device(self) -> bool:
+        on_gpu = self.trainer is not None and self.trainer.strategy.root_device.type == "cuda"
+        if self.decode == "gpu" and not on_gpu:
+            raise ConfigError(
+                "data.decode=gpu decodes on the training GPU, and this run trains on the CPU: "
+                "use data.decode=cpu (or auto)"
+            )
+        return self.decode == "gpu" or (self.decode == "auto" and on_gpu)
+
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
             return
+        self.check_data()
+        train, val = os.path.join(self.root, "train"), os.path.join(self.root, "val")
+        if self.views is None:
+            on_device = self._decode_on_device()
+            self.train_set = FolderSamples(EncodedFolder(train), self.image_size, on_device)
+            self.val_set = FolderSamples(EncodedFolder(val), self.image_size, on_device)
+            self.collate_fn = collate
+            return
         from torchvision.datasets import ImageFolder
 
-        self.check_data()
         self._build(
-            ImageFolder(os.path.join(self.root, "train")),
-            ImageFolder(os.path.join(self.root, "val")),
-            [v2.RandomResizedCrop(self.image_size, antialias=True), v2.RandomHorizontalFlip()],
+            ImageFolder(train),
+            ImageFolder(val),
+            [],
             [v2.Resize(round(self.image_size / 0.875), antialias=True), v2.CenterCrop(self.image_size)],
             _to_normalized_tensor(IMAGENET_MEAN, IMAGENET_STD),
         )
 
-
-class SyntheticImages(Dataset):
-    """Uniform-noise images in [0, 1] with random labels, each a pure function of ``(seed, index)``."""
-
-    def __init__(self, length: int, shape: tuple[int, int, int], num_classes: int, seed: int) -> None:
-        self.length = length
-        self.shape = shape
-        self.num_classes = num_classes
-        self.seed = seed
-
-    def __len__(self) -> int:
-        return self.length
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
-        image = torch.rand(self.shape, generator=generator)
-        return image, int(torch.randint(self.num_classes, (), generator=generator))
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        if not isinstance(batch, LoadedBatch):
+            return batch
+        images, labels, unreadable = batch.finish(self.image_size, IMAGENET_MEAN, IMAGENET_STD)
+        if unreadable:
+            if not self.skip_unreadable:
+                raise UnreadableImagesError(unreadable)
+            self.unreadable += unreadable
+            for image in unreadable:
+                rank_zero_warn(f"left out {image} ({len(self.unreadable)} unreadable file(s) so far)")
+        return images, labels
 
 
 class SyntheticDataModule(_SeededDataModule):
     """Random images for smoke tests and throughput runs; no data needed.
+
+    Supervised batches are gathered on the training device from a pool of uint8 images made once per rank
+    (``runner.synthetic``); with ``views``, each image is made on the host for the view transform.
 
     Args:
         batch_size: Per-device batch size.
@@ -579,6 +628,8 @@ class SyntheticDataModule(_SeededDataModule):
         in_channels: Image channels (the model config reads it).
         train_samples: Images per training epoch.
         val_samples: Images per validation pass.
+        pool_size: Distinct images per rank (training and validation each); sample ``i`` is image
+            ``i % pool_size``.
         num_workers: Loader processes.
         seed: Seed of the images and the training order.
         drop_last: Drop the last incomplete training batch.
@@ -596,6 +647,7 @@ class SyntheticDataModule(_SeededDataModule):
         in_channels: int = 3,
         train_samples: int = 1024,
         val_samples: int = 256,
+        pool_size: int = 256,
         num_workers: int = 0,
         seed: int = 0,
         drop_last: bool = False,
@@ -603,12 +655,23 @@ class SyntheticDataModule(_SeededDataModule):
         bank_size: int | None = None,
     ) -> None:
         super().__init__(batch_size, num_workers, seed, drop_last, num_classes, in_channels, views, bank_size)
+        if pool_size < 1:
+            raise ConfigError(f"data.pool_size={pool_size} must be >= 1")
         self.image_size = image_size
         self.train_samples = train_samples
         self.val_samples = val_samples
+        self.pool_size = pool_size
+        self._pools: dict[bool, SyntheticPool] = {}
 
     def setup(self, stage: str | None = None) -> None:
         shape = (self.in_channels, self.image_size, self.image_size)
+        if self.views is None:
+            rank = self.trainer.global_rank if self.trainer is not None else 0
+            for training, offset in ((True, 0), (False, 1)):  # a different seed stream for validation
+                seed = (self.seed + offset) * 1_000_003 + 2 * rank
+                self._pools[training] = SyntheticPool(self.pool_size, shape, self.num_classes, seed)
+            self.train_set, self.val_set = Indices(self.train_samples), Indices(self.val_samples)
+            return
         # Images in [0, 1], as a view transform expects; a different seed stream for validation.
         self._build(
             SyntheticImages(self.train_samples, shape, self.num_classes, self.seed),
@@ -617,3 +680,12 @@ class SyntheticDataModule(_SeededDataModule):
             [],
             v2.Normalize([0.5] * self.in_channels, [1 / 12**0.5] * self.in_channels),
         )
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        if self.views is not None:
+            return batch
+        training = self.trainer is None or self.trainer.training
+        images, labels = self._pools[training].take(batch)
+        return normalize(
+            images, [SYNTHETIC_MEAN] * self.in_channels, [SYNTHETIC_STD] * self.in_channels
+        ), labels

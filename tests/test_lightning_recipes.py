@@ -23,6 +23,7 @@ from lightning_fusedsgd.lightning import (
     Schedule,
     ScheduleFreeModes,
 )
+from runner.jpeg_folder import make_jpeg_folder
 from runner.model import ImageClassifier
 from runner.run import train
 from runner.simclr import SimCLR
@@ -328,3 +329,13 @@ def test_the_runner_adds_the_package_callbacks_once_installed_or_not(installed, 
     assert summary["global_step"] == 3
     kinds = [type(callback) for callback in seen[0]]
     assert [kinds.count(kind) for kind in (ClipInTheStep, AttachDeepSpeed, ScheduleFreeModes)] == [1, 1, 1]
+
+
+@pytest.mark.slow
+def test_resnet50_trains_tiny_on_a_generated_jpeg_folder(tmp_path):
+    """The image-folder pipeline under a whole run: bytes in the loader, decoded and augmented, normalized in
+    on_after_batch_transfer (decode=auto: the CPU here)."""
+    root = make_jpeg_folder(tmp_path / "data", classes=3, train=8, val=2)
+    overrides = ["recipe=resnet50", "debug=tiny", f"data.root={root}", "data.num_classes=3"]
+    summary = train(compose_train(overrides, tmp_path / "run"))
+    assert summary["global_step"] == 4 and 0.0 <= summary["val/acc"] <= 1.0  # 24 images: 2 batches of 16
