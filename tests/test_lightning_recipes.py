@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import csv
 import functools
 import importlib.metadata
+import itertools
 import json
 import re
 
@@ -15,6 +17,7 @@ from lightning.fabric.utilities import registry
 from lightning_helpers import ROOT, compose_train
 from omegaconf import OmegaConf
 
+import runner.throughput
 from lightning_fusedsgd.checkpoint import read_checkpoint_file
 from lightning_fusedsgd.lightning import (
     AttachDeepSpeed,
@@ -339,3 +342,20 @@ def test_resnet50_trains_tiny_on_a_generated_jpeg_folder(tmp_path):
     overrides = ["recipe=resnet50", "debug=tiny", f"data.root={root}", "data.num_classes=3"]
     summary = train(compose_train(overrides, tmp_path / "run"))
     assert summary["global_step"] == 4 and 0.0 <= summary["val/acc"] <= 1.0  # 24 images: 2 batches of 16
+
+
+def test_images_per_second_are_logged_and_summarized_through_lightnings_throughput(
+    tmp_path, capsys, monkeypatch
+):
+    """A clock that advances 0.25 s per reading: 16 images a step is 64 images/s over the window, in the CSV
+    log and the summary line; the time spent validating between the epochs is left out of the rate."""
+    clock = itertools.count(step=0.25)
+    monkeypatch.setattr(runner.throughput, "perf_counter", lambda: next(clock))
+    summary = train(compose_train(["debug=tiny", "trainer.log_every_n_steps=1"], tmp_path))
+    assert summary["metrics"]["train/images_per_sec"] == 64.0
+    assert " steps=6 images_per_sec=64.0 " in capsys.readouterr().out.strip().splitlines()[-1]
+    rows = list(csv.DictReader(next(tmp_path.rglob("metrics.csv")).open()))
+    logged = [float(row["train/images_per_sec"]) for row in rows if row.get("train/images_per_sec")]
+    # Steps 2, 3 (a window of 2 steps within epoch 1), 4 (its window spans validation: 0.25 s of the 0.5 s
+    # gap is the hook before validation), 5, 6.
+    assert logged == [64.0, 64.0, 32.0, 64.0, 64.0]
