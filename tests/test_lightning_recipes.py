@@ -359,3 +359,44 @@ def test_images_per_second_are_logged_and_summarized_through_lightnings_throughp
     # Steps 2, 3 (a window of 2 steps within epoch 1), 4 (its window spans validation: 0.25 s of the 0.5 s
     # gap is the hook before validation), 5, 6.
     assert logged == [64.0, 64.0, 32.0, 64.0, 64.0]
+
+
+def _set_up_on(accelerator: str, **options) -> ImageClassifier:
+    model = ImageClassifier(arch="resnet18", num_classes=3, **options)
+    model.trainer = pl.Trainer(accelerator=accelerator, devices=1, logger=False, enable_checkpointing=False)
+    model.setup("fit")
+    return model
+
+
+@pytest.mark.parametrize(("setting", "channels_last"), [("auto", False), (True, True), (False, False)])
+def test_channels_last_auto_keeps_the_cpus_contiguous_format(setting, channels_last):
+    model = _set_up_on("cpu", channels_last=setting)
+    weight = model.net.conv1.weight
+    assert weight.is_contiguous(memory_format=torch.channels_last) == channels_last
+    assert model.memory_format == (torch.channels_last if channels_last else torch.contiguous_format)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: bench/gpu_check.sh runs it")
+def test_channels_last_auto_is_channels_last_on_cuda():
+    assert _set_up_on("cuda", channels_last="auto").memory_format == torch.channels_last
+
+
+def test_a_model_channels_last_not_a_choice_is_refused():
+    with pytest.raises(ConfigError, match="model.channels_last='yes': choose true, false or auto"):
+        ImageClassifier(channels_last="yes")
+
+
+@pytest.mark.slow
+def test_model_compile_trains_a_compiled_network_with_the_state_dicts_names(tmp_path, monkeypatch):
+    compiled = []
+    compile_in_place = torch.nn.Module.compile
+    monkeypatch.setattr(
+        torch.nn.Module,
+        "compile",
+        lambda module, **k: compiled.append(module) or compile_in_place(module, **k),
+    )
+    summary = train(compose_train(["debug=tiny", "model.compile=true", "trainer.max_epochs=1"], tmp_path))
+    assert summary["global_step"] == 3
+    assert [type(module).__name__ for module in compiled] == ["ResNet"]
+    names = read_checkpoint_file(tmp_path / "checkpoints" / "last.ckpt", trusted=True)["state_dict"]
+    assert "net.conv1.weight" in names and not any("_orig_mod" in name for name in names)
