@@ -30,7 +30,7 @@ from torchvision.transforms import v2
 
 from lightning_fusedsgd.lightning import ConfigError
 from runner.augment import normalize
-from runner.decode import UnreadableImage
+from runner.decode import UnreadableImage, decoders
 from runner.files import EncodedFolder
 from runner.image_pipeline import FolderSamples, LoadedBatch, collate
 from runner.synthetic import SYNTHETIC_MEAN, SYNTHETIC_STD, Indices, SyntheticImages, SyntheticPool
@@ -587,6 +587,7 @@ class ImageFolderDataModule(_SeededDataModule):
         self.check_data()
         train, val = os.path.join(self.root, "train"), os.path.join(self.root, "val")
         if self.views is None:
+            decoders()
             on_device = self._decode_on_device()
             self.train_set = FolderSamples(EncodedFolder(train), self.image_size, on_device)
             self.val_set = FolderSamples(EncodedFolder(val), self.image_size, on_device)

@@ -9,12 +9,15 @@ decodes nowhere (empty, truncated, not an image) is an :class:`UnreadableImage`,
 
 from __future__ import annotations
 
-import torch
-from torchcodec.decoders import decode_image, decode_jpeg
+import functools
+from types import ModuleType
 
+import torch
+
+from lightning_fusedsgd.lightning import ConfigError
 from runner.files import EncodedImage, jpeg_size
 
-__all__ = ["UnreadableImage", "decode_batch", "decode_on_cpu"]
+__all__ = ["UnreadableImage", "decode_batch", "decode_on_cpu", "decoders"]
 
 
 class UnreadableImage(Exception):
@@ -28,6 +31,21 @@ class UnreadableImage(Exception):
 
     def __str__(self) -> str:
         return f"{self.path}: {self.reason}"
+
+
+@functools.cache
+def decoders() -> ModuleType:
+    """TorchCodec's decoders, imported when an image folder is set up (in the main process, so that a build
+    that does not load with this torch is one message with the fix, not a loader worker's traceback); the
+    other recipes run without it."""
+    try:
+        import torchcodec.decoders
+    except (ImportError, OSError, RuntimeError) as error:
+        raise ConfigError(
+            f"decoding an image folder needs TorchCodec, which did not load ({error}); "
+            "pip install torchcodec (the recipes extra), a version built for this torch"
+        ) from None
+    return torchcodec.decoders
 
 
 def _reason(error: Exception) -> str:
@@ -44,8 +62,8 @@ def decode_on_cpu(image: EncodedImage) -> torch.Tensor:
         raise UnreadableImage(image.path, "the file is empty (0 bytes)")
     try:
         if jpeg_size(image.data) is not None:
-            return decode_jpeg(image.data, mode="RGB")
-        return decode_image(image.data, mode="RGB")
+            return decoders().decode_jpeg(image.data, mode="RGB")
+        return decoders().decode_image(image.data, mode="RGB")
     except (RuntimeError, ValueError) as error:
         raise UnreadableImage(image.path, _reason(error)) from None
 
@@ -55,13 +73,13 @@ def decode_batch(images: list[EncodedImage], device: torch.device) -> list[torch
     nothing then), each image alone on the device, and one the device cannot decode (a JPEG nvJPEG refuses) on
     the CPU. Each entry: the image, or the :class:`UnreadableImage` it is."""
     try:
-        return list(decode_jpeg([image.data for image in images], mode="RGB", device=device))
+        return list(decoders().decode_jpeg([image.data for image in images], mode="RGB", device=device))
     except (RuntimeError, ValueError):
         pass
     decoded: list[torch.Tensor | UnreadableImage] = []
     for image in images:
         try:
-            decoded.append(decode_jpeg(image.data, mode="RGB", device=device))
+            decoded.append(decoders().decode_jpeg(image.data, mode="RGB", device=device))
         except (RuntimeError, ValueError):
             try:
                 decoded.append(decode_on_cpu(image).to(device, non_blocking=True))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import math
 import shutil
+import sys
 
 import numpy as np
 import pytest
@@ -25,7 +26,7 @@ from runner.data import (
     SyntheticDataModule,
     UnreadableImagesError,
 )
-from runner.decode import decode_on_cpu
+from runner.decode import decode_on_cpu, decoders
 from runner.files import EncodedFolder, jpeg_size
 from runner.jpeg_folder import make_jpeg_folder
 
@@ -275,3 +276,34 @@ def test_synthetic_batches_come_from_a_seeded_uint8_pool_normalized_on_the_devic
     again.setup()
     assert torch.equal(again._pools[True].images, pool.images)
     assert not torch.equal(again._pools[False].images, pool.images)  # validation: its own images
+
+
+def test_an_image_folder_without_torchcodec_stops_at_setup_with_the_fix(folder, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchcodec.decoders", None)  # what a failed import leaves
+    decoders.cache_clear()
+    try:
+        module = ImageFolderDataModule(str(folder), num_classes=3, num_workers=0)
+        with pytest.raises(
+            ConfigError, match="needs TorchCodec, which did not load .*pip install torchcodec"
+        ):
+            module.setup()
+    finally:
+        decoders.cache_clear()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: bench/gpu_check.sh runs it")
+def test_the_cuda_path_decodes_and_augments_as_the_cpu_path(folder):
+    """nvJPEG's batch against libjpeg-turbo, and the crops resized in float on the GPU against the CPU's
+    uint8 kernel: the same boxes, pixels within 3 levels at most and 0.5 on average (IDCTs and rounding)."""
+    batches = {}
+    for device in ("cpu", "cuda"):
+        module = ImageFolderDataModule(
+            str(folder), batch_size=6, image_size=SIZE, num_workers=0, num_classes=3
+        )
+        module.setup()
+        module.train_set.decode_on_device = device == "cuda"
+        batches[device] = module.on_after_batch_transfer(next(iter(module.train_dataloader())).to(device), 0)
+    (cpu_images, cpu_labels), (cuda_images, cuda_labels) = batches["cpu"], batches["cuda"]
+    assert cuda_images.is_cuda and cuda_images.is_contiguous(memory_format=torch.channels_last)
+    levels = (cuda_images.cpu() - cpu_images).abs() * 255 * max(IMAGENET_STD)
+    assert levels.max() <= 3 and levels.mean() <= 0.5 and torch.equal(cuda_labels.cpu(), cpu_labels)
