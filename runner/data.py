@@ -1,10 +1,14 @@
 """DataModules: scikit-learn's digits (offline quickstart), CIFAR-10 and ImageFolder from disk, synthetic.
 
-Every training loader draws from :class:`EpochSampler`: the order of epoch ``e`` is a function of
-``(seed, e)`` only, and each sample's augmentation is seeded from ``(seed, e, index)``. The
-DataModules save their position in the data (epoch, batches used) in Lightning checkpoints, so a run
-resumed at an epoch boundary or mid-epoch sees the same batches and the same augmented pixels as an
-uninterrupted run, whatever the number of loader workers or the global RNG state.
+They stay thin: the image folders' pipeline has modules of its own (``files``: reading bytes, ``decode``,
+``augment``: augmentation on the device, ``image_pipeline``: the worker side and the device side),
+``synthetic`` makes synthetic images, ``sampling`` the data order and augmentation seeds.
+
+Every training loader draws from :class:`~runner.sampling.EpochSampler`: the order of epoch ``e`` is a
+function of ``(seed, e)`` only, and each sample's augmentation is seeded from ``(seed, e, index)``. The
+DataModules save their position in the data (epoch, batches used) in Lightning checkpoints, so a run resumed
+at an epoch boundary or mid-epoch sees the same batches and the same augmented pixels as an uninterrupted run,
+whatever the number of loader workers or the global RNG state.
 
 Given ``views`` (a multi-view transform such as lightly's ``SimCLRTransform``), any of them serves
 self-supervised training instead: training batches hold the views of each image, and validation has two
@@ -13,19 +17,15 @@ loaders, the un-augmented training images (a kNN memory bank) and the validation
 
 from __future__ import annotations
 
-import contextlib
-import itertools
 import os
-import random
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-import numpy as np
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 from torchvision.transforms import v2
 
 from lightning_fusedsgd.lightning import ConfigError
@@ -33,6 +33,7 @@ from runner.augment import normalize
 from runner.decode import UnreadableImage, decoders
 from runner.files import EncodedFolder
 from runner.image_pipeline import FolderSamples, LoadedBatch, collate
+from runner.sampling import EachView, EpochSampler, SeededDataset, Transform
 from runner.synthetic import SYNTHETIC_MEAN, SYNTHETIC_STD, Indices, SyntheticImages, SyntheticPool
 
 __all__ = [
@@ -97,134 +98,10 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR10_STD = (0.2470, 0.2435, 0.2616)
 
-Transform = Callable[[Any], Any]
-
 
 def _to_normalized_tensor(mean: Sequence[float], std: Sequence[float]) -> Transform:
     """The last transform of every image pipeline: PIL image or [0, 1] tensor -> normalized float tensor."""
     return v2.Compose([v2.ToImage(), v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)])
-
-
-class EpochSampler(DistributedSampler):
-    """Shuffles by ``(seed, epoch)``, shards over ranks, and pairs each index with an augmentation seed.
-
-    It yields ``(index, sample_seed)`` keys for :class:`SeededDataset`. Lightning calls
-    ``set_epoch`` before every epoch; :meth:`resume_at` makes the next pass start part-way into an
-    epoch, as a resumed run needs. Subclassing ``DistributedSampler`` matters: Lightning keeps a
-    sampler of that type under DDP instead of replacing it, so the datamodule passes the rank and
-    world size itself (1 and 0 on a single device).
-
-    Args:
-        dataset: The dataset to sample from.
-        num_replicas: Number of processes sharing the data (``trainer.world_size``).
-        rank: This process's rank (``trainer.global_rank``).
-        shuffle: Shuffle the order each epoch.
-        seed: Base seed of order and augmentation; the same on every rank.
-        drop_last: Drop the tail that does not divide evenly over ranks instead of padding it.
-    """
-
-    def __init__(
-        self,
-        dataset: Dataset,
-        *,
-        num_replicas: int = 1,
-        rank: int = 0,
-        shuffle: bool = True,
-        seed: int = 0,
-        drop_last: bool = False,
-    ) -> None:
-        super().__init__(
-            dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last
-        )
-        self._resume: tuple[int, int] | None = None
-
-    def resume_at(self, epoch: int, skip: int) -> None:
-        """Set the epoch and make the next pass over it leave out its first ``skip`` samples (this rank's).
-
-        Args:
-            epoch: The epoch training continues in.
-            skip: Samples of this rank's order of ``epoch`` already trained on.
-        """
-        self.set_epoch(epoch)
-        self._resume = (epoch, skip)
-
-    def __iter__(self) -> Iterator[tuple[int, int]]:  # type: ignore[override]
-        skip = 0
-        if self._resume is not None:
-            epoch, skip = self._resume
-            self._resume = None
-            if epoch != self.epoch:  # Lightning moved on to another epoch: nothing to leave out
-                skip = 0
-        # A stream separate from the shuffle's (seed + epoch), identical on every rank.
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch + 1)
-        sample_seeds = torch.randint(2**31 - 1, (len(self.dataset),), generator=generator).tolist()
-        for index in itertools.islice(super().__iter__(), skip, None):
-            yield index, sample_seeds[index]
-
-
-class SeededDataset(Dataset):
-    """Applies a transform to ``base[index]`` under a CPU RNG seeded per sample.
-
-    Keys are ``(index, seed)`` from :class:`EpochSampler` (random augmentation, reproducible) or a
-    plain ``index`` (evaluation transforms, which draw no random numbers).
-
-    Args:
-        base: A dataset returning ``(image, target)``.
-        transform: Applied to the image; ``None`` returns it unchanged.
-    """
-
-    def __init__(self, base: Dataset, transform: Transform | None = None) -> None:
-        self.base = base
-        self.transform = transform
-
-    def __len__(self) -> int:
-        return len(self.base)  # type: ignore[arg-type]
-
-    def __getitem__(self, key: int | tuple[int, int]) -> tuple[Any, Any]:
-        index, seed = key if isinstance(key, tuple) else (key, None)
-        image, target = self.base[index]
-        if self.transform is None:
-            return image, target
-        if seed is None:
-            return self.transform(image), target
-        with _seeded_host_rngs(seed):
-            return self.transform(image), target
-
-
-@contextlib.contextmanager
-def _seeded_host_rngs(seed: int) -> Iterator[None]:
-    """Seeds torch's CPU generator, ``random`` and NumPy's global RNG, and restores all three after.
-
-    Transforms draw from any of them (lightly's blur and solarization draw from NumPy). CUDA RNG streams
-    are left untouched.
-    """
-    python_state, numpy_state = random.getstate(), np.random.get_state()
-    try:
-        with torch.random.fork_rng(devices=[]):
-            torch.default_generator.manual_seed(seed)
-            random.seed(seed)
-            np.random.seed(seed)
-            yield
-    finally:
-        random.setstate(python_state)
-        np.random.set_state(numpy_state)
-
-
-class EachView:
-    """Applies a multi-view transform, then ``finish`` to each view: ``image -> [view, ...]``.
-
-    Args:
-        views: ``image -> list of views``, each a float tensor in [0, 1] (lightly's view transforms with
-            ``normalize=None``).
-        finish: What the datamodule does last to every image it serves (its normalization).
-    """
-
-    def __init__(self, views: Transform, finish: Transform) -> None:
-        self.views = views
-        self.finish = finish
-
-    def __call__(self, image: Any) -> list[Any]:
-        return [self.finish(view) for view in self.views(image)]
 
 
 class _SeededDataModule(pl.LightningDataModule):

@@ -10,10 +10,10 @@ from runner.data import (
     CIFAR10DataModule,
     DataNotFoundError,
     DigitsDataModule,
-    EpochSampler,
     ImageFolderDataModule,
     SyntheticDataModule,
 )
+from runner.sampling import EpochSampler
 
 
 def _epoch(sampler: EpochSampler, epoch: int) -> list[tuple[int, int]]:
