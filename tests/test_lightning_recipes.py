@@ -344,6 +344,7 @@ def test_resnet50_trains_tiny_on_a_generated_jpeg_folder(tmp_path):
     assert summary["global_step"] == 4 and 0.0 <= summary["val/acc"] <= 1.0  # 24 images: 2 batches of 16
 
 
+@pytest.mark.slow
 def test_images_per_second_are_logged_and_summarized_through_lightnings_throughput(
     tmp_path, capsys, monkeypatch
 ):
