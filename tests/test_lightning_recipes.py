@@ -387,7 +387,16 @@ def test_a_model_channels_last_not_a_choice_is_refused():
         ImageClassifier(channels_last="yes")
 
 
-@pytest.mark.slow
+def test_model_compile_compiles_the_network_in_place_keeping_the_state_dicts_names():
+    model = _set_up_on("cpu", compile=True)
+    assert model.net._compiled_call_impl is not None  # compiled lazily: nothing is built until a forward
+    assert "net.conv1.weight" in model.state_dict() and not any(
+        "_orig_mod" in name for name in model.state_dict()
+    )
+    assert _set_up_on("cpu").net._compiled_call_impl is None  # model.compile=false, the default
+
+
+@pytest.mark.heavy  # inductor compiles ResNet-18's forward and backward on the CPU: a minute or more
 def test_model_compile_trains_a_compiled_network_with_the_state_dicts_names(tmp_path, monkeypatch):
     compiled = []
     compile_in_place = torch.nn.Module.compile
