@@ -55,8 +55,9 @@ class FolderSamples(Dataset):
         index, seed = key if isinstance(key, tuple) else (key, None)
         image = self.files[index]
         try:
-            header = None if image.data.numel() == 0 else jpeg_size(image.data)
-            pixels = None if self.decode_on_device and header is not None else decode_on_cpu(image)
+            # The device decodes JPEGs; anything else (a PNG named .JPEG) is decoded here, by its format.
+            header = jpeg_size(image.data) if self.decode_on_device else None
+            pixels = None if header is not None else decode_on_cpu(image)
             height, width = header if pixels is None else pixels.shape[-2:]
             crop = None if seed is None else draw_crop(height, width, seed)
             if self.decode_on_device:
