@@ -69,7 +69,9 @@ def draw_crop(
 def _resize(image: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
     """Bilinear with antialiasing, as torchvision's tensor Resize: uint8 stays uint8 on the CPU (torch's uint8
     kernel, rounded); on the GPU, which has no uint8 kernel, float values in [0, 255] come out, unrounded."""
-    batch = image.unsqueeze(0)
+    # The decoders hand out (C, H, W) views of (H, W, C) memory; a crop of one is channels-last only once
+    # copied as such, and the CPU's uint8 kernel runs 1.5x faster on it than on the strided view.
+    batch = image.unsqueeze(0).contiguous(memory_format=torch.channels_last)
     if image.device.type != "cpu":
         batch = batch.float()
     return F.interpolate(batch, size=size, mode="bilinear", antialias=True, align_corners=False)[0]
