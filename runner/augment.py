@@ -104,8 +104,8 @@ def normalize(images: torch.Tensor, mean: Sequence[float], std: Sequence[float])
     costs five times the pass."""
     scale = torch.tensor([1 / (255 * s) for s in std], device=images.device).view(1, -1, 1, 1)
     shift = torch.tensor([-m / s for m, s in zip(mean, std)], device=images.device).view(1, -1, 1, 1)
-    if images.device.type == "cpu":
-        return torch.addcmul(shift, images.float(), scale)
+    if images.device.type == "cpu":  # contiguous first: a channels-last batch (the crops) takes 2.4x longer
+        return torch.addcmul(shift, images.float().contiguous(), scale)
     out = torch.empty(
         images.shape, dtype=torch.float32, device=images.device, memory_format=torch.channels_last
     )
