@@ -476,6 +476,54 @@ def gpu_section(result: dict[str, Any]) -> str:
     return "\n".join(text) + "\n"
 
 
+def recipe_throughput_section(result: dict[str, Any]) -> str:
+    rates = result["images_per_s"]
+    reference = rates["torchvision reference (PIL)"]
+    rows = [[name, f"{rate:.0f}", f"{rate / reference:.2f}x"] for name, rate in rates.items()]
+    text = [
+        "## The recipes' input pipeline and training runs",
+        "",
+        f"`bench/recipe_throughput.py`: the image-folder pipeline alone, one thread, {result['images']} "
+        f"images of the generated JPEG folder (`python -m runner.jpeg_folder`, ~500x375) to {result['size']}x"
+        f"{result['size']}, median of {result['repeats']} interleaved passes. Ours reads the bytes, decodes "
+        "with TorchCodec and crops, resizes and flips each image in uint8, what a loader worker does with "
+        "`data.decode=cpu`; the device normalizes the batch. torchvision's reference: `ImageFolder` + PIL "
+        "`RandomResizedCrop`, flip, `ToTensor`, `Normalize`.",
+        "",
+        _table(["pipeline", "images/s per core", "against the reference"], rows),
+        "",
+        _provenance("recipe_throughput", result),
+        "",
+        "### On a GPU",
+        "",
+    ]
+    gpu = _load("recipe_throughput_gpu")
+    if gpu is None:
+        text += [
+            "Not yet measured on a GPU: `python train.py recipe=resnet50` on synthetic data and on the JPEG "
+            "folder (`data.decode=gpu`, `data.decode=cpu`) against the bare ResNet-50 step, eager and "
+            "compiled, are `bench/recipe_throughput.py --gpu`'s rows, which `bench/gpu_check.sh` runs. "
+            "The defaults they would choose (`model.compile`, the recipes' precision) are unmeasured: "
+            "`model.compile` is off, the recipes keep their sources' precision, and "
+            "`model.channels_last=auto` trains channels-last on a GPU on NVIDIA's advice, not on a "
+            "measurement here.",
+            "",
+        ]
+    else:
+        gpu_rates = gpu["images_per_s"]
+        bare = gpu_rates.get("bare")
+        gpu_rows = [
+            [name, f"{rate:.0f}", f"{rate / bare:.0%}" if bare else "-"] for name, rate in gpu_rates.items()
+        ]
+        text += [
+            _table(["run", "images/s", "of the bare step"], gpu_rows),
+            "",
+            _provenance("recipe_throughput_gpu", gpu),
+            "",
+        ]
+    return "\n".join(text)
+
+
 def verified_section(results: dict[str, dict[str, Any]]) -> str:
     rows = []
     for name, result in results.items():
@@ -522,6 +570,8 @@ def render(images: Path) -> str:
         "bf16_rounding",
         "bf16_quickstart",
         "schedule_free_quickstart",
+        "recipe_throughput",
+        "recipe_throughput_gpu",
         "gpu",
     )
     results = {name: result for name in names if (result := _load(name)) is not None}
@@ -541,6 +591,7 @@ def render(images: Path) -> str:
         "bf16_quickstart": quickstart_section,
         "schedule_free_quickstart": schedule_free_quickstart_section,
         "gpu": gpu_section,
+        "recipe_throughput": recipe_throughput_section,
     }
     sections += [builders[name](result) for name, result in results.items() if name in builders]
     sections.append(verified_section(results))

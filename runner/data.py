@@ -1,10 +1,14 @@
 """DataModules: scikit-learn's digits (offline quickstart), CIFAR-10 and ImageFolder from disk, synthetic.
 
-Every training loader draws from :class:`EpochSampler`: the order of epoch ``e`` is a function of
-``(seed, e)`` only, and each sample's augmentation is seeded from ``(seed, e, index)``. The
-DataModules save their position in the data (epoch, batches used) in Lightning checkpoints, so a run
-resumed at an epoch boundary or mid-epoch sees the same batches and the same augmented pixels as an
-uninterrupted run, whatever the number of loader workers or the global RNG state.
+They stay thin: the image folders' pipeline has modules of its own (``files``: reading bytes, ``decode``,
+``augment``: augmentation on the device, ``image_pipeline``: the worker side and the device side),
+``synthetic`` makes synthetic images, ``sampling`` the data order and augmentation seeds.
+
+Every training loader draws from :class:`~runner.sampling.EpochSampler`: the order of epoch ``e`` is a
+function of ``(seed, e)`` only, and each sample's augmentation is seeded from ``(seed, e, index)``. The
+DataModules save their position in the data (epoch, batches used) in Lightning checkpoints, so a run resumed
+at an epoch boundary or mid-epoch sees the same batches and the same augmented pixels as an uninterrupted run,
+whatever the number of loader workers or the global RNG state.
 
 Given ``views`` (a multi-view transform such as lightly's ``SimCLRTransform``), any of them serves
 self-supervised training instead: training batches hold the views of each image, and validation has two
@@ -13,21 +17,24 @@ loaders, the un-augmented training images (a kNN memory bank) and the validation
 
 from __future__ import annotations
 
-import contextlib
-import itertools
 import os
-import random
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, TensorDataset
+from lightning.pytorch.utilities import rank_zero_warn
+from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 from torchvision.transforms import v2
 
 from lightning_fusedsgd.lightning import ConfigError
+from runner.augment import normalize
+from runner.decode import UnreadableImage, decoders
+from runner.files import EncodedFolder
+from runner.image_pipeline import FolderSamples, LoadedBatch, collate
+from runner.sampling import EachView, EpochSampler, SeededDataset, Transform
+from runner.synthetic import SYNTHETIC_MEAN, SYNTHETIC_STD, Indices, SyntheticImages, SyntheticPool
 
 __all__ = [
     "CIFAR10DataModule",
@@ -38,6 +45,7 @@ __all__ = [
     "ImageFolderDataModule",
     "SeededDataset",
     "SyntheticDataModule",
+    "UnreadableImagesError",
 ]
 
 
@@ -73,139 +81,27 @@ class DataNotFoundError(ConfigError):
         return "\n".join(lines)
 
 
+class UnreadableImagesError(ConfigError):
+    """Files of the data no decoder reads (empty, truncated, not an image): each named with the reason."""
+
+    def __init__(self, unreadable: list[UnreadableImage]) -> None:
+        files = "\n".join(f"  {image}" for image in unreadable)
+        super().__init__(
+            f"{len(unreadable)} file(s) of the data cannot be decoded:\n{files}\n"
+            "  remove or re-encode them, or add data.skip_unreadable=true to leave such files out of their "
+            "batches (each is warned about and counted)"
+        )
+
+
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR10_STD = (0.2470, 0.2435, 0.2616)
 
-Transform = Callable[[Any], Any]
-
 
 def _to_normalized_tensor(mean: Sequence[float], std: Sequence[float]) -> Transform:
     """The last transform of every image pipeline: PIL image or [0, 1] tensor -> normalized float tensor."""
     return v2.Compose([v2.ToImage(), v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)])
-
-
-class EpochSampler(DistributedSampler):
-    """Shuffles by ``(seed, epoch)``, shards over ranks, and pairs each index with an augmentation seed.
-
-    It yields ``(index, sample_seed)`` keys for :class:`SeededDataset`. Lightning calls
-    ``set_epoch`` before every epoch; :meth:`resume_at` makes the next pass start part-way into an
-    epoch, as a resumed run needs. Subclassing ``DistributedSampler`` matters: Lightning keeps a
-    sampler of that type under DDP instead of replacing it, so the datamodule passes the rank and
-    world size itself (1 and 0 on a single device).
-
-    Args:
-        dataset: The dataset to sample from.
-        num_replicas: Number of processes sharing the data (``trainer.world_size``).
-        rank: This process's rank (``trainer.global_rank``).
-        shuffle: Shuffle the order each epoch.
-        seed: Base seed of order and augmentation; the same on every rank.
-        drop_last: Drop the tail that does not divide evenly over ranks instead of padding it.
-    """
-
-    def __init__(
-        self,
-        dataset: Dataset,
-        *,
-        num_replicas: int = 1,
-        rank: int = 0,
-        shuffle: bool = True,
-        seed: int = 0,
-        drop_last: bool = False,
-    ) -> None:
-        super().__init__(
-            dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last
-        )
-        self._resume: tuple[int, int] | None = None
-
-    def resume_at(self, epoch: int, skip: int) -> None:
-        """Set the epoch and make the next pass over it leave out its first ``skip`` samples (this rank's).
-
-        Args:
-            epoch: The epoch training continues in.
-            skip: Samples of this rank's order of ``epoch`` already trained on.
-        """
-        self.set_epoch(epoch)
-        self._resume = (epoch, skip)
-
-    def __iter__(self) -> Iterator[tuple[int, int]]:  # type: ignore[override]
-        skip = 0
-        if self._resume is not None:
-            epoch, skip = self._resume
-            self._resume = None
-            if epoch != self.epoch:  # Lightning moved on to another epoch: nothing to leave out
-                skip = 0
-        # A stream separate from the shuffle's (seed + epoch), identical on every rank.
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch + 1)
-        sample_seeds = torch.randint(2**31 - 1, (len(self.dataset),), generator=generator).tolist()
-        for index in itertools.islice(super().__iter__(), skip, None):
-            yield index, sample_seeds[index]
-
-
-class SeededDataset(Dataset):
-    """Applies a transform to ``base[index]`` under a CPU RNG seeded per sample.
-
-    Keys are ``(index, seed)`` from :class:`EpochSampler` (random augmentation, reproducible) or a
-    plain ``index`` (evaluation transforms, which draw no random numbers).
-
-    Args:
-        base: A dataset returning ``(image, target)``.
-        transform: Applied to the image; ``None`` returns it unchanged.
-    """
-
-    def __init__(self, base: Dataset, transform: Transform | None = None) -> None:
-        self.base = base
-        self.transform = transform
-
-    def __len__(self) -> int:
-        return len(self.base)  # type: ignore[arg-type]
-
-    def __getitem__(self, key: int | tuple[int, int]) -> tuple[Any, Any]:
-        index, seed = key if isinstance(key, tuple) else (key, None)
-        image, target = self.base[index]
-        if self.transform is None:
-            return image, target
-        if seed is None:
-            return self.transform(image), target
-        with _seeded_host_rngs(seed):
-            return self.transform(image), target
-
-
-@contextlib.contextmanager
-def _seeded_host_rngs(seed: int) -> Iterator[None]:
-    """Seeds torch's CPU generator, ``random`` and NumPy's global RNG, and restores all three after.
-
-    Transforms draw from any of them (lightly's blur and solarization draw from NumPy). CUDA RNG streams
-    are left untouched.
-    """
-    python_state, numpy_state = random.getstate(), np.random.get_state()
-    try:
-        with torch.random.fork_rng(devices=[]):
-            torch.default_generator.manual_seed(seed)
-            random.seed(seed)
-            np.random.seed(seed)
-            yield
-    finally:
-        random.setstate(python_state)
-        np.random.set_state(numpy_state)
-
-
-class EachView:
-    """Applies a multi-view transform, then ``finish`` to each view: ``image -> [view, ...]``.
-
-    Args:
-        views: ``image -> list of views``, each a float tensor in [0, 1] (lightly's view transforms with
-            ``normalize=None``).
-        finish: What the datamodule does last to every image it serves (its normalization).
-    """
-
-    def __init__(self, views: Transform, finish: Transform) -> None:
-        self.views = views
-        self.finish = finish
-
-    def __call__(self, image: Any) -> list[Any]:
-        return [self.finish(view) for view in self.views(image)]
 
 
 class _SeededDataModule(pl.LightningDataModule):
@@ -247,6 +143,7 @@ class _SeededDataModule(pl.LightningDataModule):
         self.bank_set: Dataset | None = None  # with views: the training images as validation sees them
         self._train_sampler: EpochSampler | None = None
         self._resume: tuple[int, int] | None = None  # (epoch, batches used), from a checkpoint
+        self.collate_fn: Callable[[list[Any]], Any] | None = None  # None: the DataLoader's own
 
     def _check_declared(self, num_classes: int, in_channels: int) -> None:
         """A dataset whose classes and channels are fixed must be declared with those."""
@@ -323,6 +220,7 @@ class _SeededDataModule(pl.LightningDataModule):
             pin_memory=torch.cuda.is_available(),
             drop_last=self.drop_last and sampler is not None,
             persistent_workers=self.num_workers > 0,
+            collate_fn=self.collate_fn,
         )
 
     def train_dataloader(self) -> DataLoader:
@@ -484,8 +382,11 @@ class CIFAR10DataModule(_SeededDataModule):
 class ImageFolderDataModule(_SeededDataModule):
     """ImageNet layout (``root/train/<class>/*``, ``root/val/<class>/*``), standard ResNet transforms.
 
-    Training: RandomResizedCrop + horizontal flip. Validation: resize to ``image_size / 0.875``
-    then center crop (256 -> 224).
+    Training: RandomResizedCrop (per image) + horizontal flip. Validation: resize to ``image_size / 0.875``
+    then center crop (256 -> 224). The loader workers read the files' bytes; where they are decoded is
+    ``decode``'s choice (``runner.image_pipeline``), and the batch is normalized on the training device in
+    channels-last (``on_after_batch_transfer``). With ``views`` (self-supervised), the workers decode with PIL
+    and run the view transform per image.
 
     Args:
         root: Dataset folder with ``train/`` and ``val/``.
@@ -495,6 +396,10 @@ class ImageFolderDataModule(_SeededDataModule):
         seed: Seed of the training order and augmentation.
         drop_last: Drop the last incomplete training batch.
         num_classes: Class folders in ``train/`` (checked); in_channels: 3 (RGB).
+        decode: ``gpu``: the training GPU decodes each batch (nvJPEG) and crops, resizes and flips it;
+            ``cpu``: the workers decode, crop and resize; ``auto``: ``gpu`` where training runs on a GPU.
+        skip_unreadable: Leave files no decoder reads out of their batches (warned about, counted in
+            ``unreadable``) instead of stopping the run with their names.
         views: A multi-view transform for self-supervised training (lightly's ``SimCLRTransform``,
             say, with ``normalize=None``); see the module docstring. ``None``: supervised batches.
         bank_size: With ``views``: training images in the kNN memory bank (a fixed random subset);
@@ -515,13 +420,21 @@ class ImageFolderDataModule(_SeededDataModule):
         drop_last: bool = False,
         num_classes: int = 1000,
         in_channels: int = 3,
+        decode: str = "auto",
+        skip_unreadable: bool = False,
         views: Transform | None = None,
         bank_size: int | None = None,
     ) -> None:
         super().__init__(batch_size, num_workers, seed, drop_last, num_classes, in_channels, views, bank_size)
         self._check_declared(num_classes=num_classes, in_channels=3)
+        if decode not in ("auto", "gpu", "cpu"):
+            raise ConfigError(f"data.decode={decode!r}: choose auto, gpu or cpu")
         self.root = root
         self.image_size = image_size
+        self.decode = decode
+        self.skip_unreadable = skip_unreadable
+        #: The files left out of their batches (``skip_unreadable``), in the order met.
+        self.unreadable: list[UnreadableImage] = []
 
     def check_data(self) -> None:
         root = Path(self.root).expanduser().resolve()
@@ -536,41 +449,55 @@ class ImageFolderDataModule(_SeededDataModule):
                 f"data.num_classes={self.num_classes}: set data.num_classes={classes}"
             )
 
+    def _decode_on_device(self) -> bool:
+        on_gpu = self.trainer is not None and self.trainer.strategy.root_device.type == "cuda"
+        if self.decode == "gpu" and not on_gpu:
+            raise ConfigError(
+                "data.decode=gpu decodes on the training GPU, and this run trains on the CPU: "
+                "use data.decode=cpu (or auto)"
+            )
+        return self.decode == "gpu" or (self.decode == "auto" and on_gpu)
+
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
             return
+        self.check_data()
+        train, val = os.path.join(self.root, "train"), os.path.join(self.root, "val")
+        if self.views is None:
+            decoders()
+            on_device = self._decode_on_device()
+            self.train_set = FolderSamples(EncodedFolder(train), self.image_size, on_device)
+            self.val_set = FolderSamples(EncodedFolder(val), self.image_size, on_device)
+            self.collate_fn = collate
+            return
         from torchvision.datasets import ImageFolder
 
-        self.check_data()
         self._build(
-            ImageFolder(os.path.join(self.root, "train")),
-            ImageFolder(os.path.join(self.root, "val")),
-            [v2.RandomResizedCrop(self.image_size, antialias=True), v2.RandomHorizontalFlip()],
+            ImageFolder(train),
+            ImageFolder(val),
+            [],
             [v2.Resize(round(self.image_size / 0.875), antialias=True), v2.CenterCrop(self.image_size)],
             _to_normalized_tensor(IMAGENET_MEAN, IMAGENET_STD),
         )
 
-
-class SyntheticImages(Dataset):
-    """Uniform-noise images in [0, 1] with random labels, each a pure function of ``(seed, index)``."""
-
-    def __init__(self, length: int, shape: tuple[int, int, int], num_classes: int, seed: int) -> None:
-        self.length = length
-        self.shape = shape
-        self.num_classes = num_classes
-        self.seed = seed
-
-    def __len__(self) -> int:
-        return self.length
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
-        image = torch.rand(self.shape, generator=generator)
-        return image, int(torch.randint(self.num_classes, (), generator=generator))
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        if not isinstance(batch, LoadedBatch):
+            return batch
+        images, labels, unreadable = batch.finish(self.image_size, IMAGENET_MEAN, IMAGENET_STD)
+        if unreadable:
+            if not self.skip_unreadable:
+                raise UnreadableImagesError(unreadable)
+            self.unreadable += unreadable
+            for image in unreadable:
+                rank_zero_warn(f"left out {image} ({len(self.unreadable)} unreadable file(s) so far)")
+        return images, labels
 
 
 class SyntheticDataModule(_SeededDataModule):
     """Random images for smoke tests and throughput runs; no data needed.
+
+    Supervised batches are gathered on the training device from a pool of uint8 images made once per rank
+    (``runner.synthetic``); with ``views``, each image is made on the host for the view transform.
 
     Args:
         batch_size: Per-device batch size.
@@ -579,6 +506,8 @@ class SyntheticDataModule(_SeededDataModule):
         in_channels: Image channels (the model config reads it).
         train_samples: Images per training epoch.
         val_samples: Images per validation pass.
+        pool_size: Distinct images per rank (training and validation each); sample ``i`` is image
+            ``i % pool_size``.
         num_workers: Loader processes.
         seed: Seed of the images and the training order.
         drop_last: Drop the last incomplete training batch.
@@ -596,6 +525,7 @@ class SyntheticDataModule(_SeededDataModule):
         in_channels: int = 3,
         train_samples: int = 1024,
         val_samples: int = 256,
+        pool_size: int = 256,
         num_workers: int = 0,
         seed: int = 0,
         drop_last: bool = False,
@@ -603,12 +533,23 @@ class SyntheticDataModule(_SeededDataModule):
         bank_size: int | None = None,
     ) -> None:
         super().__init__(batch_size, num_workers, seed, drop_last, num_classes, in_channels, views, bank_size)
+        if pool_size < 1:
+            raise ConfigError(f"data.pool_size={pool_size} must be >= 1")
         self.image_size = image_size
         self.train_samples = train_samples
         self.val_samples = val_samples
+        self.pool_size = pool_size
+        self._pools: dict[bool, SyntheticPool] = {}
 
     def setup(self, stage: str | None = None) -> None:
         shape = (self.in_channels, self.image_size, self.image_size)
+        if self.views is None:
+            rank = self.trainer.global_rank if self.trainer is not None else 0
+            for training, offset in ((True, 0), (False, 1)):  # a different seed stream for validation
+                seed = (self.seed + offset) * 1_000_003 + 2 * rank
+                self._pools[training] = SyntheticPool(self.pool_size, shape, self.num_classes, seed)
+            self.train_set, self.val_set = Indices(self.train_samples), Indices(self.val_samples)
+            return
         # Images in [0, 1], as a view transform expects; a different seed stream for validation.
         self._build(
             SyntheticImages(self.train_samples, shape, self.num_classes, self.seed),
@@ -617,3 +558,12 @@ class SyntheticDataModule(_SeededDataModule):
             [],
             v2.Normalize([0.5] * self.in_channels, [1 / 12**0.5] * self.in_channels),
         )
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        if self.views is not None:
+            return batch
+        training = self.trainer is None or self.trainer.training
+        images, labels = self._pools[training].take(batch)
+        return normalize(
+            images, [SYNTHETIC_MEAN] * self.in_channels, [SYNTHETIC_STD] * self.in_channels
+        ), labels

@@ -74,7 +74,9 @@ class ImageClassifier(pl.LightningModule):
         zero_init_residual: Zero-init each block's last BatchNorm gamma.
         label_smoothing: Label smoothing of the training loss (validation loss uses none).
         channels_last: Keep weights and inputs in channels-last memory format (faster convolutions
-            under mixed precision on recent GPUs).
+            under mixed precision on recent GPUs, NVIDIA's advice for Tensor Cores); ``"auto"``: where
+            training runs on a GPU (the CPU's convolutions keep the contiguous format they ran in before).
+        compile: Compile the network with ``torch.compile`` (in place: the state dict keeps its names).
         optimizer: ``module -> configure_optimizers() result``, typically
             ``functools.partial(configure_fused_sgd, lr=..., ...)`` (a Hydra ``_partial_`` node);
             ``None`` uses :func:`configure_fused_sgd`'s defaults.
@@ -88,10 +90,13 @@ class ImageClassifier(pl.LightningModule):
         small_input: bool = False,
         zero_init_residual: bool = False,
         label_smoothing: float = 0.0,
-        channels_last: bool = False,
+        channels_last: bool | str = False,
+        compile: bool = False,
         optimizer: OptimizerFactory | None = None,
     ) -> None:
         super().__init__()
+        if channels_last not in (True, False, "auto"):
+            raise ConfigError(f"model.channels_last={channels_last!r}: choose true, false or auto")
         # The optimizer factory is code, not a hyperparameter; Hydra saves the full config anyway.
         self.save_hyperparameters(ignore=["optimizer"])
         self.net = build_resnet(
@@ -101,8 +106,9 @@ class ImageClassifier(pl.LightningModule):
             small_input=small_input,
             zero_init_residual=zero_init_residual,
         )
-        self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
-        self.net.to(memory_format=self.memory_format)
+        self.channels_last = channels_last
+        self.compile_net = compile  # not self.compile: nn.Module.compile is a method
+        self.memory_format = torch.contiguous_format  # setup() decides, once the device is known
         self.label_smoothing = label_smoothing
         self.optimizer_factory = optimizer
         self.val_acc = MulticlassAccuracy(num_classes, top_k=1, average="micro")
@@ -111,6 +117,14 @@ class ImageClassifier(pl.LightningModule):
         # The average of the weights (train.py's ema), whose validation runs on the averages: the training
         # weights are validated too, swapped in for the batch.
         self.average: EMAWeightAveraging | None = None
+
+    def setup(self, stage: str) -> None:
+        on_gpu = self.trainer.strategy.root_device.type == "cuda"
+        if self.channels_last is True or (self.channels_last == "auto" and on_gpu):
+            self.memory_format = torch.channels_last
+            self.net.to(memory_format=self.memory_format)  # before the optimizer holds the params
+        if self.compile_net:
+            self.net.compile()
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.net(images.contiguous(memory_format=self.memory_format))

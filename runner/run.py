@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import warnings
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 from hydra.utils import instantiate
+from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_fusedsgd.checkpoint import CheckpointError, read_start_checkpoint
 from lightning_fusedsgd.lightning import ConfigError, EMAWeightAveraging, InitFromCheckpoint
+from lightning_fusedsgd.lightning.clipping import callbacks as package_callbacks
 from runner.cpu_bf16 import check_cpu_bf16_convolutions
 from runner.data import DataNotFoundError
 from runner.summary import RunSummary
@@ -53,6 +56,10 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     model = instantiate(cfg.model, optimizer=optimizer)
     start = _checked_start(cfg, model)
     callbacks = [instantiate(node) for node in cfg.callbacks.values() if node is not None] + start
+    if not cfg.trainer.get("enable_progress_bar", True):
+        # Lightning refuses a progress bar callback beside enable_progress_bar=false; the config adds one.
+        callbacks = [cb for cb in callbacks if not isinstance(cb, ProgressBar)]
+    callbacks += _missing_package_callbacks(callbacks)
     if cfg.ema.decay is not None:
         if cfg.optim.get("schedule_free", False):
             raise ConfigError(
@@ -76,6 +83,17 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         warnings.filterwarnings("ignore", message=r"The function `to_tensor\(\.\.\.\)` is deprecated")
         trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
     return next((cb.summary for cb in callbacks if isinstance(cb, RunSummary)), {})
+
+
+def _missing_package_callbacks(configured: list[pl.Callback]) -> list[pl.Callback]:
+    """The package's callbacks (clipping in the step, DeepSpeed's norms, schedule-free modes) that neither the
+    config nor an installed entry point adds: a checkout that was not pip-installed registers no entry point,
+    and Lightning refuses two of one stateful callback, so each is added once."""
+    present = {type(callback) for callback in configured}
+    for factory in importlib.metadata.entry_points(group="lightning.pytorch.callbacks_factory"):
+        made = factory.load()()
+        present.update(type(callback) for callback in (made if isinstance(made, list) else [made]))
+    return [callback for callback in package_callbacks() if type(callback) not in present]
 
 
 def _checked_start(cfg: DictConfig, model: pl.LightningModule) -> list[pl.Callback]:

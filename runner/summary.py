@@ -138,9 +138,10 @@ class RunSummary(pl.Callback):
             parts = [f"{key}={value:.4f}" for key, value in fields.items()]
         else:
             parts = ["validation=none"]
+        parts += [f"epochs={self.summary['epochs']}", f"steps={self.summary['global_step']}"]
+        if "train/images_per_sec" in metrics:  # runner.throughput.ImagesPerSecond's last window
+            parts.append(f"images_per_sec={metrics['train/images_per_sec']:.1f}")
         parts += [
-            f"epochs={self.summary['epochs']}",
-            f"steps={self.summary['global_step']}",
             f"time={self.summary['wall_time_s']}s",
             f"out={self.output_dir}",
         ]

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import csv
 import functools
+import importlib.metadata
+import itertools
 import json
 import re
 
@@ -10,11 +13,20 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from hydra.utils import instantiate
+from lightning.fabric.utilities import registry
 from lightning_helpers import ROOT, compose_train
 from omegaconf import OmegaConf
 
+import runner.throughput
 from lightning_fusedsgd.checkpoint import read_checkpoint_file
-from lightning_fusedsgd.lightning import ConfigError, Schedule
+from lightning_fusedsgd.lightning import (
+    AttachDeepSpeed,
+    ClipInTheStep,
+    ConfigError,
+    Schedule,
+    ScheduleFreeModes,
+)
+from runner.jpeg_folder import make_jpeg_folder
 from runner.model import ImageClassifier
 from runner.run import train
 from runner.simclr import SimCLR
@@ -132,6 +144,7 @@ PUBLISHED = {
     },
 }
 
+FACTORIES = "lightning.pytorch.callbacks_factory"  # the entry point group Lightning reads
 OFFLINE = {"quickstart", "simclr"}  # digits ship with scikit-learn: the tiny runs use the real data
 
 
@@ -290,3 +303,110 @@ def test_schedule_free_with_a_second_average_is_refused_before_the_run(tmp_path)
     refused = r"optim=schedule_free with ema.decay=0.94175: .*add ema.decay=null"
     with pytest.raises(ConfigError, match=refused):
         train(cfg)
+
+
+def test_enable_progress_bar_false_turns_the_configs_progress_bar_off(tmp_path):
+    """A user's first override to quiet a log: the config's TQDMProgressBar would make Lightning refuse it."""
+    overrides = ["trainer.fast_dev_run=true", "trainer.accelerator=cpu", "trainer.enable_progress_bar=false"]
+    assert train(compose_train(overrides, tmp_path))["global_step"] == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("installed", [True, False])
+def test_the_runner_adds_the_package_callbacks_once_installed_or_not(installed, tmp_path, monkeypatch):
+    """A checkout that was not pip-installed registers no entry point: the runner adds the package's callbacks
+    itself (schedule-free SGD fails without its modes), and where the entry point adds them too, each runs
+    once."""
+    entry_point = importlib.metadata.EntryPoint(
+        name="lightning_fusedsgd", value="lightning_fusedsgd.lightning.clipping:callbacks", group=FACTORIES
+    )
+    found = {FACTORIES: [entry_point] if installed else []}
+    for module in (registry, importlib.metadata):
+        monkeypatch.setattr(module, "entry_points", lambda group: found.get(group, []))
+    seen: list[list[pl.Callback]] = []
+    fit = pl.Trainer.fit
+    monkeypatch.setattr(
+        pl.Trainer, "fit", lambda self, *a, **k: (seen.append(self.callbacks), fit(self, *a, **k))
+    )
+    summary = train(compose_train(["optim=schedule_free", "debug=tiny", "trainer.max_epochs=1"], tmp_path))
+    assert summary["global_step"] == 3
+    kinds = [type(callback) for callback in seen[0]]
+    assert [kinds.count(kind) for kind in (ClipInTheStep, AttachDeepSpeed, ScheduleFreeModes)] == [1, 1, 1]
+
+
+@pytest.mark.slow
+def test_resnet50_trains_tiny_on_a_generated_jpeg_folder(tmp_path):
+    """The image-folder pipeline under a whole run: bytes in the loader, decoded and augmented, normalized in
+    on_after_batch_transfer (decode=auto: the CPU here)."""
+    root = make_jpeg_folder(tmp_path / "data", classes=3, train=8, val=2)
+    overrides = ["recipe=resnet50", "debug=tiny", f"data.root={root}", "data.num_classes=3"]
+    summary = train(compose_train(overrides, tmp_path / "run"))
+    assert summary["global_step"] == 4 and 0.0 <= summary["val/acc"] <= 1.0  # 24 images: 2 batches of 16
+
+
+@pytest.mark.slow
+def test_images_per_second_are_logged_and_summarized_through_lightnings_throughput(
+    tmp_path, capsys, monkeypatch
+):
+    """A clock that advances 0.25 s per reading: 16 images a step is 64 images/s over the window, in the CSV
+    log and the summary line; the time spent validating between the epochs is left out of the rate."""
+    clock = itertools.count(step=0.25)
+    monkeypatch.setattr(runner.throughput, "perf_counter", lambda: next(clock))
+    summary = train(compose_train(["debug=tiny", "trainer.log_every_n_steps=1"], tmp_path))
+    assert summary["metrics"]["train/images_per_sec"] == 64.0
+    assert " steps=6 images_per_sec=64.0 " in capsys.readouterr().out.strip().splitlines()[-1]
+    rows = list(csv.DictReader(next(tmp_path.rglob("metrics.csv")).open()))
+    logged = [float(row["train/images_per_sec"]) for row in rows if row.get("train/images_per_sec")]
+    # Steps 2, 3 (a window of 2 steps within epoch 1), 4 (its window spans validation: 0.25 s of the 0.5 s
+    # gap is the hook before validation), 5, 6.
+    assert logged == [64.0, 64.0, 32.0, 64.0, 64.0]
+
+
+def _set_up_on(accelerator: str, **options) -> ImageClassifier:
+    model = ImageClassifier(arch="resnet18", num_classes=3, **options)
+    model.trainer = pl.Trainer(accelerator=accelerator, devices=1, logger=False, enable_checkpointing=False)
+    model.setup("fit")
+    return model
+
+
+@pytest.mark.parametrize(("setting", "channels_last"), [("auto", False), (True, True), (False, False)])
+def test_channels_last_auto_keeps_the_cpus_contiguous_format(setting, channels_last):
+    model = _set_up_on("cpu", channels_last=setting)
+    weight = model.net.conv1.weight
+    assert weight.is_contiguous(memory_format=torch.channels_last) == channels_last
+    assert model.memory_format == (torch.channels_last if channels_last else torch.contiguous_format)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: bench/gpu_check.sh runs it")
+def test_channels_last_auto_is_channels_last_on_cuda():
+    assert _set_up_on("cuda", channels_last="auto").memory_format == torch.channels_last
+
+
+def test_a_model_channels_last_not_a_choice_is_refused():
+    with pytest.raises(ConfigError, match="model.channels_last='yes': choose true, false or auto"):
+        ImageClassifier(channels_last="yes")
+
+
+def test_model_compile_compiles_the_network_in_place_keeping_the_state_dicts_names():
+    model = _set_up_on("cpu", compile=True)
+    assert model.net._compiled_call_impl is not None  # compiled lazily: nothing is built until a forward
+    assert "net.conv1.weight" in model.state_dict() and not any(
+        "_orig_mod" in name for name in model.state_dict()
+    )
+    assert _set_up_on("cpu").net._compiled_call_impl is None  # model.compile=false, the default
+
+
+@pytest.mark.heavy  # inductor compiles ResNet-18's forward and backward on the CPU: a minute or more
+def test_model_compile_trains_a_compiled_network_with_the_state_dicts_names(tmp_path, monkeypatch):
+    compiled = []
+    compile_in_place = torch.nn.Module.compile
+    monkeypatch.setattr(
+        torch.nn.Module,
+        "compile",
+        lambda module, **k: compiled.append(module) or compile_in_place(module, **k),
+    )
+    summary = train(compose_train(["debug=tiny", "model.compile=true", "trainer.max_epochs=1"], tmp_path))
+    assert summary["global_step"] == 3
+    assert [type(module).__name__ for module in compiled] == ["ResNet"]
+    names = read_checkpoint_file(tmp_path / "checkpoints" / "last.ckpt", trusted=True)["state_dict"]
+    assert "net.conv1.weight" in names and not any("_orig_mod" in name for name in names)

@@ -1,0 +1,71 @@
+"""A generated JPEG folder in the ImageNet layout, deterministic, for the benchmarks and the tests:
+``python -m runner.jpeg_folder OUT [--classes 10] [--train 50] [--val 10]``.
+
+Each image is a pure function of ``(seed, split, class, index)``: about ImageNet's sizes (the long side
+400-500, the short 300-375, a quarter portrait) and its JPEG quality (85-95, 4:2:0), smooth colour fields with
+edges and grain, so that it compresses like a photograph (~65 KB) rather than like noise, which decodes
+slower.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+__all__ = ["make_jpeg_folder"]
+
+
+def _image(rng: np.random.Generator) -> tuple[Image.Image, int]:
+    long, short = int(rng.integers(400, 501)), int(rng.integers(300, 376))
+    width, height = (short, long) if rng.random() < 0.25 else (long, short)
+    # A coarse random colour field, upsampled: the smooth regions of a photograph.
+    coarse = rng.integers(0, 256, size=(int(rng.integers(3, 9)), int(rng.integers(3, 9)), 3), dtype=np.uint8)
+    field = np.asarray(Image.fromarray(coarse).resize((width, height), Image.Resampling.BICUBIC), np.int16)
+    # A few hard-edged rectangles (object boundaries) and grain (texture, sensor noise).
+    for _ in range(int(rng.integers(2, 6))):
+        top, left = int(rng.integers(0, height - 20)), int(rng.integers(0, width - 20))
+        bottom, right = top + int(rng.integers(20, height // 2)), left + int(rng.integers(20, width // 2))
+        field[top:bottom, left:right] = rng.integers(0, 256, size=3)
+    field += rng.integers(-24, 25, size=field.shape, dtype=np.int16)
+    return Image.fromarray(np.clip(field, 0, 255).astype(np.uint8)), int(rng.integers(85, 96))
+
+
+def make_jpeg_folder(
+    root: str | Path, classes: int = 10, train: int = 50, val: int = 10, seed: int = 0
+) -> Path:
+    """Writes ``root/{train,val}/class_NNN/NNNNN.JPEG`` (``classes`` folders of ``train`` and ``val``
+    images); the same arguments give the same bytes. Returns ``root``."""
+    root = Path(root)
+    for split_index, (split, count) in enumerate((("train", train), ("val", val))):
+        for label in range(classes):
+            folder = root / split / f"class_{label:03d}"
+            folder.mkdir(parents=True, exist_ok=True)
+            for index in range(count):
+                rng = np.random.default_rng([seed, split_index, label, index])
+                image, quality = _image(rng)
+                buffer = io.BytesIO()
+                image.save(buffer, "JPEG", quality=quality)
+                (folder / f"{index:05d}.JPEG").write_bytes(buffer.getvalue())
+    return root
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "root", help="the folder to write (ImageNet layout: root/train/<class>, root/val/<class>)"
+    )
+    parser.add_argument("--classes", type=int, default=10)
+    parser.add_argument("--train", type=int, default=50, help="training images per class")
+    parser.add_argument("--val", type=int, default=10, help="validation images per class")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    root = make_jpeg_folder(args.root, args.classes, args.train, args.val, args.seed)
+    print(f"wrote {args.classes * (args.train + args.val)} JPEGs to {root} (data.root={root})")
+
+
+if __name__ == "__main__":
+    main()

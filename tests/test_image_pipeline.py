@@ -1,0 +1,309 @@
+"""The image-folder pipeline against torchvision's own: RandomResizedCrop's boxes, the reference
+transform's pixels (PIL, as torchvision's ImageFolder recipes run it), the files no decoder reads, the
+generated folder, and the synthetic pool on the device. All on CPU tensors: the GPU path is the same code."""
+
+from __future__ import annotations
+
+import io
+import math
+import shutil
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torchvision.transforms.functional as TF
+from PIL import Image
+from torchvision.datasets import ImageFolder
+from torchvision.transforms import InterpolationMode, RandomResizedCrop, v2
+
+from lightning_fusedsgd.lightning import ConfigError
+from runner.augment import center_crop, draw_crop, normalize, resized_crop
+from runner.data import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    ImageFolderDataModule,
+    SyntheticDataModule,
+    UnreadableImagesError,
+)
+from runner.decode import decode_on_cpu, decoders
+from runner.files import EncodedFolder, jpeg_size
+from runner.jpeg_folder import make_jpeg_folder
+
+SIZE = 64  # the tests' training size: small, so that resizing stays cheap
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return make_jpeg_folder(tmp_path_factory.mktemp("jpegs"), classes=3, train=6, val=2)
+
+
+def _pil_reference(path: str, box: tuple[int, int, int, int] | None, flip: bool, size: int) -> torch.Tensor:
+    """torchvision's reference pipeline on one file: PIL decode, the crop resized (bilinear, PIL's antialias)
+    and flipped, or validation's Resize(size / 0.875) + CenterCrop(size); as a uint8 tensor."""
+    image = Image.open(path).convert("RGB")
+    if box is None:
+        image = TF.center_crop(TF.resize(image, round(size / 0.875)), size)
+    else:
+        image = TF.resized_crop(image, *box, [size, size], InterpolationMode.BILINEAR)
+        image = TF.hflip(image) if flip else image
+    return torch.from_numpy(np.array(image)).permute(2, 0, 1)
+
+
+def test_crop_boxes_are_torchvisions_random_resized_crop_draws():
+    """For a seed, the box torchvision's RandomResizedCrop.get_params draws from the global generator seeded
+    alike, over image shapes that take the first attempt, later attempts and the fallback (a 12x700 strip)."""
+    shapes = [(375, 500), (500, 333), (224, 224), (12, 700), (700, 12), (40, 90)]
+    for seed in range(400):
+        height, width = shapes[seed % len(shapes)]
+        torch.manual_seed(seed)
+        expected = RandomResizedCrop.get_params(torch.empty(3, height, width), [0.08, 1.0], [3 / 4, 4 / 3])
+        assert tuple(draw_crop(height, width, seed)[:4]) == tuple(expected), (seed, height, width)
+
+
+def _ks_statistic(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The two-sample Kolmogorov-Smirnov statistic: the largest gap between the empirical CDFs."""
+    points = torch.cat([a, b]).sort().values
+    cdf_a = torch.searchsorted(a.sort().values, points, right=True) / len(a)
+    cdf_b = torch.searchsorted(b.sort().values, points, right=True) / len(b)
+    return (cdf_a - cdf_b).abs().max().item()
+
+
+def test_crop_areas_and_ratios_follow_torchvisions_distribution_and_flip_half():
+    """Against torchvision's own draws from other seeds (so not the same boxes): the areas and aspect ratios
+    pass a two-sample Kolmogorov-Smirnov test at the 1% level, and half the crops flip."""
+    count, height, width = 2000, 375, 500
+    crops = [draw_crop(height, width, seed) for seed in range(count)]
+    torch.manual_seed(12345)
+    reference = [RandomResizedCrop.get_params(torch.empty(3, height, width), [0.08, 1.0], [3 / 4, 4 / 3])]
+    reference += [
+        RandomResizedCrop.get_params(torch.empty(3, height, width), [0.08, 1.0], [3 / 4, 4 / 3])
+        for _ in range(count - 1)
+    ]
+    critical = 1.63 * math.sqrt(2 / count)  # the 1% level
+    for measure in (lambda h, w: h * w / (height * width), lambda h, w: math.log(w / h)):
+        ours = torch.tensor([measure(c.height, c.width) for c in crops])
+        theirs = torch.tensor([measure(h, w) for _, _, h, w in reference])
+        assert _ks_statistic(ours, theirs) < critical
+    flips = sum(c.flip for c in crops)
+    assert abs(flips - count / 2) < 4 * math.sqrt(count / 4)  # binomial(count, 1/2), 4 sigma
+
+
+def test_training_pixels_equal_torchvisions_reference_for_the_same_box(folder):
+    """Decode + crop + resize (torch's uint8 antialiased bilinear) + flip against PIL's, the reference
+    pipeline's: at most one grey level apart, 0.3 levels on average (the two kernels round differently); and
+    equal to torchvision's tensor transform, v2.RandomResizedCrop's kernel, exactly."""
+    files = EncodedFolder(folder / "train")
+    for index in range(len(files)):
+        image = files[index]
+        pixels = decode_on_cpu(image)
+        crop = draw_crop(*pixels.shape[-2:], seed=index)
+        ours = resized_crop(pixels, crop, SIZE)
+        box = (crop.top, crop.left, crop.height, crop.width)
+        difference = (ours.int() - _pil_reference(image.path, box, crop.flip, SIZE).int()).abs()
+        assert difference.max() <= 1 and difference.float().mean() <= 0.3, image.path
+        tensor_reference = v2.functional.resized_crop(pixels, *box, [SIZE, SIZE], antialias=True)
+        tensor_reference = tensor_reference.flip(-1) if crop.flip else tensor_reference
+        assert torch.equal(ours, tensor_reference)
+
+
+def test_validation_pixels_equal_torchvisions_resize_and_center_crop(folder):
+    files = EncodedFolder(folder / "val")
+    for index in range(len(files)):
+        image = files[index]
+        ours = center_crop(decode_on_cpu(image), SIZE, round(SIZE / 0.875))
+        difference = (ours.int() - _pil_reference(image.path, None, False, SIZE).int()).abs()
+        assert ours.shape == (3, SIZE, SIZE) and difference.max() <= 1 and difference.float().mean() <= 0.3
+
+
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU"))],
+)
+def test_the_batch_is_normalized_as_torchvisions_normalize_channels_last_on_cuda(device):
+    images = torch.randint(0, 256, (4, 3, 9, 7), dtype=torch.uint8, device=device)
+    ours = normalize(images, IMAGENET_MEAN, IMAGENET_STD)
+    reference = v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)(v2.ToDtype(torch.float32, scale=True)(images))
+    assert ours.is_contiguous(
+        memory_format=torch.channels_last if device == "cuda" else torch.contiguous_format
+    )
+    torch.testing.assert_close(ours, reference, atol=1e-6, rtol=0)
+
+
+def _first_batch(module: ImageFolderDataModule, *, validation: bool = False):
+    loader = module.val_dataloader() if validation else module.train_dataloader()
+    return module.on_after_batch_transfer(next(iter(loader)), 0)
+
+
+def test_decoding_on_the_device_gives_the_workers_batches(folder):
+    """data.decode=gpu's path (bytes to the device, decoded and augmented there) run on CPU tensors: the same
+    boxes from the same sample seeds, the same pixels, labels and order as the workers' path (decode=cpu)."""
+    batches = {}
+    for on_device in (False, True):
+        module = ImageFolderDataModule(
+            str(folder), batch_size=5, image_size=SIZE, num_workers=0, num_classes=3
+        )
+        module.setup()
+        for dataset in (module.train_set, module.val_set):
+            dataset.decode_on_device = on_device
+        batches[on_device] = (_first_batch(module), _first_batch(module, validation=True))
+    for (images, labels), (device_images, device_labels) in zip(batches[False], batches[True]):
+        assert images.shape == (5, 3, SIZE, SIZE)
+        assert torch.equal(images, device_images) and torch.equal(labels, device_labels)
+
+
+def test_labels_are_imagefolders(folder):
+    module = ImageFolderDataModule(str(folder), batch_size=4, image_size=SIZE, num_workers=0, num_classes=3)
+    module.setup()
+    reference = ImageFolder(str(folder / "val"))
+    _, labels = _first_batch(module, validation=True)
+    assert labels.tolist() == [target for _, target in reference.samples[:4]]
+
+
+def test_a_header_gives_the_size_a_decoder_finds(folder, tmp_path):
+    image = Image.open(next((folder / "train").rglob("*.JPEG"))).convert("RGB")
+    for options in ({}, {"progressive": True}, {"subsampling": 0, "quality": 100}):
+        buffer = io.BytesIO()
+        image.save(buffer, "JPEG", **options)
+        assert jpeg_size(buffer.getvalue()) == (image.height, image.width)
+    png = io.BytesIO()
+    image.save(png, "PNG")
+    assert jpeg_size(png.getvalue()) is None and jpeg_size(b"") is None
+
+
+def test_the_generated_folder_is_deterministic_and_imagenet_sized(folder, tmp_path):
+    again = make_jpeg_folder(tmp_path / "again", classes=3, train=6, val=2)
+    files = sorted(path.relative_to(folder) for path in folder.rglob("*.JPEG"))
+    assert files == sorted(path.relative_to(again) for path in again.rglob("*.JPEG")) and len(files) == 24
+    for name in files:
+        assert (folder / name).read_bytes() == (again / name).read_bytes()
+        width, height = Image.open(folder / name).size
+        assert 300 <= min(width, height) <= 375 and 400 <= max(width, height) <= 500
+
+
+@pytest.fixture
+def damaged(folder, tmp_path):
+    """The generated folder with the damage ImageNet-like data has: readable oddities (CMYK, grayscale, a PNG
+    named .JPEG) and unreadable files (truncated, empty)."""
+    root = tmp_path / "damaged"
+    shutil.copytree(folder, root)
+    source = Image.open(root / "train" / "class_000" / "00000.JPEG")
+    odd = root / "train" / "class_001"
+    source.convert("CMYK").save(odd / "cmyk.JPEG", "JPEG")
+    source.convert("L").save(odd / "gray.JPEG", "JPEG")
+    source.save(odd / "png.JPEG", "PNG")
+    bad = root / "train" / "class_002"
+    whole = (root / "train" / "class_000" / "00001.JPEG").read_bytes()
+    (bad / "truncated.JPEG").write_bytes(whole[: len(whole) // 2])
+    (bad / "empty.JPEG").write_bytes(b"")
+    return root
+
+
+def test_cmyk_grayscale_and_a_png_named_jpeg_decode_as_pil_reads_them(damaged):
+    files = EncodedFolder(damaged / "train")
+    for image in (
+        files[i] for i in range(len(files)) if files[i].path.split("/")[-1][:3] in ("cmy", "gra", "png")
+    ):
+        ours = decode_on_cpu(image)
+        reference = torch.from_numpy(np.array(Image.open(image.path).convert("RGB"))).permute(2, 0, 1)
+        assert ours.shape == reference.shape and (ours.int() - reference.int()).abs().float().mean() < 2.0
+
+
+@pytest.mark.parametrize("on_device", [False, True])
+def test_unreadable_files_stop_the_run_naming_each(damaged, on_device):
+    module = ImageFolderDataModule(str(damaged), batch_size=64, image_size=SIZE, num_workers=0, num_classes=3)
+    module.setup()
+    module.train_set.decode_on_device = on_device
+    with pytest.raises(UnreadableImagesError) as refused:
+        _first_batch(module)
+    message = str(refused.value)
+    assert (
+        "2 file(s)" in message
+        and "truncated.JPEG: " in message
+        and "empty.JPEG: the file is empty" in message
+    )
+    assert "data.skip_unreadable=true" in message
+
+
+@pytest.mark.parametrize("on_device", [False, True])
+def test_skipped_unreadable_files_are_counted_and_leave_the_other_labels_right(damaged, on_device):
+    module = ImageFolderDataModule(
+        str(damaged), batch_size=64, image_size=SIZE, num_workers=0, num_classes=3, skip_unreadable=True
+    )
+    module.setup()
+    module.train_set.decode_on_device = on_device
+    with pytest.warns(UserWarning, match=r"left out .*(truncated|empty)\.JPEG"):
+        images, labels = _first_batch(module)
+    assert sorted(image.path.rsplit("/", 1)[1] for image in module.unreadable) == [
+        "empty.JPEG",
+        "truncated.JPEG",
+    ]
+    assert len(images) == len(labels) == len(module.train_set) - 2
+    # Every kept image carries its folder's label: the counts per class are the folder's.
+    assert torch.bincount(labels).tolist() == [6, 6 + 3, 6]
+
+
+def test_an_unreadable_file_in_a_loader_worker_is_named_not_a_worker_traceback(damaged):
+    module = ImageFolderDataModule(str(damaged), batch_size=64, image_size=SIZE, num_workers=1, num_classes=3)
+    module.setup()
+    with pytest.raises(UnreadableImagesError, match="truncated.JPEG"):
+        _first_batch(module)
+
+
+def test_decode_gpu_on_a_cpu_run_is_refused_with_the_fix(folder):
+    module = ImageFolderDataModule(str(folder), num_classes=3, decode="gpu")
+    with pytest.raises(ConfigError, match="data.decode=gpu .* use data.decode=cpu"):
+        module.setup()
+    with pytest.raises(ConfigError, match="data.decode='jpeg': choose auto, gpu or cpu"):
+        ImageFolderDataModule(str(folder), num_classes=3, decode="jpeg")
+
+
+def test_synthetic_batches_come_from_a_seeded_uint8_pool_normalized_on_the_device():
+    module = SyntheticDataModule(
+        batch_size=4, image_size=8, num_classes=3, in_channels=2, pool_size=5, seed=1
+    )
+    module.setup()
+    indices = next(iter(module.train_dataloader()))
+    assert indices.dtype == torch.long and indices.shape == (4,)  # the loader carries indices only
+    images, labels = module.on_after_batch_transfer(indices, 0)
+    pool = module._pools[True]
+    assert pool.images.dtype == torch.uint8 and pool.images.shape == (5, 2, 8, 8)
+    rows = indices % 5
+    assert torch.equal(labels, pool.labels[rows]) and labels.max() < 3
+    expected = (pool.images[rows].float() / 255 - 0.5) / (((256**2 - 1) / 12) ** 0.5 / 255)
+    torch.testing.assert_close(images, expected)
+    again = SyntheticDataModule(batch_size=4, image_size=8, num_classes=3, in_channels=2, pool_size=5, seed=1)
+    again.setup()
+    assert torch.equal(again._pools[True].images, pool.images)
+    assert not torch.equal(again._pools[False].images, pool.images)  # validation: its own images
+
+
+def test_an_image_folder_without_torchcodec_stops_at_setup_with_the_fix(folder, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchcodec.decoders", None)  # what a failed import leaves
+    decoders.cache_clear()
+    try:
+        module = ImageFolderDataModule(str(folder), num_classes=3, num_workers=0)
+        with pytest.raises(
+            ConfigError, match="needs TorchCodec, which did not load .*pip install torchcodec"
+        ):
+            module.setup()
+    finally:
+        decoders.cache_clear()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: bench/gpu_check.sh runs it")
+def test_the_cuda_path_decodes_and_augments_as_the_cpu_path(folder):
+    """nvJPEG's batch against libjpeg-turbo, and the crops resized in float on the GPU against the CPU's
+    uint8 kernel: the same boxes, pixels within 3 levels at most and 0.5 on average (IDCTs and rounding)."""
+    batches = {}
+    for device in ("cpu", "cuda"):
+        module = ImageFolderDataModule(
+            str(folder), batch_size=6, image_size=SIZE, num_workers=0, num_classes=3
+        )
+        module.setup()
+        module.train_set.decode_on_device = device == "cuda"
+        batches[device] = module.on_after_batch_transfer(next(iter(module.train_dataloader())).to(device), 0)
+    (cpu_images, cpu_labels), (cuda_images, cuda_labels) = batches["cpu"], batches["cuda"]
+    assert cuda_images.is_cuda and cuda_images.is_contiguous(memory_format=torch.channels_last)
+    levels = (cuda_images.cpu() - cpu_images).abs() * 255 * max(IMAGENET_STD)
+    assert levels.max() <= 3 and levels.mean() <= 0.5 and torch.equal(cuda_labels.cpu(), cpu_labels)
