@@ -30,7 +30,7 @@ class EncodedImage(NamedTuple):
 def jpeg_size(data: bytes | torch.Tensor) -> tuple[int, int] | None:
     """(height, width) from a JPEG's start-of-frame header; ``None`` where ``data`` is no JPEG (a PNG named
     .JPEG, an empty file) or its header is cut short."""
-    raw = data.numpy().tobytes() if isinstance(data, torch.Tensor) else data
+    raw = memoryview(data.numpy()) if isinstance(data, torch.Tensor) else data  # the header, read in place
     if raw[:2] != b"\xff\xd8":
         return None
     at = 2
