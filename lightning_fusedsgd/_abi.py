@@ -35,6 +35,7 @@ read and reviewed as one file; what users hand the optimizer is checked in ``lig
 
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
@@ -53,6 +54,7 @@ __all__ = [
     "LARS_SUM_NAMES",
     "LARS_ZERO_NORMS",
     "LOW_PRECISION",
+    "PARAM_DTYPES",
     "GROUP_STATE",
     "SCHEDULE_FREE_SCALARS",
     "SCHEDULE_HEADER",
@@ -78,6 +80,7 @@ __all__ = [
     "seeded",
     "slot",
     "slot_keys",
+    "slot_rule_cases",
     "slots_in",
     "state_slots",
     "step_row",
@@ -201,6 +204,8 @@ class Option:
             or None: :func:`clip_thresholds`.
         default: Its value in the groups of an optimizer that takes no argument of its name (FusedSGD's groups
             hold ``schedule_free=False``); ``ARGUMENT`` where every optimizer takes it (:func:`defaults`).
+        examples: A plan option's values, one for each of its plan decisions: loading the library compares the
+            kernels' slot rules with ``SLOTS``' over every combination of them (:func:`slot_rule_cases`).
     """
 
     key: str
@@ -212,6 +217,7 @@ class Option:
     fused_only: bool = False
     clips: str | None = None
     default: Any = ARGUMENT
+    examples: tuple[Any, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -225,13 +231,27 @@ class Column(Option):
 HPARAMS: tuple[Column, ...] = (
     # lr: NaN where the op reads the lrs from the step row instead
     Column(key="lr", check=_non_negative, refused="Invalid learning rate: {}"),
-    Column(key="momentum", check=_non_negative, refused="Invalid momentum value: {}", plan=lambda v: v != 0),
+    Column(
+        key="momentum",
+        check=_non_negative,
+        refused="Invalid momentum value: {}",
+        plan=lambda v: v != 0,
+        examples=(0.0, 0.9),
+    ),
     Column(key="dampening", check=_finite),
     Column(key="weight_decay", check=_non_negative, refused="Invalid weight_decay value: {}"),
     Column(key="nesterov", encode=_flag, check=flag_problem),
     Column(key="maximize", encode=_flag, check=flag_problem),
     Column(key="wd_after_momentum", encode=_flag, check=flag_problem, fused_only=True),
-    Column(key="lars", encode=_flag, check=flag_problem, plan=bool, needs_norms=True, fused_only=True),
+    Column(
+        key="lars",
+        encode=_flag,
+        check=flag_problem,
+        plan=bool,
+        needs_norms=True,
+        fused_only=True,
+        examples=(False, True),
+    ),
     Column(key="trust_coefficient", check=_positive),
     Column(key="lars_eps", check=_non_negative),
     Column(key="trust_clip", encode=_flag, check=flag_problem),
@@ -243,6 +263,7 @@ HPARAMS: tuple[Column, ...] = (
         plan=_is_set,
         fused_only=True,
         clips="value",
+        examples=(None, 1.0),
     ),
     Column(key="always_adapt", encode=_flag, check=flag_problem),
     Column(key="lars_zero_norm", encode=LARS_ZERO_NORMS.index, check=_one_of(LARS_ZERO_NORMS)),
@@ -251,6 +272,7 @@ HPARAMS: tuple[Column, ...] = (
         encode=UPDATE_ROUNDINGS.index,
         check=_one_of(UPDATE_ROUNDINGS),
         plan=lambda v: v,
+        examples=UPDATE_ROUNDINGS,
     ),
     Column(key="rounding_seed", check=_seed),
     # The average of the weights (ema_decay None: none), updated in the step: see Slot "ema".
@@ -260,6 +282,7 @@ HPARAMS: tuple[Column, ...] = (
         check=_decay,
         plan=_is_set,
         fused_only=True,
+        examples=(None, 0.999),
     ),
     Column(key="ema_every", check=_count(1)),
     Column(key="ema_start", check=_count(0)),
@@ -267,7 +290,15 @@ HPARAMS: tuple[Column, ...] = (
     Column(key="ema_warmup_power", check=_positive),
     # Schedule-free SGD (FusedSGDScheduleFree, as schedulefree.SGDScheduleFree): its groups hold z and no
     # momentum buffer (momentum is its interpolation, in (0, 1)); the scalars' warmup and average weights.
-    Column(key="schedule_free", encode=_flag, check=flag_problem, plan=bool, fused_only=True, default=False),
+    Column(
+        key="schedule_free",
+        encode=_flag,
+        check=flag_problem,
+        plan=bool,
+        fused_only=True,
+        default=False,
+        examples=(False, True),
+    ),
     Column(key="warmup_steps", check=_non_negative, default=0),
     Column(key="r", check=_finite, default=0.0),
     Column(key="weight_lr_power", check=_non_negative, default=2.0),
@@ -281,7 +312,7 @@ def hparam_names() -> tuple[str, ...]:
 
 
 GROUP_OPTIONS: tuple[Option, ...] = (
-    Option(key="master_weights", check=flag_problem, plan=bool),
+    Option(key="master_weights", check=flag_problem, plan=bool, examples=(False, True)),
     # Clips the one global norm of every group's gradients: one value for the step.
     Option(
         key="max_grad_norm",
@@ -291,6 +322,7 @@ GROUP_OPTIONS: tuple[Option, ...] = (
         needs_norms=True,
         fused_only=True,
         clips="norm",
+        examples=(None, 1.0),
     ),
     # torch.optim.SGD's implementation switches: accepted, so configs written for it work, and choosing
     # nothing (every step runs the fused kernel); differentiable=True is refused (check_group).
@@ -364,6 +396,8 @@ def table(groups: Sequence[Mapping[str, Any]], lr_on_device: bool) -> Tensor:
 
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
+PARAM_DTYPES = (torch.float32, torch.float64, *LOW_PRECISION)
+"""The dtypes of the params the kernels step (complex params step as their real views)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -373,7 +407,7 @@ class Slot:
     Attributes:
         key: The state key (``state[p][key]``), and its name in the kernels' ``LFSGD_SLOTS``.
         held: Whether a param of this dtype in this group holds it. It may read plan options only.
-        dtype: Its dtype for a param of this dtype in this group.
+        dtype: Its dtype for a param of this dtype in this group (plan options only, too).
         seed: How a new one starts: ``"gradient"`` (the kernel seeds it from the first step's gradient: the
             op's ``first_step``), ``"weight"`` (the param's weight, as :func:`stored_weight` gives it),
             ``"residual"`` (what rounding the weight to the param dropped) or ``"zeros"``.
@@ -553,6 +587,23 @@ def seeded(slot: Slot, param: Tensor, weight: Tensor, dtype: torch.dtype, zeros:
     return torch.zeros_like(param, dtype=dtype)
 
 
+def slot_rule_cases() -> tuple[list[dict[str, Any]], Tensor]:
+    """Every combination of the plan options' ``examples``, each a group of those options alone (all that the
+    slots' held and dtype rules may read), and their hyperparameter table (other columns 0): loading the
+    library compares the kernels' rules (``LFSGD_SLOTS``) with ``SLOTS``' over them, for each of
+    ``PARAM_DTYPES``."""
+    deciding = [o for o in options() if o.plan is not None]
+    groups = [
+        dict(zip((o.key for o in deciding), values))
+        for values in itertools.product(*(o.examples for o in deciding))
+    ]
+    rows = [
+        [column.encode(group[column.key]) if column.key in group else 0.0 for column in HPARAMS]
+        for group in groups
+    ]
+    return groups, torch.tensor(rows, dtype=torch.float64)
+
+
 @dataclass(frozen=True)
 class StepValue:
     """One value of the step row: its name, dtype and shape (``"one"`` element, one per ``"groups"``, or a
@@ -700,6 +751,7 @@ def kernel_tables() -> tuple[tuple[str, tuple[str, ...], str], ...]:
     return (
         ("hparam_names", hparam_names(), "hyperparameter columns"),
         ("slot_names", slot_keys(), "state slots"),
+        ("slot_seeds", tuple(s.seed for s in SLOTS), "state slots' seeds"),
         ("step_row_names", step_row_names(), "step row"),
         ("decay_names", DECAYS, "decays"),
         ("update_rounding_names", UPDATE_ROUNDINGS, "update roundings"),

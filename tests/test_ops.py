@@ -115,12 +115,17 @@ def test_sgd_step_passes_opcheck(case):
 @pytest.mark.parametrize(
     "dtype, slot, companion, message",
     [
-        (torch.float32, "master_param", lambda p: p.clone(), "master_params are fp32 masters of bf16/fp16"),
+        (
+            torch.float32,
+            "master_param",
+            lambda p: p.clone(),
+            "holds a master_param, but Float params of its group hold none",
+        ),
         (
             torch.float16,
             "kahan_compensation",
             lambda p: p.to(torch.bfloat16),
-            "kahan_compensations are of bf16",
+            "holds a kahan_compensation, but Half params of its group hold none",
         ),
         (torch.bfloat16, "master_param", lambda p: p.to(torch.float16), "a master_param of .* must be Float"),
     ],
@@ -142,7 +147,7 @@ def test_sgd_step_refuses_state_its_groups_do_not_hold():
     params, grads, buffers, _ = bucket()
     before = [p.clone() for p in params]
     for hparams, state in (({}, op_state(3, momentum_buffer=buffers)), (dict(momentum=0.9), op_state(3))):
-        with pytest.raises(RuntimeError, match="momentum_buffer in its group"):
+        with pytest.raises(RuntimeError, match="momentum_buffer, but Float params of its group hold"):
             OPS.sgd_step(params, grads, *state, table(**hparams), [0, 0, 0], op_row())
     assert all(torch.equal(p, q) for p, q in zip(params, before))
 

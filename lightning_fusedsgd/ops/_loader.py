@@ -200,7 +200,8 @@ def _load(device_type: str, verbose: bool) -> Path:
 
 
 def _registered(device_type: str, library: Path) -> Path:
-    """Checks that the kernels read every table as ``_abi`` says (``_abi.kernel_tables``)."""
+    """Checks that the kernels read every table as ``_abi`` says (``_abi.kernel_tables``), and hold the state
+    slots ``_abi.SLOTS`` declares, in their dtypes."""
     if device_type == "cpu":
         ops = torch.ops.lightning_fusedsgd
         for op, python, what in _abi.kernel_tables():
@@ -210,7 +211,27 @@ def _registered(device_type: str, library: Path) -> Path:
                     f"the kernel in {library} reads the {what} as {kernel} ({op}), _abi.py says {python}: "
                     "keep ops/csrc/sgd_math.h and schedule.h in the order of _abi.py"
                 )
+        _compare_slot_rules(library)
     return library
+
+
+def _compare_slot_rules(library: Path) -> None:
+    """Compares the kernels' held and dtype rules of each slot (``LFSGD_SLOTS`` in ops/csrc/bucket.h) with
+    ``_abi.SLOTS``' for every param dtype and every combination of the plan options."""
+    groups, table = _abi.slot_rule_cases()
+    masters = [bool(group["master_weights"]) for group in groups]
+    for dtype in _abi.PARAM_DTYPES:
+        held, dtypes = torch.ops.lightning_fusedsgd.slot_rules(table, dtype, masters)
+        kernel = iter(zip(held, (t.dtype for t in dtypes)))
+        for group in groups:
+            for slot in _abi.SLOTS:
+                says, python = next(kernel), (slot.held(group, dtype), slot.dtype(group, dtype))
+                if says != python:
+                    raise KernelBuildError(
+                        f"the kernel in {library} gives {dtype} params of a group with {group} "
+                        f"(held, dtype) {says} for {slot.key}, _abi.SLOTS says {python}: keep the rules of "
+                        "LFSGD_SLOTS in ops/csrc/bucket.h those of _abi.py"
+                    )
 
 
 def _cpp_extension() -> ModuleType:

@@ -281,14 +281,14 @@ def buffer(slots: dict[str, Tensor | None]) -> Tensor | None:
 
 
 def _slots(state: list[Tensor], state_slots: list[int]) -> list[dict[str, Tensor | None]]:
-    """Each tensor's state by slot key (None where it holds no such state), and whether the kernel seeds its
-    momentum buffer this step, from the ops' ``state`` and ``state_slots``."""
+    """Each tensor's state by slot key (None where it holds no such state), and whether this is its first
+    step, on which the kernel seeds its ``"gradient"`` slots, from the ops' ``state`` and ``state_slots``."""
     entries, slots, keys = iter(state), [], slot_keys()
     for mask in state_slots:
         held, fresh = slots_in(mask)
         slots.append(
             {key: next(entries) if holds else None for key, holds in zip(keys, held)}
-            | {"first_step": fresh[keys.index("momentum_buffer")]}
+            | {"first_step": any(fresh)}
         )
     return slots
 

@@ -6,7 +6,6 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
-#include <array>
 #include <optional>
 #include <type_traits>
 #include <vector>
@@ -18,25 +17,95 @@
 
 namespace lfsgd {
 
-// Every kind of per-parameter state (_abi.SLOTS): (enum constant, state key). The op's `state` holds each
-// tensor's slots in this order, those it holds (its `state_slots` entry: bit s, and bit kNumSlots + s where the
-// kernel seeds slot s this step).
-#define LFSGD_SLOTS(X)                      \
-  X(kMomentumBuffer, momentum_buffer)       \
-  X(kMasterParam, master_param)             \
-  X(kKahanCompensation, kahan_compensation) \
-  X(kRoundingStep, rounding_step)           \
-  X(kEma, ema)                              \
-  X(kEmaStep, ema_step)                     \
-  X(kEmaUpdates, ema_updates)               \
-  X(kZ, z)
+// How a new slot starts (_abi.Slot.seed): the kernel seeds a kGradient slot from the gradient of its tensor's first
+// step; the others are seeded before the op runs, from the weight, what rounding it to the param dropped, or zeros.
+enum class Seed { kGradient, kWeight, kResidual, kZeros };
+constexpr const char* kSeedNames[] = {"gradient", "weight", "residual", "zeros"};
 
-#define LFSGD_SLOT_ENUM(constant, name) constant,
+// What a tensor's slots follow from: its param's dtype, whether its bucket keeps fp32 master weights (the
+// master_weights option, which is no column) and its group.
+struct SlotFacts {
+  at::ScalarType dtype;
+  bool master_weights;
+  const GroupHParams& h;
+};
+
+inline bool low_precision(at::ScalarType dtype) { return dtype == at::kBFloat16 || dtype == at::kHalf; }
+
+// The slots' held rules (_abi.Slot.held): each reads the dtype, the master weights and plan options only.
+inline bool has_momentum_buffer(const SlotFacts& f) { return f.h.momentum != 0.0 && !f.h.schedule_free; }
+inline bool has_masters(const SlotFacts& f) { return f.master_weights && low_precision(f.dtype); }
+inline bool rounds_bf16(const SlotFacts& f, UpdateRounding rounding) {
+  return f.dtype == at::kBFloat16 && !has_masters(f) && f.h.update_rounding == rounding;
+}
+inline bool rounds_kahan(const SlotFacts& f) { return rounds_bf16(f, kKahan); }
+// A bf16 param without masters whose group rounds its update stochastically: it counts its stochastic steps.
+inline bool rounds_stochastically(const SlotFacts& f) { return rounds_bf16(f, kStochastic); }
+inline bool has_average(const SlotFacts& f) { return averages(f.h); }
+inline bool steps_schedule_free(const SlotFacts& f) { return f.h.schedule_free; }
+
+// The slots' dtype rules (_abi.Slot.dtype). A buffer the update reads and writes beside the weight is fp32 beside
+// fp32 masters, else the param's dtype; the average is in opmath; a count is one int64.
+inline at::ScalarType buffer_dtype(const SlotFacts& f) { return has_masters(f) ? at::kFloat : f.dtype; }
+inline at::ScalarType fp32_dtype(const SlotFacts&) { return at::kFloat; }
+inline at::ScalarType bf16_dtype(const SlotFacts&) { return at::kBFloat16; }
+inline at::ScalarType opmath_dtype(const SlotFacts& f) { return f.dtype == at::kDouble ? at::kDouble : at::kFloat; }
+inline at::ScalarType count_dtype(const SlotFacts&) { return at::kLong; }
+
+// Every kind of per-parameter state (_abi.SLOTS), the kernels' one table of it: (enum constant, state key, which
+// tensors hold it, its dtype, how a new one starts). The op's `state` holds each tensor's slots in this order,
+// those it holds (its `state_slots` entry: bit s, and bit kNumSlots + s where the kernel seeds slot s this step).
+// Loading the library compares the names, the seeds and, over every combination of the plan options and dtypes,
+// the held and dtype rules with _abi.SLOTS.
+#define LFSGD_SLOTS(X)                                                                    \
+  X(kMomentumBuffer, momentum_buffer, has_momentum_buffer, buffer_dtype, Seed::kGradient) \
+  X(kMasterParam, master_param, has_masters, fp32_dtype, Seed::kWeight)                   \
+  X(kKahanCompensation, kahan_compensation, rounds_kahan, bf16_dtype, Seed::kResidual)    \
+  X(kRoundingStep, rounding_step, rounds_stochastically, count_dtype, Seed::kZeros)       \
+  X(kEma, ema, has_average, opmath_dtype, Seed::kWeight)                                  \
+  X(kEmaStep, ema_step, has_average, count_dtype, Seed::kZeros)                           \
+  X(kEmaUpdates, ema_updates, has_average, count_dtype, Seed::kZeros)                     \
+  X(kZ, z, steps_schedule_free, buffer_dtype, Seed::kWeight)
+
+#define LFSGD_SLOT_ENUM(constant, name, held, dtype, seed) constant,
 enum Slot : int { LFSGD_SLOTS(LFSGD_SLOT_ENUM) kNumSlots };
 #undef LFSGD_SLOT_ENUM
-#define LFSGD_SLOT_NAME(constant, name) #name,
+#define LFSGD_SLOT_NAME(constant, name, held, dtype, seed) #name,
 constexpr const char* kSlotNames[] = {LFSGD_SLOTS(LFSGD_SLOT_NAME)};
 #undef LFSGD_SLOT_NAME
+#define LFSGD_SLOT_SEED(constant, name, held, dtype, seed) seed,
+constexpr Seed kSlotSeeds[] = {LFSGD_SLOTS(LFSGD_SLOT_SEED)};
+#undef LFSGD_SLOT_SEED
+
+// Whether each slot is held, and its dtype, for these facts (LFSGD_SLOTS' rules).
+struct SlotRules {
+  bool held[kNumSlots];
+  at::ScalarType dtype[kNumSlots];
+};
+inline SlotRules slot_rules(const SlotFacts& f) {
+  SlotRules rules{};
+#define LFSGD_SLOT_RULES(constant, name, held_rule, dtype_rule, seed) \
+  rules.held[constant] = held_rule(f);                                \
+  rules.dtype[constant] = dtype_rule(f);
+  LFSGD_SLOTS(LFSGD_SLOT_RULES)
+#undef LFSGD_SLOT_RULES
+  return rules;
+}
+
+// A tensor's state as every kernel reads it: each slot's data, indexed by Slot, null where it holds none; and
+// where the update finds its streams there.
+struct SlotPointers {
+  void* of[kNumSlots];
+
+  // The stream the update reads and writes beside the weight: its momentum buffer, or a schedule-free tensor's z.
+  LFSGD_HOST_DEVICE void* buffer(bool schedule_free) const { return of[schedule_free ? kZ : kMomentumBuffer]; }
+  // The slot beside the param that holds part of its weight (Weight): its master or its compensation.
+  LFSGD_HOST_DEVICE void* companion(Weight weight) const {
+    return of[weight == Weight::kKahan ? kKahanCompensation : kMasterParam];
+  }
+  // A count slot (kRoundingStep, kEmaStep, kEmaUpdates).
+  LFSGD_HOST_DEVICE int64_t* count(Slot s) const { return static_cast<int64_t*>(of[s]); }
+};
 
 // The step row (_abi.STEP_ROW): (element type, name, shape) of each value, on the params' device or absent.
 enum class RowShape { kOne, kGroups, kLarsSums };
@@ -63,30 +132,22 @@ constexpr int kNumRowValues = sizeof(kStepRowNames) / sizeof(kStepRowNames[0]);
 using OptionalTensors = c10::List<std::optional<at::Tensor>>;
 
 // A checked bucket: its tensors, each group's hyperparameters (the lrs of the row not yet read: a CUDA step
-// reads them on the device), each tensor's slots' data (null where absent) and whether the kernel seeds its
-// momentum buffer this step, how its weights are stored, the step row, and whether it steps schedule-free.
+// reads them on the device), each tensor's slots and whether the kernel seeds its kGradient slots this step (its
+// first step), how its weights are stored, the step row, and whether it steps schedule-free.
 struct Bucket {
   at::TensorList params;
   at::TensorList grads;
   std::vector<GroupHParams> groups;
   at::IntArrayRef tensor_group;
   std::vector<bool> first_step;
-  std::vector<std::array<void*, kNumSlots>> slots;
+  std::vector<SlotPointers> slots;
   Weight weight = Weight::kParam;
   StepRow row;
   bool any_lars = false;
   bool schedule_free = false;
 
-  // Tensor t's buffer (the stream the update reads and writes beside the weight: its momentum buffer, or a
-  // schedule-free tensor's z), its companion (its master or compensation, by the bucket's weight) and its count
-  // of stochastic steps: null where it has none.
-  void* buffer(size_t t) const { return schedule_free ? slots[t][kZ] : slots[t][kMomentumBuffer]; }
-  void* companion(size_t t) const { return slots[t][weight == Weight::kKahan ? kKahanCompensation : kMasterParam]; }
-  int64_t* count(size_t t) const { return static_cast<int64_t*>(slots[t][kRoundingStep]); }
-  // Tensor t's average of the weights (in opmath), its applied steps and its updates: null where it has none.
-  void* average(size_t t) const { return slots[t][kEma]; }
-  int64_t* average_steps(size_t t) const { return static_cast<int64_t*>(slots[t][kEmaStep]); }
-  int64_t* average_updates(size_t t) const { return static_cast<int64_t*>(slots[t][kEmaUpdates]); }
+  void* buffer(size_t t) const { return slots[t].buffer(schedule_free); }
+  void* companion(size_t t) const { return slots[t].companion(weight); }
 };
 
 // The step's inverse grad scale and clip_grad_norm_ coefficient (1 where it does not clip by norm) from its row,
@@ -96,12 +157,6 @@ LFSGD_HOST_DEVICE inline double row_inverse_scale(const StepRow& row) {
 }
 LFSGD_HOST_DEVICE inline double row_clip(const StepRow& row, double inv_scale) {
   return row.grad_sq_sum == nullptr ? 1.0 : clip_coef(*row.grad_sq_sum, *row.max_grad_norm, inv_scale);
-}
-
-// Whether a tensor's update is rounded stochastically: a bf16 param whose weight is the param alone, in a group
-// with update_rounding "stochastic". Such a tensor has a count of its stochastic steps.
-inline bool rounds_stochastically(at::ScalarType dtype, Weight weight, const GroupHParams& h) {
-  return dtype == at::kBFloat16 && weight == Weight::kParam && h.update_rounding == kStochastic;
 }
 
 inline void check_same_layout(const at::Tensor& param, const at::Tensor& other, const char* what,
@@ -186,7 +241,8 @@ inline void* checked_slot(const at::Tensor& value, const at::Tensor& param, Slot
 }
 
 // Checks every argument of sgd_step or lars_sq_sums before a kernel writes anything, and decodes them: the slots a
-// tensor holds must be those its group and dtype hold (_abi.SLOTS' `held`), each checked.
+// tensor holds must be those its group and dtype hold, in their dtypes (LFSGD_SLOTS' rules), and the kernel seeds
+// only kGradient slots.
 inline Bucket check_bucket(at::TensorList params, at::TensorList grads, at::TensorList state,
                            at::IntArrayRef state_slots, const at::Tensor& group_hparams, at::IntArrayRef tensor_group,
                            const OptionalTensors& step, const char* op) {
@@ -208,17 +264,12 @@ inline Bucket check_bucket(at::TensorList params, at::TensorList grads, at::Tens
   TORCH_CHECK(supported_dtype(dtype), "lightning_fusedsgd::", op, ": unsupported param dtype ", dtype);
   bucket.row = read_row(step, first.device(), static_cast<int64_t>(n), static_cast<int64_t>(bucket.groups.size()), op);
   const auto holds = [&](size_t t, Slot s) { return (state_slots[t] >> s & 1) != 0; };
+  // One way of storing the weights per call (the first tensor's); LFSGD_SLOTS' rules check it is its group's.
   const bool masters = holds(0, kMasterParam);
   const bool compensations = holds(0, kKahanCompensation);
-  TORCH_CHECK(!masters || dtype == at::kBFloat16 || dtype == at::kHalf, "lightning_fusedsgd::", op,
-              ": master_params are fp32 masters of bf16/fp16 params, not of ", dtype, " params");
-  TORCH_CHECK(!compensations || (dtype == at::kBFloat16 && !masters), "lightning_fusedsgd::", op,
-              ": kahan_compensations are of bf16 params without master_params, not of ", dtype, " params");
   bucket.weight = masters ? Weight::kMaster : compensations ? Weight::kKahan : Weight::kParam;
-  const auto buffer_dtype = masters ? at::kFloat : dtype;
-  const auto opmath = dtype == at::kDouble ? at::kDouble : at::kFloat;
-  const at::ScalarType dtypes[kNumSlots] = {buffer_dtype, at::kFloat, at::kBFloat16, at::kLong,
-                                            opmath,       at::kLong,  at::kLong,     buffer_dtype};
+  int64_t kernel_seeded = 0;  // the slots the kernel may seed: kGradient ones
+  for (int s = 0; s < kNumSlots; ++s) kernel_seeded |= kSlotSeeds[s] == Seed::kGradient ? int64_t{1} << s : 0;
   size_t entry = 0;
   for (size_t t = 0; t < n; ++t) {
     const at::Tensor& p = params[t];
@@ -239,30 +290,25 @@ inline Bucket check_bucket(at::TensorList params, at::TensorList grads, at::Tens
     if (t == 0) bucket.schedule_free = h.schedule_free;
     TORCH_CHECK(h.schedule_free == bucket.schedule_free, "lightning_fusedsgd::", op,
                 ": the tensors of one call step schedule-free, or none of them");
-    TORCH_CHECK(compensations == (dtype == at::kBFloat16 && !masters && h.update_rounding == kKahan),
-                "lightning_fusedsgd::", op, ": bf16 params of a group with update_rounding 'kahan' (and no fp32 "
-                "masters) come with their kahan_compensations, and only they");
-    // Which slots the tensor holds follows from its group and dtype, as _abi.SLOTS' `held` says; the kernel seeds
-    // only a momentum buffer (from the gradient).
-    const bool held[kNumSlots] = {h.momentum != 0.0 && !h.schedule_free, masters, compensations,
-                                  rounds_stochastically(dtype, bucket.weight, h), averages(h), averages(h),
-                                  averages(h), h.schedule_free};
+    TORCH_CHECK(holds(t, kKahanCompensation) == compensations, "lightning_fusedsgd::", op,
+                ": the tensors of one call hold kahan_compensations, or none of them");
+    const SlotRules rules = slot_rules(SlotFacts{dtype, masters, h});
+    const int64_t seeded = state_slots[t] >> kNumSlots;
     TORCH_CHECK(state_slots[t] >= 0 && state_slots[t] < (int64_t{1} << (2 * kNumSlots)) &&
-                    (state_slots[t] >> kNumSlots & ~int64_t{1}) == 0 &&
-                    (state_slots[t] >> kNumSlots & 1) <= (state_slots[t] >> kMomentumBuffer & 1),
-                "lightning_fusedsgd::", op, ": state_slots entry ", state_slots[t], " out of range (only a held "
-                "momentum buffer is seeded by the kernel)");
-    std::array<void*, kNumSlots> slots{};
+                    (seeded & ~(state_slots[t] & kernel_seeded)) == 0,
+                "lightning_fusedsgd::", op, ": state_slots entry ", state_slots[t], " out of range (the kernel seeds "
+                "only held slots seeded from the gradient)");
+    SlotPointers slots{};
     for (int s = 0; s < kNumSlots; ++s) {
-      TORCH_CHECK(holds(t, static_cast<Slot>(s)) == held[s], "lightning_fusedsgd::", op, ": tensor ", t,
-                  (held[s] ? " holds a " : " holds no "), kSlotNames[s], " in its group (_abi.SLOTS), but its "
-                  "state_slots say otherwise");
-      if (!held[s]) continue;
+      TORCH_CHECK(holds(t, static_cast<Slot>(s)) == rules.held[s], "lightning_fusedsgd::", op, ": tensor ", t,
+                  "'s state_slots say it holds ", (rules.held[s] ? "no " : "a "), kSlotNames[s], ", but ", dtype,
+                  " params of its group hold ", (rules.held[s] ? "one" : "none"), " (_abi.SLOTS)");
+      if (!rules.held[s]) continue;
       TORCH_CHECK(entry < state.size(), "lightning_fusedsgd::", op, ": fewer state tensors than state_slots hold");
-      slots[s] = checked_slot(state[entry++], p, static_cast<Slot>(s), dtypes[s], op);
+      slots.of[s] = checked_slot(state[entry++], p, static_cast<Slot>(s), rules.dtype[s], op);
     }
     bucket.slots.push_back(slots);
-    bucket.first_step.push_back((state_slots[t] >> (kNumSlots + kMomentumBuffer) & 1) != 0);
+    bucket.first_step.push_back(seeded != 0);
   }
   TORCH_CHECK(entry == state.size(), "lightning_fusedsgd::", op, ": more state tensors than state_slots hold");
   return bucket;

@@ -10,6 +10,8 @@
 #include <cmath>
 #include <cstring>
 #include <optional>
+#include <string>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -134,16 +136,16 @@ class CpuUpdate {
 
   // `groups`: the bucket's, with the step's lrs; `clip`: the step's clip_grad_norm_ coefficient.
   CpuUpdate(const Bucket& bucket, const std::vector<GroupHParams>& groups, double inv_scale, double clip)
-      : groups_(groups), tensor_group_(bucket.tensor_group), clip_(clip), schedule_free_(bucket.schedule_free) {
+      : groups_(groups),
+        tensor_group_(bucket.tensor_group),
+        slots_(bucket.slots),
+        clip_(clip),
+        schedule_free_(bucket.schedule_free) {
     const at::TensorList params = bucket.params;
     const size_t n = params.size();
     const double* lars_sums = bucket.row.lars_sq_sums;
     w_ptr_.resize(n);
     g_ptr_.resize(n);
-    b_ptr_.resize(n);
-    m_ptr_.resize(n);
-    count_ptr_.resize(n);
-    average_ptr_.resize(n);
     average_.assign(n, AverageCoeffs<O>{});
     coeffs_.resize(n);
     lars_.resize(n);
@@ -151,11 +153,9 @@ class CpuUpdate {
       const GroupHParams& h = groups_[tensor_group_[t]];
       w_ptr_[t] = params[t].data_ptr<P>();
       g_ptr_[t] = bucket.grads[t].data_ptr<P>();
-      b_ptr_[t] = static_cast<B*>(bucket.buffer(t));
-      m_ptr_[t] = static_cast<M*>(bucket.companion(t));
-      count_ptr_[t] = bucket.count(t);
-      average_ptr_[t] = {static_cast<O*>(bucket.average(t)), bucket.average_steps(t), bucket.average_updates(t)};
-      if (averages(h)) average_[t] = average_coeffs<O>(h, *average_ptr_[t].steps, *average_ptr_[t].updates);
+      if (averages(h)) {
+        average_[t] = average_coeffs<O>(h, *slots_[t].count(kEmaStep), *slots_[t].count(kEmaUpdates));
+      }
       coeffs_[t] = make_coeffs<O>(h, inv_scale, clip, bucket.first_step[t]);
       if (schedule_free_) apply_schedule_free(coeffs_[t], h, bucket.row.ckp1[tensor_group_[t]]);
       // Given sums (sharded params, reduced across shards) replace the norm pass: the ratio is set here.
@@ -173,11 +173,11 @@ class CpuUpdate {
   // rounded tensor counts the step (after the region: every chunk of it read the count first).
   void run() {
     update();
-    for (size_t t = 0; t < count_ptr_.size(); ++t) {
-      if (count_ptr_[t] != nullptr) ++*count_ptr_[t];
-      if (average_ptr_[t].steps != nullptr) {
-        ++*average_ptr_[t].steps;
-        if (average_[t].update) ++*average_ptr_[t].updates;
+    for (size_t t = 0; t < slots_.size(); ++t) {
+      if (int64_t* count = slots_[t].count(kRoundingStep)) ++*count;
+      if (int64_t* steps = slots_[t].count(kEmaStep)) {
+        ++*steps;
+        if (average_[t].update) ++*slots_[t].count(kEmaUpdates);
       }
     }
   }
@@ -208,7 +208,7 @@ class CpuUpdate {
     const int32_t t = chunk.tensor;
     Coeffs<O> unclipped = coeffs_[t];
     unclipped.clip_coef = O(1);
-    chunk_lars_sums<kWeight>(w_ptr_[t], m_ptr_[t], g_ptr_[t], chunk, unclipped, groups_[tensor_group_[t]],
+    chunk_lars_sums<kWeight>(w_ptr_[t], companion(t), g_ptr_[t], chunk, unclipped, groups_[tensor_group_[t]],
                               &sums_[kNumLarsSums * c]);
   }
 
@@ -263,7 +263,7 @@ class CpuUpdate {
   template <bool kClipValue, Averaging kAverage>
   void choose_rounding(const Chunk& chunk, int32_t t, const Coeffs<O> c) const {
     if constexpr (kMayRoundStochastically) {
-      if (count_ptr_[t] != nullptr) return update_cases<kClipValue, true, kAverage>(chunk, t, c);
+      if (slots_[t].count(kRoundingStep) != nullptr) return update_cases<kClipValue, true, kAverage>(chunk, t, c);
     }
     return update_cases<kClipValue, false, kAverage>(chunk, t, c);
   }
@@ -291,13 +291,13 @@ class CpuUpdate {
     c.nesterov = kNesterov;
     P* w = w_ptr_[t];
     const P* gr = g_ptr_[t];
-    B* b = b_ptr_[t];
-    M* m = m_ptr_[t];
-    O* e = average_ptr_[t].average;
+    B* b = static_cast<B*>(slots_[t].buffer(schedule_free_));
+    M* m = companion(t);
+    O* e = static_cast<O*>(slots_[t].of[kEma]);
     AverageCoeffs<O> a = average_[t];
     a.copy = kAverage == Averaging::kFirstUpdate;
     const GroupHParams& h = groups_[tensor_group_[t]];
-    const uint32_t key = kStochastic ? rounding_key(h.rounding_seed, *count_ptr_[t], t) : 0;
+    const uint32_t key = kStochastic ? rounding_key(h.rounding_seed, *slots_[t].count(kRoundingStep), t) : 0;
     const auto element = [&](int64_t i) __attribute__((always_inline)) {
       O wi = load_weight<kWeight>(w, m, i);
       O bi = kMomentum && !kFirst ? static_cast<O>(load(b, i)) : O(0);
@@ -347,19 +347,13 @@ class CpuUpdate {
   }
 #endif
 
+  M* companion(int32_t t) const { return static_cast<M*>(slots_[t].companion(kWeight)); }
+
   const std::vector<GroupHParams>& groups_;
   at::IntArrayRef tensor_group_;
+  const std::vector<SlotPointers>& slots_;  // the bucket's, by tensor
   std::vector<P*> w_ptr_;
   std::vector<const P*> g_ptr_;
-  std::vector<B*> b_ptr_;
-  std::vector<M*> m_ptr_;
-  std::vector<int64_t*> count_ptr_;
-  struct Average {
-    O* average;
-    int64_t* steps;
-    int64_t* updates;
-  };
-  std::vector<Average> average_ptr_;
   std::vector<AverageCoeffs<O>> average_;  // this step's, per tensor (no update where it has no average)
   std::vector<Coeffs<O>> coeffs_;
   std::vector<bool> lars_;
@@ -520,6 +514,32 @@ std::vector<std::string> names(const char* const (&table)[N]) {
   return {std::begin(table), std::end(table)};
 }
 
+std::vector<std::string> slot_seed_names() {
+  std::vector<std::string> seeds;
+  for (Seed seed : kSlotSeeds) seeds.emplace_back(kSeedNames[static_cast<int>(seed)]);
+  return seeds;
+}
+
+// LFSGD_SLOTS' held and dtype rules for `dtype` params of each group (a row of `group_hparams`, with its
+// `master_weights`), slot after slot: whether it is held, and an empty tensor of its dtype. Loading the library
+// compares them with _abi.SLOTS' over every combination of the plan options.
+std::tuple<c10::List<bool>, std::vector<at::Tensor>> slot_rules_of(const at::Tensor& group_hparams,
+                                                                    at::ScalarType dtype,
+                                                                    const c10::List<bool>& master_weights) {
+  const std::vector<GroupHParams> groups = decode_table(group_hparams, "slot_rules");
+  TORCH_CHECK(master_weights.size() == groups.size(), "lightning_fusedsgd::slot_rules: one master_weights per group");
+  c10::List<bool> held;
+  std::vector<at::Tensor> dtypes;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const SlotRules rules = slot_rules(SlotFacts{dtype, master_weights.get(g), groups[g]});
+    for (int s = 0; s < kNumSlots; ++s) {
+      held.push_back(rules.held[s]);
+      dtypes.push_back(at::empty({0}, at::TensorOptions().dtype(rules.dtype[s])));
+    }
+  }
+  return {held, dtypes};
+}
+
 }  // namespace
 }  // namespace lfsgd
 
@@ -529,6 +549,9 @@ std::vector<std::string> names(const char* const (&table)[N]) {
 TORCH_LIBRARY_FRAGMENT(lightning_fusedsgd, m) {
   m.def("hparam_names() -> str[]", [] { return lfsgd::names(lfsgd::kHParamNames); });
   m.def("slot_names() -> str[]", [] { return lfsgd::names(lfsgd::kSlotNames); });
+  m.def("slot_seeds() -> str[]", &lfsgd::slot_seed_names);
+  m.def("slot_rules(Tensor group_hparams, ScalarType dtype, bool[] master_weights) -> (bool[], Tensor[])",
+        &lfsgd::slot_rules_of);
   m.def("step_row_names() -> str[]", [] { return lfsgd::names(lfsgd::kStepRowNames); });
   m.def("decay_names() -> str[]", [] { return lfsgd::names(lfsgd::kDecayNames); });
   m.def("update_rounding_names() -> str[]", [] { return lfsgd::names(lfsgd::kUpdateRoundingNames); });

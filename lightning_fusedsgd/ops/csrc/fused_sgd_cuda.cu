@@ -45,14 +45,9 @@ constexpr int64_t kBlockChunkElems = LFSGD_BLOCK_CHUNK_ELEMS;
 struct TensorArgs {
   void* param;
   const void* grad;
-  void* buffer;            // momentum buffer, or null without momentum
-  void* companion;         // fp32 master weight or bf16 Kahan compensation (Companion), or null
-  int64_t* count;          // the count of stochastic steps of a tensor rounded so (rounds_stochastically), or null
-  void* average;           // the average of the weights (opmath), or null without one
-  int64_t* average_steps;  // its applied steps and updates (average_coeffs)
-  int64_t* average_updates;
+  SlotPointers slots;  // its state, by slot (bucket.h)
   int64_t group;
-  int32_t first;  // first step: the buffer is seeded with the gradient
+  int32_t first;  // first step: the kernel seeds its kGradient slots (the buffer) with the gradient
   int32_t lars;
   int64_t first_chunk;  // its chunks are first_chunk .. first_chunk + num_chunks - 1 of the work list
   int64_t num_chunks;
@@ -111,7 +106,7 @@ __global__ void __launch_bounds__(kThreads)
   const O weight_decay = static_cast<O>(h.weight_decay);
   const P* w = static_cast<const P*>(t.param);
   const P* g = static_cast<const P*>(t.grad);
-  const M* m = static_cast<const M*>(t.companion);
+  const M* m = static_cast<const M*>(t.slots.companion(kWeight));
   double sum[kNumLarsSums] = {0, 0, 0};
   for (int64_t i = chunk.begin + threadIdx.x; i < chunk.end; i += kThreads) {
     const O wi = load_weight<kWeight>(w, m, i);
@@ -165,14 +160,15 @@ __global__ void __launch_bounds__(kThreads)
   }
   P* w = static_cast<P*>(t.param);
   const P* g = static_cast<const P*>(t.grad);
-  B* b = static_cast<B*>(t.buffer);
-  M* m = static_cast<M*>(t.companion);
-  // Stochastic rounding of the update: bf16 params without masters only (sgd_math.h), those with a count.
-  const bool stochastic = t.count != nullptr;
-  const uint32_t key = stochastic ? rounding_key(h.rounding_seed, *t.count, chunk.tensor) : 0;
-  O* e = static_cast<O*>(t.average);
-  const AverageCoeffs<O> a =
-      e != nullptr ? average_coeffs<O>(h, *t.average_steps, *t.average_updates) : AverageCoeffs<O>{};
+  B* b = static_cast<B*>(t.slots.buffer(kScheduleFree));
+  M* m = static_cast<M*>(t.slots.companion(kWeight));
+  // Stochastic rounding of the update: bf16 params without masters only (rounds_stochastically), those with a count.
+  const int64_t* rounding_step = t.slots.count(kRoundingStep);
+  const bool stochastic = rounding_step != nullptr;
+  const uint32_t key = stochastic ? rounding_key(h.rounding_seed, *rounding_step, chunk.tensor) : 0;
+  O* e = static_cast<O*>(t.slots.of[kEma]);
+  const AverageCoeffs<O> a = e != nullptr ? average_coeffs<O>(h, *t.slots.count(kEmaStep), *t.slots.count(kEmaUpdates))
+                                          : AverageCoeffs<O>{};
   for (int64_t base = chunk.begin + threadIdx.x; base < chunk.end; base += kThreads * kUnroll) {
     O wi[kUnroll], gi[kUnroll], bi[kUnroll];
 #pragma unroll
@@ -208,8 +204,8 @@ __global__ void __launch_bounds__(kThreads)
   const TensorArgs t = tensors[chunk.tensor];
   const O to = static_cast<O>(switch_weight(groups[t.group], train));
   P* w = static_cast<P*>(t.param);
-  const B* z = static_cast<const B*>(t.buffer);
-  M* m = static_cast<M*>(t.companion);
+  const B* z = static_cast<const B*>(t.slots.buffer(true));
+  M* m = static_cast<M*>(t.slots.companion(kWeight));
   for (int64_t i = chunk.begin + threadIdx.x; i < chunk.end; i += kThreads) {
     const O moved = lerp(load_weight<kWeight>(w, m, i), static_cast<O>(load(z, i)), to);
     store_update<kWeight>(w, static_cast<B*>(nullptr), m, i, moved, moved, false, false, 0);
@@ -233,11 +229,12 @@ __global__ void advance_counts_kernel(const TensorArgs* tensors, const GroupHPar
   for (int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; t < n;
        t += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const TensorArgs& args = tensors[t];
-    if (args.count != nullptr) ++*args.count;
-    if (args.average_steps != nullptr) {
-      const bool update = average_coeffs<double>(groups[args.group], *args.average_steps, *args.average_updates).update;
-      ++*args.average_steps;
-      if (update) ++*args.average_updates;
+    if (int64_t* rounding_step = args.slots.count(kRoundingStep)) ++*rounding_step;
+    if (int64_t* steps = args.slots.count(kEmaStep)) {
+      int64_t* updates = args.slots.count(kEmaUpdates);
+      const bool update = average_coeffs<double>(groups[args.group], *steps, *updates).update;
+      ++*steps;
+      if (update) ++*updates;
     }
   }
 }
@@ -290,12 +287,7 @@ inline Work make_work(const Bucket& bucket) {
     args = TensorArgs{};
     args.param = bucket.params[t].data_ptr();
     args.grad = bucket.grads[t].data_ptr();
-    args.buffer = bucket.buffer(t);
-    args.companion = bucket.companion(t);
-    args.count = bucket.count(t);
-    args.average = bucket.average(t);
-    args.average_steps = bucket.average_steps(t);
-    args.average_updates = bucket.average_updates(t);
+    args.slots = bucket.slots[t];
     args.group = bucket.tensor_group[t];
     args.first = bucket.first_step[t] ? 1 : 0;
     args.lars = lars_adapts(bucket.groups[args.group]) ? 1 : 0;
@@ -395,7 +387,7 @@ void run_device(const Bucket& bucket) {
   const Work work = make_work(bucket);
   bool any_counts = false;
   for (const TensorArgs& args : work.tensors) {
-    any_counts = any_counts || args.count != nullptr || args.average_steps != nullptr;
+    any_counts = any_counts || args.slots.count(kRoundingStep) != nullptr || args.slots.count(kEmaStep) != nullptr;
   }
   const int64_t num_chunks = static_cast<int64_t>(work.chunks.size());
   if (num_chunks == 0 && !any_counts) return;
