@@ -24,8 +24,22 @@ Each option declares the values the kernels accept (its ``check``); ``lightning_
 group's values against them, and the rules that relate two keys, before anything is written.
 
 Adding a hyperparameter: its column here, its argument on ``FusedSGD``, its field and math in ``sgd_math.h``,
-its math in ``ops/reference.py``, and a row of the test table. Adding a kind of state: its slot here and in
-``LFSGD_SLOTS``, and its element math.
+its math in ``ops/reference.py``, and a row of the test table.
+
+Adding a kind of state that the update reads and writes takes six library files at most (docs/design.md walks
+through a second moment):
+
+1. here: its :class:`Slot`, and the option that makes a param hold it (a :class:`Column` with ``examples``);
+2. ``optim/sgd.py``: that option's argument, where the option is new;
+3. ``ops/csrc/slots.h``: its row of ``LFSGD_SLOTS``, with the Slot's held rule, dtype rule and seed (loading
+   the library compares them);
+4. ``ops/csrc/sgd_math.h``: its operand (``Operands``, ``zip_operands``), its math, and the option's field;
+5. ``ops/csrc/elements.h``: its stream (``Streams``, ``streams_of``, ``Streams::each``), its load
+   (``load_operands``) and its store (``update_at``), which the CPU and CUDA loops both call;
+6. ``ops/reference.py``: the same math, load and store in PyTorch.
+
+The op's checks (``bucket.h``), the kernels' loops, the plan, the kept plan, the state dicts and the
+checkpoints follow from these declarations. A state the update does not read (a count) takes 1-3 and its use.
 
 Imports nothing of this package: every layer may use it. It is longer than 400 lines because each of its
 tables is the Python half of one C++ table (``LFSGD_HPARAMS``, ``LFSGD_SLOTS``, ``LFSGD_STEP_ROW``, the

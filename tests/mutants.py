@@ -121,8 +121,8 @@ MUTANTS = [
     ),
     Mutant(
         "update-chunk-end-one-short",
-        "      if (i < chunk.end) {\n        update_element",
-        "      if (i < chunk.end - 1) {\n        update_element",
+        "      if (i < chunk.end) update_at<",
+        "      if (i < chunk.end - 1) update_at<",
     ),
     Mutant(
         "update-step-of-one-unrolled-load",
@@ -131,8 +131,8 @@ MUTANTS = [
     ),
     Mutant(
         "update-loads-a-warp-apart",
-        "      const int64_t i = base + u * kThreads;\n      if (i < chunk.end) {\n        wi[u]",
-        "      const int64_t i = base + u * 32;\n      if (i < chunk.end) {\n        wi[u]",
+        "      const int64_t i = base + u * kThreads;\n      if (i < chunk.end) operands[u]",
+        "      const int64_t i = base + u * 32;\n      if (i < chunk.end) operands[u]",
     ),
     Mutant(
         "rounding-steps-grid-stride-without-the-grid",
@@ -173,8 +173,8 @@ MUTANTS = [
     ),
     Mutant(
         "rounding-key-of-the-block",
-        "rounding_key(h.rounding_seed, *t.count, chunk.tensor)",
-        "rounding_key(h.rounding_seed, *t.count, blockIdx.x)",
+        "rounding_key(h.rounding_seed, *rounding_step, chunk.tensor)",
+        "rounding_key(h.rounding_seed, *rounding_step, blockIdx.x)",
     ),
     Mutant(
         "table-piece-one-byte-short",
@@ -184,8 +184,8 @@ MUTANTS = [
     # What is computed where, and when.
     Mutant(
         "rounding-step-advanced-in-the-update",
-        "rounding_key(h.rounding_seed, *t.count, chunk.tensor)",
-        "rounding_key(h.rounding_seed, (*t.count)++, chunk.tensor)",
+        "rounding_key(h.rounding_seed, *rounding_step, chunk.tensor)",
+        "rounding_key(h.rounding_seed, (*rounding_step)++, chunk.tensor)",
     ),
     Mutant(
         "rounding-steps-advanced-on-a-skipped-step",
@@ -216,18 +216,19 @@ MUTANTS = [
     # The average of the weights.
     Mutant(
         "average-steps-and-updates-swapped",
-        "average_coeffs<O>(h, *t.average_steps, *t.average_updates)",
-        "average_coeffs<O>(h, *t.average_updates, *t.average_steps)",
+        "average_coeffs<O>(h, *t.slots.count(kEmaStep), *t.slots.count(kEmaUpdates))",
+        "average_coeffs<O>(h, *t.slots.count(kEmaUpdates), *t.slots.count(kEmaStep))",
     ),
     Mutant(
         "average-updates-counted-every-step",
-        "      if (update) ++*args.average_updates;",
-        "      ++*args.average_updates;",
+        "      if (update) ++*updates;",
+        "      ++*updates;",
     ),
     Mutant(
         "average-of-the-rounded-param",
-        "if (a.update) store_average<P>(e, i, wi[u], a);",
-        "if (a.update) store_average<P>(e, i, static_cast<O>(load(w, i)), a);",
+        "if (average) store_average<P>(s.e, i, o.w, a);",
+        "if (average) store_average<P>(s.e, i, load_value<P>(s.w, i, o.w), a);",
+        file="elements.h",
     ),
     # Host code reading device memory (a GPU's is not host memory), or waiting for the device.
     Mutant(

@@ -216,7 +216,7 @@ def _registered(device_type: str, library: Path) -> Path:
 
 
 def _compare_slot_rules(library: Path) -> None:
-    """Compares the kernels' held and dtype rules of each slot (``LFSGD_SLOTS`` in ops/csrc/bucket.h) with
+    """Compares the kernels' held and dtype rules of each slot (``LFSGD_SLOTS`` in ops/csrc/slots.h) with
     ``_abi.SLOTS``' for every param dtype and every combination of the plan options."""
     groups, table = _abi.slot_rule_cases()
     masters = [bool(group["master_weights"]) for group in groups]
@@ -230,7 +230,7 @@ def _compare_slot_rules(library: Path) -> None:
                     raise KernelBuildError(
                         f"the kernel in {library} gives {dtype} params of a group with {group} "
                         f"(held, dtype) {says} for {slot.key}, _abi.SLOTS says {python}: keep the rules of "
-                        "LFSGD_SLOTS in ops/csrc/bucket.h those of _abi.py"
+                        "LFSGD_SLOTS in ops/csrc/slots.h those of _abi.py"
                     )
 
 

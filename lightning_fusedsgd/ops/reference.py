@@ -276,7 +276,7 @@ def clipped_term_sq_sum(sum_w: Tensor, sum_t: Tensor, sum_wt: Tensor, c: float |
 
 def buffer(slots: dict[str, Tensor | None]) -> Tensor | None:
     """The stream the update reads and writes beside the weight: the momentum buffer, or a schedule-free
-    tensor's z (``Bucket::buffer`` in bucket.h)."""
+    tensor's z (``SlotPointers::buffer`` in slots.h)."""
     return slots["z"] if slots["z"] is not None else slots["momentum_buffer"]
 
 

@@ -12,17 +12,9 @@
 #include <type_traits>
 
 #include "sgd_math.h"
+#include "slots.h"
 
 namespace lfsgd {
-
-// How a bucket's weights are stored: in the params alone; in fp32 master weights (the master_param slot) of
-// bf16/fp16 params, which hold their rounding; or as bf16 params plus their Kahan compensations (the
-// kahan_compensation slot, sgd_math.h). The slot beside the param, where there is one, is its companion.
-enum class Weight { kParam, kMaster, kKahan };
-
-// The element type of a bucket's companions.
-template <Weight kWeight>
-using Companion = std::conditional_t<kWeight == Weight::kKahan, c10::BFloat16, float>;
 
 // A float's bits and back (memcpy: the defined way, compiled to nothing).
 LFSGD_ELEMENT uint32_t float_bits(float v) {
@@ -142,6 +134,72 @@ LFSGD_ELEMENT void store_update(P* w, B* b, M* m, int64_t i, const V& wi, const 
 template <typename P, typename E, typename V, typename S>
 LFSGD_ELEMENT void store_average(E* e, int64_t i, const V& wi, const AverageCoeffs<S>& a) {
   store_value<P>(e, i, averaged(load_value<P>(e, i, wi), wi, a));
+}
+
+// load_weight for an element (V: the opmath type) or a block (V: FloatPair, vec_elements.h); `like` picks it.
+template <Weight kWeight, typename P, typename M, typename V>
+LFSGD_ELEMENT V load_weight_value(const P* w, const M* m, int64_t i, const V& /*like*/) {
+  return load_weight<kWeight>(w, m, i);
+}
+template <typename V>
+LFSGD_ELEMENT V zero_like(const V& /*like*/) {
+  return V(0);
+}
+
+// One tensor's streams as the update reads and writes them, typed for its bucket (params of P, buffers of B, weights
+// stored as kWeight): the param, its gradient, the buffer (momentum buffer or z), the companion (master or
+// compensation) and the average of the weights, each null where it has none.
+template <typename P, typename B, Weight kWeight>
+struct Streams {
+  using O = typename OpMath<P>::type;
+  P* w;
+  const P* g;
+  B* b;
+  Companion<kWeight>* m;
+  O* e;
+
+  // Calls f(stream, written) for each stream an update reads (`written`: std::integral_constant<int, 1> where it
+  // writes it too), with a buffer (kBuffer) and an average (kAverage) or without: the CPU loop asks for their
+  // lines ahead.
+  template <bool kBuffer, bool kAverage, typename F>
+  void each(F&& f) const {
+    using Read = std::integral_constant<int, 0>;
+    using Written = std::integral_constant<int, 1>;
+    f(w, Written{});
+    f(g, Read{});
+    if constexpr (kBuffer) f(b, Written{});
+    if constexpr (kWeight != Weight::kParam) f(m, Written{});
+    if constexpr (kAverage) f(e, Written{});
+  }
+};
+
+// A tensor's streams from its param, gradient and slots.
+template <typename P, typename B, Weight kWeight>
+LFSGD_HOST_DEVICE inline Streams<P, B, kWeight> streams_of(void* param, const void* grad, const SlotPointers& slots,
+                                                           bool schedule_free) {
+  using O = typename OpMath<P>::type;
+  return {static_cast<P*>(param), static_cast<const P*>(grad), static_cast<B*>(slots.buffer(schedule_free)),
+          static_cast<Companion<kWeight>*>(slots.companion(kWeight)), static_cast<O*>(slots.of[kEma])};
+}
+
+// The operands at i (Operands, sgd_math.h; V: the opmath type for an element, FloatPair for a block; `like` picks
+// it). `read_buffer`: the buffer holds a value (it exists, and the kernel does not seed it this step), else it
+// reads as 0.
+template <typename P, typename B, Weight kWeight, typename V>
+LFSGD_ELEMENT Operands<V> load_operands(const Streams<P, B, kWeight>& s, int64_t i, bool read_buffer, const V& like) {
+  return {load_weight_value<kWeight>(s.w, s.m, i, like), load_value<P>(s.g, i, like),
+          read_buffer ? load_value<P>(s.b, i, like) : zero_like(like)};
+}
+
+// The update of the operands at i (update_element) and its stores: the weight and the buffer (`buffer`: there is
+// one), rounded stochastically with `key` (`stochastic`) or to nearest (store_update), and where `average`, the
+// average of the weights (store_average, with `a`).
+template <bool kScheduleFree, bool kClipValue, typename P, typename B, Weight kWeight, typename V, typename S>
+LFSGD_ELEMENT void update_at(const Streams<P, B, kWeight>& s, int64_t i, Operands<V>& o, const Coeffs<S>& c,
+                             bool buffer, bool stochastic, uint32_t key, bool average, const AverageCoeffs<S>& a) {
+  update_element<kScheduleFree, kClipValue>(o, c);
+  store_update<kWeight>(s.w, s.b, s.m, i, o.w, o.b, buffer, stochastic, key);
+  if (average) store_average<P>(s.e, i, o.w, a);
 }
 
 }  // namespace lfsgd

@@ -289,21 +289,17 @@ class CpuUpdate {
     c.has_momentum = kMomentum;
     c.first = kFirst;
     c.nesterov = kNesterov;
-    P* w = w_ptr_[t];
-    const P* gr = g_ptr_[t];
-    B* b = static_cast<B*>(slots_[t].buffer(schedule_free_));
-    M* m = companion(t);
-    O* e = static_cast<O*>(slots_[t].of[kEma]);
+    const Streams<P, B, kWeight> s = streams_of<P, B, kWeight>(w_ptr_[t], g_ptr_[t], slots_[t], schedule_free_);
     AverageCoeffs<O> a = average_[t];
     a.copy = kAverage == Averaging::kFirstUpdate;
+    constexpr bool kAverages = kAverage != Averaging::kNone;
     const GroupHParams& h = groups_[tensor_group_[t]];
     const uint32_t key = kStochastic ? rounding_key(h.rounding_seed, *slots_[t].count(kRoundingStep), t) : 0;
-    const auto element = [&](int64_t i) __attribute__((always_inline)) {
-      O wi = load_weight<kWeight>(w, m, i);
-      O bi = kMomentum && !kFirst ? static_cast<O>(load(b, i)) : O(0);
-      update_element<kScheduleFree, kClipValue>(wi, static_cast<O>(load(gr, i)), bi, c);
-      store_update<kWeight>(w, b, m, i, wi, bi, kMomentum, kStochastic, key);
-      if constexpr (kAverage != Averaging::kNone) store_average<P>(e, i, wi, a);
+    // An element (V: O) or a block of 16-bit params on ATen's vectors (V: FloatPair, vec_elements.h), which the
+    // compiler vectorizes neither for c10::Half's conversions nor for the bf16 roundings' selects.
+    const auto update = [&](int64_t i, const auto& like) __attribute__((always_inline)) {
+      auto operands = load_operands(s, i, kMomentum && !kFirst, like);
+      update_at<kScheduleFree, kClipValue>(s, i, operands, c, kMomentum, kStochastic, key, kAverages, a);
     };
     // Blocks, each asking for the lines of the block kPrefetchElems ahead in every stream, then the tail element
     // by element.
@@ -312,40 +308,20 @@ class CpuUpdate {
     const int64_t end = chunk.end;
     int64_t begin = chunk.begin;
     for (; begin + kBlock <= end; begin += kBlock) {
-      prefetch_ahead<1>(w, begin, kBlock);
-      prefetch_ahead<0>(gr, begin, kBlock);
-      if constexpr (kMomentum) prefetch_ahead<1>(b, begin, kBlock);
-      if constexpr (kWeight != Weight::kParam) prefetch_ahead<1>(m, begin, kBlock);
-      if constexpr (kAverage != Averaging::kNone) prefetch_ahead<1>(e, begin, kBlock);
+      s.template each<kMomentum, kAverages>(
+          [&](const auto* stream, auto written) { prefetch_ahead<decltype(written)::value>(stream, begin, kBlock); });
 #ifdef LFSGD_CPU_VECTORS
       if constexpr (kVectorBlocks<P>) {
-        update_block<kClipValue, kMomentum, kFirst, kStochastic, kAverage, kScheduleFree>(w, gr, b, m, e, begin, c,
-                                                                                          key, a);
+        update(begin, FloatPair{});
         continue;
       }
 #endif
 #pragma omp simd
-      for (int64_t i = begin; i < begin + kBlock; ++i) element(i);
+      for (int64_t i = begin; i < begin + kBlock; ++i) update(i, O{});
     }
 #pragma omp simd
-    for (int64_t i = begin; i < end; ++i) element(i);
+    for (int64_t i = begin; i < end; ++i) update(i, O{});
   }
-
-#ifdef LFSGD_CPU_VECTORS
-  // 16-bit params in the AVX2 and AVX-512 builds run on ATen's vectors (vec_elements.h): the compiler vectorizes
-  // neither c10::Half's conversions nor the bf16 roundings' selects well.
-  template <bool kClipValue, bool kMomentum, bool kFirst, bool kStochastic, Averaging kAverage, bool kScheduleFree>
-  LFSGD_ELEMENT static void update_block(P* w, const P* gr, B* b, M* m, O* e, int64_t i, const Coeffs<O>& c,
-                                         uint32_t key, const AverageCoeffs<O>& a) {
-    FloatPair wi = load_weight_block<kWeight>(w, m, i);
-    FloatPair bi = kMomentum && !kFirst ? load_block<P>(b, i) : FloatPair{FloatVec(0.0f), FloatVec(0.0f)};
-    const FloatPair gi = load_block<P>(gr, i);
-    update_element<kScheduleFree, kClipValue>(wi.low, gi.low, bi.low, c);
-    update_element<kScheduleFree, kClipValue>(wi.high, gi.high, bi.high, c);
-    store_update<kWeight>(w, b, m, i, wi, bi, kMomentum, kStochastic, key);
-    if constexpr (kAverage != Averaging::kNone) store_average<P>(e, i, wi, a);
-  }
-#endif
 
   M* companion(int32_t t) const { return static_cast<M*>(slots_[t].companion(kWeight)); }
 

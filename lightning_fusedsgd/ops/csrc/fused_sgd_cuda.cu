@@ -144,7 +144,6 @@ template <typename P, typename B, Weight kWeight, bool kScheduleFree>
 __global__ void __launch_bounds__(kThreads)
     update_kernel(const TensorArgs* tensors, const ChunkArgs* chunks, const GroupHParams* groups, StepRow row) {
   using O = typename OpMath<P>::type;
-  using M = Companion<kWeight>;
   if (skipped(row.found_inf)) return;
   const ChunkArgs chunk = chunks[blockIdx.x];
   const TensorArgs t = tensors[chunk.tensor];
@@ -158,36 +157,26 @@ __global__ void __launch_bounds__(kThreads)
     const double* sums = row.lars_sq_sums + kNumLarsSums * chunk.tensor;
     apply_lars(c, sums[0], clipped_term_sq_sum(sums[0], sums[1], sums[2], clip, h), h);
   }
-  P* w = static_cast<P*>(t.param);
-  const P* g = static_cast<const P*>(t.grad);
-  B* b = static_cast<B*>(t.slots.buffer(kScheduleFree));
-  M* m = static_cast<M*>(t.slots.companion(kWeight));
+  const Streams<P, B, kWeight> s = streams_of<P, B, kWeight>(t.param, t.grad, t.slots, kScheduleFree);
   // Stochastic rounding of the update: bf16 params without masters only (rounds_stochastically), those with a count.
-  const int64_t* rounding_step = t.slots.count(kRoundingStep);
+  int64_t* rounding_step = t.slots.count(kRoundingStep);
   const bool stochastic = rounding_step != nullptr;
   const uint32_t key = stochastic ? rounding_key(h.rounding_seed, *rounding_step, chunk.tensor) : 0;
-  O* e = static_cast<O*>(t.slots.of[kEma]);
-  const AverageCoeffs<O> a = e != nullptr ? average_coeffs<O>(h, *t.slots.count(kEmaStep), *t.slots.count(kEmaUpdates))
-                                          : AverageCoeffs<O>{};
+  const AverageCoeffs<O> a =
+      s.e != nullptr ? average_coeffs<O>(h, *t.slots.count(kEmaStep), *t.slots.count(kEmaUpdates)) : AverageCoeffs<O>{};
+  // kUnroll elements' loads in flight, then their updates and stores.
   for (int64_t base = chunk.begin + threadIdx.x; base < chunk.end; base += kThreads * kUnroll) {
-    O wi[kUnroll], gi[kUnroll], bi[kUnroll];
+    Operands<O> operands[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t i = base + u * kThreads;
-      if (i < chunk.end) {
-        wi[u] = load_weight<kWeight>(w, m, i);
-        gi[u] = load(g, i);
-        bi[u] = has_momentum && !c.first ? static_cast<O>(load(b, i)) : O(0);
-      }
+      if (i < chunk.end) operands[u] = load_operands(s, i, has_momentum && !c.first, O{});
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t i = base + u * kThreads;
-      if (i < chunk.end) {
-        update_element<kScheduleFree>(wi[u], gi[u], bi[u], c);
-        store_update<kWeight>(w, b, m, i, wi[u], bi[u], has_momentum, stochastic, key);
-        if (a.update) store_average<P>(e, i, wi[u], a);
-      }
+      if (i < chunk.end) update_at<kScheduleFree, true>(s, i, operands[u], c, has_momentum, stochastic, key, a.update,
+                                                        a);
     }
   }
 }

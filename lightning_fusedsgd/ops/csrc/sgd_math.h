@@ -275,13 +275,30 @@ LFSGD_ELEMENT void schedule_free_element(V& y, V g, V& z, const Coeffs<S>& c) {
   z = mul_add(g, V(-c.lr), z);
 }
 
+// What an element's update reads, in opmath (V: a value, or a vector block): its weight, its gradient and its
+// buffer (the momentum buffer, or z). The kernels load and store them in elements.h (load_operands, update_at).
+template <typename V>
+struct Operands {
+  V w;
+  V g;
+  V b;
+};
+
+// Calls f(a's, b's, c's) for each operand of three Operands, in order (a block's halves are taken so).
+template <typename F, typename A, typename B, typename C>
+LFSGD_ELEMENT void zip_operands(F&& f, A& a, B& b, C& c) {
+  f(a.w, b.w, c.w);
+  f(a.g, b.g, c.g);
+  f(a.b, b.b, c.b);
+}
+
 // One element's update: SGD's, or (kScheduleFree) schedule-free SGD's, whose z is where SGD's buffer is.
 template <bool kScheduleFree, bool kClipValue = true, typename V, typename S>
-LFSGD_ELEMENT void update_element(V& w, V g, V& b, const Coeffs<S>& c) {
+LFSGD_ELEMENT void update_element(Operands<V>& o, const Coeffs<S>& c) {
   if constexpr (kScheduleFree) {
-    schedule_free_element<kClipValue>(w, g, b, c);
+    schedule_free_element<kClipValue>(o.w, o.g, o.b, c);
   } else {
-    sgd_element<kClipValue>(w, g, b, c);
+    sgd_element<kClipValue>(o.w, o.g, o.b, c);
   }
 }
 

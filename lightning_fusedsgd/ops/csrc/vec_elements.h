@@ -171,4 +171,23 @@ LFSGD_ELEMENT FloatPair averaged(const FloatPair& average, const FloatPair& w, c
   return {averaged(average.low, w.low, a), averaged(average.high, w.high, a)};
 }
 
+// The update's operations (elements.h: load_operands, update_at) for a block.
+template <Weight kWeight, typename P, typename M>
+LFSGD_ELEMENT FloatPair load_weight_value(const P* w, const M* m, int64_t i, const FloatPair& /*like*/) {
+  return load_weight_block<kWeight>(w, m, i);
+}
+LFSGD_ELEMENT FloatPair zero_like(const FloatPair& /*like*/) { return {FloatVec(0.0f), FloatVec(0.0f)}; }
+// A block's update: each half's operands on their own.
+template <bool kScheduleFree, bool kClipValue, typename S>
+LFSGD_ELEMENT void update_element(Operands<FloatPair>& o, const Coeffs<S>& c) {
+  Operands<FloatVec> low, high;
+  zip_operands([](const FloatPair& pair, FloatVec& l, FloatVec& h) {
+    l = pair.low;
+    h = pair.high;
+  }, o, low, high);
+  update_element<kScheduleFree, kClipValue>(low, c);
+  update_element<kScheduleFree, kClipValue>(high, c);
+  zip_operands([](FloatPair& pair, const FloatVec& l, const FloatVec& h) { pair = {l, h}; }, o, low, high);
+}
+
 }  // namespace lfsgd
