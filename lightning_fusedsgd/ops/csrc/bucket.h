@@ -192,9 +192,7 @@ inline Bucket check_bucket(at::TensorList params, at::TensorList grads, at::Tens
     TORCH_CHECK(grads[t].scalar_type() == dtype, "lightning_fusedsgd::", op, ": grads must have their params' dtype");
     const GroupHParams& h = bucket.groups[tensor_group[t]];
     bucket.any_lars = bucket.any_lars || lars_adapts(h);
-    TORCH_CHECK(h.update_rounding >= kNearest && h.update_rounding <= kKahan && h.lars_denominator >= kGradPlusDecay &&
-                    h.lars_denominator <= kDecayedGrad && h.lars_zero_norm >= kUnitRatio && h.lars_zero_norm <= kPlainGrad,
-                "lightning_fusedsgd::", op, ": an option column out of range");
+    TORCH_CHECK(options_in_range(h), "lightning_fusedsgd::", op, ": an option column out of range");
     TORCH_CHECK(!averages(h) || (h.ema_every >= 1 && h.ema_start >= 0), "lightning_fusedsgd::", op,
                 ": ema_every must be >= 1 and ema_start >= 0");
     if (t == 0) bucket.schedule_free = h.schedule_free;

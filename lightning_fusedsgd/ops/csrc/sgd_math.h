@@ -71,6 +71,12 @@ struct GroupHParams {
 #undef LFSGD_FIELD
 };
 
+// Whether a group's option columns hold numbers of their options (the enums above).
+inline bool options_in_range(const GroupHParams& h) {
+  return h.update_rounding >= kNearest && h.update_rounding <= kKahan && h.lars_denominator >= kGradPlusDecay &&
+         h.lars_denominator <= kDecayedGrad && h.lars_zero_norm >= kUnitRatio && h.lars_zero_norm <= kPlainGrad;
+}
+
 #define LFSGD_NAME(type, name) #name,
 constexpr const char* kHParamNames[] = {LFSGD_HPARAMS(LFSGD_NAME)};
 #undef LFSGD_NAME
