@@ -5,6 +5,7 @@ behind an nvcc wrapper. The GPU-dependent paths run with the CUDA checks mocked.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -326,6 +327,44 @@ def test_every_kernel_table_is_read_in_the_abis_order_and_checked_at_load(monkey
         ):
             _loader._registered("cpu", library)
         monkeypatch.undo()
+
+
+@pytest.mark.parametrize(
+    "rule, changed",
+    [
+        ("held", lambda slot: lambda group, dtype: not slot.held(group, dtype)),
+        ("dtype", lambda slot: lambda group, dtype: torch.float64),
+    ],
+)
+@pytest.mark.parametrize("key", _abi.slot_keys())
+def test_each_slots_held_and_dtype_rules_are_compared_at_load(monkeypatch, key, rule, changed):
+    """The kernels' held and dtype rules of every slot (LFSGD_SLOTS) are compared with _abi.SLOTS' when the
+    library loads, over every param dtype and combination of the plan options: one rule changed on the Python
+    side is an error naming the slot."""
+    load("cpu")
+    library = _loader.OUTCOMES["cpu"]
+    _loader._registered("cpu", library)
+    slots = tuple(dataclasses.replace(s, **{rule: changed(s)}) if s.key == key else s for s in _abi.SLOTS)
+    monkeypatch.setattr(_abi, "SLOTS", slots)
+    with pytest.raises(KernelBuildError, match=f"for {key}, _abi.SLOTS says"):
+        _loader._registered("cpu", library)
+
+
+def test_the_plan_options_examples_take_each_decision_once():
+    """The grid the slot rules are compared over: every option that decides a plan names valid examples, one
+    for each of its decisions (update_rounding: each rounding; the others: off and on)."""
+    for option in _abi.options():
+        if option.plan is None:
+            assert option.examples == (), option.key
+            continue
+        decisions = [option.plan(value) for value in option.examples]
+        assert len(set(decisions)) == len(decisions) >= 2, option.key
+        assert all(option.check is None or option.check(value) is None for value in option.examples), (
+            option.key
+        )
+    assert {_abi.option("update_rounding").plan(v) for v in _abi.option("update_rounding").examples} == set(
+        _abi.UPDATE_ROUNDINGS
+    )
 
 
 @pytest.mark.slow
