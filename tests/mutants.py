@@ -1,5 +1,7 @@
 """Mutation check of the emulated CUDA tests: bugs injected into the CUDA kernels and their host code
-(``csrc/fused_sgd_cuda.cu``), one at a time, each of which ``pytest -m cuda_emulated`` must catch.
+(``csrc/fused_sgd_cuda.cu``), one at a time, each of which ``pytest -m cuda_emulated`` must catch. A bug in
+what both kernels share (the update's loads and stores, ``csrc/elements.h``) is in the CPU kernel too, which
+the emulated tests compare with: the CPU tests that hold it against an independent oracle must catch it.
 
 ``make mutants`` runs it; CI does not (each mutant rebuilds the emulated library and runs the tests until
 one fails: 15-60 s a mutant on 2 cores, 12-22 minutes for all). Run it after changing the kernels or the
@@ -40,6 +42,7 @@ class Mutant:
     original: str
     replacement: str
     file: str = "fused_sgd_cuda.cu"
+    tests: tuple[str, ...] = ()  # for a file both kernels include: the tests that judge it against an oracle
 
 
 SCRATCH = "LFSGD_SHARED(double, scratch, kThreads / 32);\n"
@@ -229,6 +232,7 @@ MUTANTS = [
         "if (average) store_average<P>(s.e, i, o.w, a);",
         "if (average) store_average<P>(s.e, i, load_value<P>(s.w, i, o.w), a);",
         file="elements.h",
+        tests=("tests/test_ema.py",),
     ),
     # Host code reading device memory (a GPU's is not host memory), or waiting for the device.
     Mutant(
@@ -374,7 +378,8 @@ def run_mutants(selected: list[Mutant], workdir: Path) -> int:
         if status != 0:
             outcome = "DID NOT BUILD: " + output.strip().splitlines()[-1][:200]
         else:
-            outcome = verdict(*run([sys.executable, "-m", "pytest", *TESTS], workdir, env))
+            tests = ["-x", "-q", "-p", "no:cacheprovider", *mutant.tests] if mutant.tests else TESTS
+            outcome = verdict(*run([sys.executable, "-m", "pytest", *tests], workdir, env))
         source.write_text(pristine, encoding="utf-8")
         for built in set(cache.iterdir()) - before:
             shutil.rmtree(built, ignore_errors=True)
