@@ -1,6 +1,7 @@
-// One element's memory, written once for the CPU kernel and (under nvcc) the CUDA kernel: how a bucket's weights
-// are stored, loads into opmath and stores back, the weight an element steps from (load_weight), and the rounding
-// of its update into the param, buffer, master or compensation (store_update). The CPU kernel's AVX2 and
+// One element's memory, written once for the CPU kernel and (under nvcc) the CUDA kernel: loads into opmath and
+// stores back, the weight an element steps from (load_weight), the rounding of its update into the param, buffer,
+// master or compensation (store_update), and a tensor's streams (Streams, from its slots) with the update's loads
+// (load_operands) and its math and stores (update_at), which both kernels' loops call. The CPU kernel's AVX2 and
 // AVX-512 builds run the same on ATen's vectors for 16-bit params (vec_elements.h), which give the same bits.
 #pragma once
 
