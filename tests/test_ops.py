@@ -13,7 +13,7 @@ from oracles import assert_close_rel
 from torch import nn
 from torch._dynamo.utils import counters
 
-from lightning_fusedsgd import FusedLARS, FusedSGD
+from lightning_fusedsgd import FusedLARS, FusedSGD, _abi
 from lightning_fusedsgd._abi import LARS_DENOMINATORS, UPDATE_ROUNDINGS, hparam_names
 from lightning_fusedsgd.ops import load as load_ops
 from lightning_fusedsgd.ops import reference
@@ -150,6 +150,27 @@ def test_sgd_step_refuses_state_its_groups_do_not_hold():
         with pytest.raises(RuntimeError, match="momentum_buffer, but Float params of its group hold"):
             OPS.sgd_step(params, grads, *state, table(**hparams), [0, 0, 0], op_row())
     assert all(torch.equal(p, q) for p, q in zip(params, before))
+
+
+@pytest.mark.parametrize(
+    "seeded, hparams",
+    [("master_param", dict(momentum=0.9)), ("momentum_buffer", dict())],
+    ids=["a-slot-seeded-from-the-weight", "a-buffer-not-held"],
+)
+def test_sgd_step_seeds_only_held_slots_declared_seeded_from_the_gradient(seeded, hparams):
+    """The kernel seeds a slot on a tensor's first step only where the tensor holds it and _abi.SLOTS declares
+    it seeded from the gradient (the momentum buffer): a state_slots entry asking more is refused before
+    anything is written."""
+    params, grads, buffers, masters = bucket(torch.bfloat16, master=True)
+    state, masks = op_state(3, momentum_buffer=buffers if hparams else [], master_param=masters)
+    bit = len(_abi.SLOTS) + _abi.slot_keys().index(seeded)
+    masks[1] |= 1 << bit
+    before = [p.clone() for p in params]
+    with pytest.raises(RuntimeError, match="the kernel seeds only held slots seeded from the gradient"):
+        OPS.sgd_step(params, grads, state, masks, table(**hparams), [0, 0, 0], op_row())
+    assert all(torch.equal(p, q) for p, q in zip(params, before))
+    masks[1] &= ~(1 << bit)
+    OPS.sgd_step(params, grads, state, masks, table(**hparams), [0, 0, 0], op_row())  # the same, unseeded
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])

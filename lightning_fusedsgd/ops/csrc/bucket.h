@@ -178,8 +178,6 @@ inline Bucket check_bucket(at::TensorList params, at::TensorList grads, at::Tens
   const bool masters = holds(0, kMasterParam);
   const bool compensations = holds(0, kKahanCompensation);
   bucket.weight = masters ? Weight::kMaster : compensations ? Weight::kKahan : Weight::kParam;
-  int64_t kernel_seeded = 0;  // the slots the kernel may seed: kGradient ones
-  for (int s = 0; s < kNumSlots; ++s) kernel_seeded |= kSlotSeeds[s] == Seed::kGradient ? int64_t{1} << s : 0;
   size_t entry = 0;
   for (size_t t = 0; t < n; ++t) {
     const at::Tensor& p = params[t];
@@ -203,7 +201,7 @@ inline Bucket check_bucket(at::TensorList params, at::TensorList grads, at::Tens
     const SlotRules rules = slot_rules(SlotFacts{dtype, masters, h});
     const int64_t seeded = state_slots[t] >> kNumSlots;
     TORCH_CHECK(state_slots[t] >= 0 && state_slots[t] < (int64_t{1} << (2 * kNumSlots)) &&
-                    (seeded & ~(state_slots[t] & kernel_seeded)) == 0,
+                    (seeded & ~(state_slots[t] & kKernelSeededSlots)) == 0,
                 "lightning_fusedsgd::", op, ": state_slots entry ", state_slots[t], " out of range (the kernel seeds "
                 "only held slots seeded from the gradient)");
     SlotPointers slots{};

@@ -81,6 +81,11 @@ constexpr const char* kSlotNames[] = {LFSGD_SLOTS(LFSGD_SLOT_NAME)};
 #define LFSGD_SLOT_SEED(constant, name, held, dtype, seed) seed,
 constexpr Seed kSlotSeeds[] = {LFSGD_SLOTS(LFSGD_SLOT_SEED)};
 #undef LFSGD_SLOT_SEED
+// The slots the kernel seeds (Seed::kGradient), as bits of a state_slots entry.
+#define LFSGD_SLOT_KERNEL_SEEDED(constant, name, held, dtype, seed) \
+  | (seed == Seed::kGradient ? int64_t{1} << constant : int64_t{0})
+constexpr int64_t kKernelSeededSlots = int64_t{0} LFSGD_SLOTS(LFSGD_SLOT_KERNEL_SEEDED);
+#undef LFSGD_SLOT_KERNEL_SEEDED
 
 // Whether each slot is held, and its dtype, for these facts (LFSGD_SLOTS' rules).
 struct SlotRules {
