@@ -1,12 +1,16 @@
 # The two set-up commands of README.md: `make train` (the default recipe) and `make test` (what CI runs).
 # Each installs what it needs (the package editable, its extras, the compiled kernel) into the current Python.
 PYTHON ?= python3
+# The test tools' exact releases (constraints.txt); `make test-latest` empties it.
+CONSTRAINTS ?= -c constraints.txt
 PIP = $(PYTHON) -m pip install --quiet --disable-pip-version-check
-# An install is redone only when what it reads changed (or for another Python): its stamp records it.
-STAMP = .install-$(subst /,_,$(PYTHON))
-INSTALL_INPUTS = pyproject.toml setup.py
+# An install is redone only when what it reads changed: its stamp lies in the environment it went into, named
+# by this checkout, so a new virtual environment (or one another checkout installed into) is installed anew.
+STAMP := $(shell $(PYTHON) -c 'import hashlib, sys; print(sys.prefix + "/lightning_fusedsgd-" + hashlib.sha1(sys.argv[1].encode()).hexdigest()[:12])' $(CURDIR))
+INSTALL_INPUTS = pyproject.toml setup.py constraints.txt
+LATEST = build/venv-latest
 
-.PHONY: install install-dev kernels lint train test test-all test-fast mutants docs bench
+.PHONY: install install-dev kernels lint train test test-all test-fast test-latest mutants docs bench
 
 install: $(STAMP).stamp kernels  # the library, the recipe runner, and the kernel built for this machine
 install-dev: $(STAMP)-dev.stamp kernels  # and what the tests and the docs need
@@ -16,7 +20,7 @@ $(STAMP).stamp: $(INSTALL_INPUTS)
 	touch $@
 
 $(STAMP)-dev.stamp: $(INSTALL_INPUTS)
-	$(PIP) -e ".[dev]"
+	$(PIP) -e ".[dev]" $(CONSTRAINTS)
 	touch $@ $(STAMP).stamp
 
 kernels:  # builds the kernel where its sources changed (the build cache is keyed by them); else only loads it
@@ -37,6 +41,12 @@ test-all: lint  # and the heavy tests: the wheel build, kill-and-resume runs, bf
 
 test-fast: install-dev  # the inner loop: everything but whole runs, subprocesses and builds (under 2 minutes)
 	$(PYTHON) -m pytest -q -m "not slow"
+
+test-latest:  # make test in a new virtual environment with the newest releases the registries offer, tools unpinned
+	rm -rf $(LATEST)
+	$(PYTHON) -m venv $(LATEST)
+	$(MAKE) test PYTHON=$(abspath $(LATEST))/bin/python CONSTRAINTS=
+	$(LATEST)/bin/python -m pip list --format=freeze --disable-pip-version-check > build/test-latest-versions.txt
 
 mutants: install-dev  # bugs injected into the CUDA kernels, one at a time: the emulated CUDA tests must catch each (not CI: 15-60 s a mutant)
 	$(PYTHON) tests/mutants.py
