@@ -4,8 +4,10 @@ in one call on the GPU (nvJPEG).
 The decoder is TorchCodec's: torchvision 0.29 deprecated its own image decoders for it (a warning on every
 call); it installs from pip beside torch, decodes the same pixels (libjpeg-turbo) and was the faster of the
 two per image on the CPU here (0.85 against 1.1 ms for a 500x375 JPEG, one thread). Grayscale and CMYK JPEGs
-decode to RGB; a file that is no JPEG (a PNG named .JPEG) decodes on the CPU by its own format. A file that
-decodes nowhere (empty, truncated, not an image) is an :class:`UnreadableImage`, which names it."""
+decode to RGB; a file that is no JPEG (a PNG named .JPEG) decodes on the CPU by its own format. Pixels are
+as stored: a JPEG's EXIF orientation is not applied, as PIL and torchvision's ImageFolder do not
+(:func:`~runner.files.as_stored`). A file that decodes nowhere (empty, truncated, not an image) is an
+:class:`UnreadableImage`, which names it."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from types import ModuleType
 import torch
 
 from lightning_fusedsgd.lightning import ConfigError
-from runner.files import EncodedImage, jpeg_size
+from runner.files import EncodedImage, as_stored, jpeg_size
 
 __all__ = ["UnreadableImage", "decode_batch", "decode_on_cpu", "decoders"]
 
@@ -62,7 +64,7 @@ def decode_on_cpu(image: EncodedImage) -> torch.Tensor:
         raise UnreadableImage(image.path, "the file is empty (0 bytes)")
     try:
         if jpeg_size(image.data) is not None:
-            return decoders().decode_jpeg(image.data, mode="RGB")
+            return decoders().decode_jpeg(as_stored(image.data), mode="RGB")
         return decoders().decode_image(image.data, mode="RGB")
     except (RuntimeError, ValueError) as error:
         raise UnreadableImage(image.path, _reason(error)) from None
@@ -73,13 +75,14 @@ def decode_batch(images: list[EncodedImage], device: torch.device) -> list[torch
     nothing then), each image alone on the device, and one the device cannot decode (a JPEG nvJPEG refuses) on
     the CPU. Each entry: the image, or the :class:`UnreadableImage` it is."""
     try:
-        return list(decoders().decode_jpeg([image.data for image in images], mode="RGB", device=device))
+        data = [as_stored(image.data) for image in images]
+        return list(decoders().decode_jpeg(data, mode="RGB", device=device))
     except (RuntimeError, ValueError):
         pass
     decoded: list[torch.Tensor | UnreadableImage] = []
     for image in images:
         try:
-            decoded.append(decoders().decode_jpeg(image.data, mode="RGB", device=device))
+            decoded.append(decoders().decode_jpeg(as_stored(image.data), mode="RGB", device=device))
         except (RuntimeError, ValueError):
             try:
                 decoded.append(decode_on_cpu(image).to(device, non_blocking=True))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import math
 import shutil
+import struct
 import sys
 
 import numpy as np
@@ -150,6 +151,73 @@ def test_decoding_on_the_device_gives_the_workers_batches(folder):
     for (images, labels), (device_images, device_labels) in zip(batches[False], batches[True]):
         assert images.shape == (5, 3, SIZE, SIZE)
         assert torch.equal(images, device_images) and torch.equal(labels, device_labels)
+
+
+def _with_orientation(jpeg: bytes, orientation: int, byteorder: str) -> bytes:
+    """``jpeg`` with an EXIF block holding an orientation tag (as a camera writes it, in either byte order)
+    inserted after its start marker: the compressed image is the same bytes."""
+    order = "<" if byteorder == "little" else ">"
+    tiff = (b"II" if byteorder == "little" else b"MM") + struct.pack(order + "HI", 42, 8)
+    tiff += struct.pack(order + "H", 1) + struct.pack(order + "HHIHH", 0x0112, 3, 1, orientation, 0)
+    payload = b"Exif\x00\x00" + tiff + struct.pack(order + "I", 0)
+    return jpeg[:2] + b"\xff\xe1" + struct.pack(">H", len(payload) + 2) + payload + jpeg[2:]
+
+
+def _pil_pixels(path) -> torch.Tensor:
+    return torch.from_numpy(np.array(Image.open(path).convert("RGB"))).permute(2, 0, 1)
+
+
+@pytest.fixture
+def oriented(folder, tmp_path):
+    """The generated folder, each image given an EXIF orientation (2-8 in turn: flips, rotations by 90, 180
+    and 270 degrees), little-endian in train/, big-endian in val/."""
+    root = tmp_path / "oriented"
+    shutil.copytree(folder, root)
+    for split, byteorder in (("train", "little"), ("val", "big")):
+        for number, path in enumerate(sorted((root / split).rglob("*.JPEG"))):
+            orientation = 2 + number % 7
+            path.write_bytes(_with_orientation(path.read_bytes(), orientation, byteorder))
+            assert Image.open(path).getexif()[0x0112] == orientation  # what a camera's file says
+    return root
+
+
+def test_a_jpegs_exif_orientation_is_not_applied_as_pil_reads_it(oriented):
+    """Pixels as stored, PIL's (torchvision's ImageFolder loader): TorchCodec alone would turn each image."""
+    for split in ("train", "val"):
+        files = EncodedFolder(oriented / split)
+        for index in range(len(files)):
+            image = files[index]
+            ours, reference = decode_on_cpu(image), _pil_pixels(image.path)
+            assert ours.shape == reference.shape, image.path
+            assert (ours.int() - reference.int()).abs().float().mean() < 0.5, image.path
+
+
+def test_both_decode_paths_crop_an_oriented_jpeg_as_torchvisions_reference(oriented):
+    """decode=cpu and the device path (on CPU tensors) give the same batches of oriented JPEGs, and each
+    training crop is the reference pipeline's on PIL's unrotated image, for the box drawn from the stored
+    size."""
+    batches = {}
+    for on_device in (False, True):
+        module = ImageFolderDataModule(
+            str(oriented), batch_size=18, image_size=SIZE, num_workers=0, num_classes=3
+        )
+        module.setup()
+        for dataset in (module.train_set, module.val_set):
+            dataset.decode_on_device = on_device
+        batches[on_device] = (_first_batch(module), _first_batch(module, validation=True))
+    for (images, labels), (device_images, device_labels) in zip(batches[False], batches[True]):
+        assert torch.equal(images, device_images) and torch.equal(labels, device_labels)
+    module.train_set.decode_on_device = False
+    sampler_keys = list(module.train_dataloader().sampler)
+    std = torch.tensor(IMAGENET_STD).view(3, 1, 1)
+    mean = torch.tensor(IMAGENET_MEAN).view(3, 1, 1)
+    for (index, seed), image in zip(sampler_keys, batches[False][0][0]):
+        path = module.train_set.files.samples[index][0]
+        height, width = _pil_pixels(path).shape[-2:]
+        crop = draw_crop(height, width, seed)
+        reference = _pil_reference(path, (crop.top, crop.left, crop.height, crop.width), crop.flip, SIZE)
+        levels = ((image * std + mean) * 255 - reference).abs()
+        assert levels.max() <= 1.01 and levels.mean() <= 0.3, path
 
 
 def test_labels_are_imagefolders(folder):
