@@ -26,6 +26,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
+from torchvision.datasets.folder import find_classes
 from torchvision.transforms import v2
 
 from lightning_fusedsgd.lightning import ConfigError
@@ -442,12 +443,13 @@ class ImageFolderDataModule(_SeededDataModule):
             folder = root / split
             if not folder.is_dir() or not any(entry.is_dir() for entry in os.scandir(folder)):
                 raise DataNotFoundError("ImageNet-style (ImageFolder) data", str(folder), self.LAYOUT)
-        classes = sum(entry.is_dir() for entry in os.scandir(root / "train"))
-        if classes != self.num_classes:
+        classes = find_classes(str(root / "train"))[0]
+        if len(classes) != self.num_classes:
             raise ConfigError(
-                f"{root / 'train'} has {classes} class folders, the config declares "
-                f"data.num_classes={self.num_classes}: set data.num_classes={classes}"
+                f"{root / 'train'} has {len(classes)} class folders, the config declares "
+                f"data.num_classes={self.num_classes}: set data.num_classes={len(classes)}"
             )
+        _check_same_classes(root / "train", classes, root / "val", find_classes(str(root / "val"))[0])
 
     def _decode_on_device(self) -> bool:
         on_gpu = self.trainer is not None and self.trainer.strategy.root_device.type == "cuda"
@@ -466,15 +468,16 @@ class ImageFolderDataModule(_SeededDataModule):
         if self.views is None:
             decoders()
             on_device = self._decode_on_device()
-            self.train_set = FolderSamples(EncodedFolder(train), self.image_size, on_device)
-            self.val_set = FolderSamples(EncodedFolder(val), self.image_size, on_device)
+            train_files = EncodedFolder(train)
+            self.train_set = FolderSamples(train_files, self.image_size, on_device)
+            self.val_set = FolderSamples(EncodedFolder(val, train_files.classes), self.image_size, on_device)
             self.collate_fn = collate
             return
         from torchvision.datasets import ImageFolder
 
         self._build(
             ImageFolder(train),
-            ImageFolder(val),
+            ImageFolder(val),  # labelled alike: check_data refused splits whose class folders differ
             [],
             [v2.Resize(round(self.image_size / 0.875), antialias=True), v2.CenterCrop(self.image_size)],
             _to_normalized_tensor(IMAGENET_MEAN, IMAGENET_STD),
@@ -491,6 +494,26 @@ class ImageFolderDataModule(_SeededDataModule):
             for image in unreadable:
                 rank_zero_warn(f"left out {image} ({len(self.unreadable)} unreadable file(s) so far)")
         return images, labels
+
+
+def _check_same_classes(train: Path, classes: list[str], split: Path, split_classes: list[str]) -> None:
+    """Every split is labelled by the training split's class folders, so it must hold the same ones: a
+    validation split lacking a class would shift every later label by one."""
+    lacking = sorted(set(classes) - set(split_classes))
+    extra = sorted(set(split_classes) - set(classes))
+    if not lacking and not extra:
+        return
+    problems = [f"{split} lacks {_names(lacking)}"] if lacking else []
+    problems += [f"{split} has {_names(extra)}, which {train} lacks"] if extra else []
+    raise ConfigError(
+        f"{split} and {train} must hold the same class folders (the labels are {train}'s classes, in sorted "
+        f"order): {'; '.join(problems)}. Give both splits the same class folders"
+    )
+
+
+def _names(names: list[str], shown: int = 5) -> str:
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
 
 
 class SyntheticDataModule(_SeededDataModule):

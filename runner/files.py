@@ -5,7 +5,7 @@ what its header says (a JPEG's size), read without decoding."""
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -116,11 +116,14 @@ class EncodedFolder(Dataset):
 
     Args:
         root: The split's folder.
+        classes: The class folders, in label order: the training split's, which every split is labelled by
+            (and must have); ``None``: ``root``'s own, sorted, as ImageFolder's.
     """
 
-    def __init__(self, root: str | Path) -> None:
+    def __init__(self, root: str | Path, classes: Sequence[str] | None = None) -> None:
         self.root = str(root)
-        self.classes, class_to_idx = find_classes(self.root)
+        self.classes = find_classes(self.root)[0] if classes is None else list(classes)
+        class_to_idx = {name: label for label, name in enumerate(self.classes)}
         self.samples = make_dataset(self.root, class_to_idx, extensions=IMG_EXTENSIONS)
 
     def __len__(self) -> int:

@@ -228,6 +228,29 @@ def test_labels_are_imagefolders(folder):
     assert labels.tolist() == [target for _, target in reference.samples[:4]]
 
 
+@pytest.mark.parametrize("change", ["lacks", "has"])
+def test_a_validation_split_with_other_classes_than_training_is_refused(folder, tmp_path, change):
+    """Validation is labelled by train/'s classes: a val/ lacking one would shift every later label by one
+    (val/acc against the wrong labels), one with a class train/ lacks would index past the model's outputs."""
+    root = tmp_path / "data"
+    shutil.copytree(folder, root)
+    if change == "lacks":
+        shutil.rmtree(root / "val" / "class_001")
+    else:
+        shutil.copytree(root / "val" / "class_002", root / "val" / "class_003")
+    module = ImageFolderDataModule(str(root), batch_size=4, image_size=SIZE, num_workers=0, num_classes=3)
+    expected = (
+        f"{root / 'val'} lacks class_001"
+        if change == "lacks"
+        else f"{root / 'val'} has class_003, which {root / 'train'} lacks"
+    )
+    for check in (module.check_data, module.setup):
+        with pytest.raises(ConfigError) as refused:
+            check()
+        message = str(refused.value)
+        assert expected in message and f"{root / 'val'} and {root / 'train'} must hold the same" in message
+
+
 def test_a_header_gives_the_size_a_decoder_finds(folder, tmp_path):
     image = Image.open(next((folder / "train").rglob("*.JPEG"))).convert("RGB")
     for options in ({}, {"progressive": True}, {"subsampling": 0, "quality": 100}):
