@@ -1,20 +1,23 @@
 """Decoding image bytes to uint8 RGB (3, H, W) tensors: one at a time on the CPU (a loader worker), or a batch
 in one call on the GPU (nvJPEG).
 
-The decoder is TorchCodec's: torchvision 0.29 deprecated its own image decoders for it (a warning on every
+JPEGs are decoded by TorchCodec: torchvision 0.29 deprecated its own image decoders for it (a warning on every
 call); it installs from pip beside torch, decodes the same pixels (libjpeg-turbo) and was the faster of the
 two per image on the CPU here (0.85 against 1.1 ms for a 500x375 JPEG, one thread). Grayscale and CMYK JPEGs
-decode to RGB; a file that is no JPEG (a PNG named .JPEG) decodes on the CPU by its own format. Pixels are
-as stored: a JPEG's EXIF orientation is not applied, as PIL and torchvision's ImageFolder do not
-(:func:`~runner.files.as_stored`). A file that decodes nowhere (empty, truncated, not an image) is an
-:class:`UnreadableImage`, which names it."""
+decode to RGB. A file of another format (a BMP, TIFF or PNG, whatever its name) is decoded on the CPU by PIL,
+as torchvision's ImageFolder reads it. Pixels are as stored: a JPEG's EXIF orientation is not applied, as PIL
+and torchvision's ImageFolder do not (:func:`~runner.files.as_stored`). A file that decodes nowhere (empty,
+truncated, not an image) is an :class:`UnreadableImage`, which names it."""
 
 from __future__ import annotations
 
 import functools
+import io
 from types import ModuleType
 
+import numpy as np
 import torch
+from PIL import Image
 
 from lightning_fusedsgd.lightning import ConfigError
 from runner.files import EncodedImage, as_stored, jpeg_size
@@ -55,19 +58,32 @@ def _reason(error: Exception) -> str:
 
 
 def decode_on_cpu(image: EncodedImage) -> torch.Tensor:
-    """``image`` decoded on the CPU, whatever its format.
+    """``image`` decoded on the CPU by its format (whatever its name says): a JPEG by the JPEG decoder, any
+    other by PIL, as torchvision's ImageFolder loader reads it (BMP, TIFF, PPM/PGM, PNG, WebP, GIF: converted
+    to RGB, an animation's first frame).
 
     Raises:
         UnreadableImage: the file is empty, cut short or no image.
     """
     if image.data.numel() == 0:
         raise UnreadableImage(image.path, "the file is empty (0 bytes)")
+    if jpeg_size(image.data) is None:
+        return _decode_with_pil(image)
     try:
-        if jpeg_size(image.data) is not None:
-            return decoders().decode_jpeg(as_stored(image.data), mode="RGB")
-        return decoders().decode_image(image.data, mode="RGB")
+        return decoders().decode_jpeg(as_stored(image.data), mode="RGB")
     except (RuntimeError, ValueError) as error:
         raise UnreadableImage(image.path, _reason(error)) from None
+
+
+def _decode_with_pil(image: EncodedImage) -> torch.Tensor:
+    try:
+        with Image.open(io.BytesIO(memoryview(image.data.numpy()))) as opened:
+            pixels = np.array(opened.convert("RGB"))
+    # PIL's format plugins raise many kinds of errors on damaged bytes (OSError, SyntaxError, struct.error
+    # and more): each is the file's, not the run's.
+    except Exception as error:
+        raise UnreadableImage(image.path, _reason(error)) from None
+    return torch.from_numpy(pixels).permute(2, 0, 1)  # (C, H, W) over (H, W, C) memory, as the decoders give
 
 
 def decode_batch(images: list[EncodedImage], device: torch.device) -> list[torch.Tensor | UnreadableImage]:

@@ -16,6 +16,7 @@ import torch
 import torchvision.transforms.functional as TF
 from PIL import Image
 from torchvision.datasets import ImageFolder
+from torchvision.datasets.folder import pil_loader
 from torchvision.transforms import InterpolationMode, RandomResizedCrop, v2
 
 from lightning_fusedsgd.lightning import ConfigError
@@ -298,6 +299,57 @@ def test_cmyk_grayscale_and_a_png_named_jpeg_decode_as_pil_reads_them(damaged):
         ours = decode_on_cpu(image)
         reference = torch.from_numpy(np.array(Image.open(image.path).convert("RGB"))).permute(2, 0, 1)
         assert ours.shape == reference.shape and (ours.int() - reference.int()).abs().float().mean() < 2.0
+
+
+FORMATS = {  # file name: how PIL writes it (each a format torchvision's ImageFolder reads)
+    "bmp.bmp": lambda image, path: image.save(path, "BMP"),
+    "tiff.tif": lambda image, path: image.save(path, "TIFF"),
+    "tiff_lzw.tiff": lambda image, path: image.save(path, "TIFF", compression="tiff_lzw"),
+    "ppm.ppm": lambda image, path: image.save(path, "PPM"),
+    "pgm.pgm": lambda image, path: image.convert("L").save(path, "PPM"),
+    "rgba.png": lambda image, path: image.convert("RGBA").save(path, "PNG"),
+    "palette.png": lambda image, path: image.quantize(16).save(path, "PNG", transparency=0),
+    "webp.webp": lambda image, path: image.save(path, "WEBP", lossless=True),
+    "bmp_named.JPEG": lambda image, path: image.save(path, "BMP"),
+    "animated_gif_named.JPEG": lambda image, path: image.save(
+        path, "GIF", save_all=True, append_images=[image.rotate(90)]
+    ),
+}
+
+
+@pytest.fixture
+def formats(folder, tmp_path):
+    """The generated folder with an image of each format in train/class_001."""
+    root = tmp_path / "formats"
+    shutil.copytree(folder, root)
+    image = Image.open(root / "train" / "class_000" / "00000.JPEG").convert("RGB").resize((150, 110))
+    for name, write in FORMATS.items():
+        write(image, root / "train" / "class_001" / name)
+    return root
+
+
+def test_every_format_imagefolder_reads_decodes_as_its_loader_reads_it(formats):
+    """By the file's format, not its name: pixels equal to torchvision's ImageFolder loader's (PIL's)."""
+    files = EncodedFolder(formats / "train")
+    decoded = {
+        files[i].path.rsplit("/", 1)[1]: (files[i], decode_on_cpu(files[i]))
+        for i in range(len(files))
+        if files[i].path.rsplit("/", 1)[1] in FORMATS
+    }
+    assert decoded.keys() == FORMATS.keys()  # the scan lists each
+    for name, (image, ours) in decoded.items():
+        reference = torch.from_numpy(np.array(pil_loader(image.path))).permute(2, 0, 1)
+        assert ours.dtype == torch.uint8 and torch.equal(ours, reference), name
+
+
+@pytest.mark.parametrize("on_device", [False, True])
+def test_a_run_trains_on_every_format_the_scan_lists(formats, on_device):
+    module = ImageFolderDataModule(str(formats), batch_size=64, image_size=SIZE, num_workers=0, num_classes=3)
+    module.setup()
+    module.train_set.decode_on_device = on_device
+    images, labels = _first_batch(module)
+    assert len(images) == len(module.train_set) == 18 + len(FORMATS)
+    assert torch.bincount(labels).tolist() == [6, 6 + len(FORMATS), 6] and torch.isfinite(images).all()
 
 
 @pytest.mark.parametrize("on_device", [False, True])
