@@ -122,6 +122,8 @@ class LoadedBatch:
             images.append(_transform(pixels, item.crop, size))
             keep.append(True)
         labels = self.labels if all(keep) else self.labels[torch.tensor(keep, device=device)]
+        if not images:  # every file of the batch is unreadable: an empty batch, which trains nothing
+            return torch.empty(0, 3, size, size, device=device), labels, unreadable
         return normalize(torch.stack(images), mean, std), labels, unreadable
 
 

@@ -386,6 +386,22 @@ def test_skipped_unreadable_files_are_counted_and_leave_the_other_labels_right(d
     assert torch.bincount(labels).tolist() == [6, 6 + 3, 6]
 
 
+@pytest.mark.parametrize("on_device", [False, True])
+def test_a_batch_whose_every_file_is_unreadable_is_empty_not_a_crash(folder, tmp_path, on_device):
+    root = tmp_path / "data"
+    shutil.copytree(folder, root)
+    for path in (root / "val" / "class_000").iterdir():  # validation's first batch, in its sequential order
+        path.write_bytes(b"")
+    module = ImageFolderDataModule(
+        str(root), batch_size=2, image_size=SIZE, num_workers=0, num_classes=3, skip_unreadable=True
+    )
+    module.setup()
+    module.val_set.decode_on_device = on_device
+    with pytest.warns(UserWarning, match="left out"):
+        images, labels = _first_batch(module, validation=True)
+    assert images.shape == (0, 3, SIZE, SIZE) and labels.shape == (0,) and len(module.unreadable) == 2
+
+
 def test_an_unreadable_file_in_a_loader_worker_is_named_not_a_worker_traceback(damaged):
     module = ImageFolderDataModule(str(damaged), batch_size=64, image_size=SIZE, num_workers=1, num_classes=3)
     module.setup()

@@ -8,6 +8,7 @@ import importlib.metadata
 import itertools
 import json
 import re
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -26,9 +27,11 @@ from lightning_fusedsgd.lightning import (
     Schedule,
     ScheduleFreeModes,
 )
+from runner.files import EncodedFolder
 from runner.jpeg_folder import make_jpeg_folder
 from runner.model import ImageClassifier
 from runner.run import train
+from runner.sampling import EpochSampler
 from runner.simclr import SimCLR
 
 RECIPES = sorted(path.stem for path in (ROOT / "recipes").glob("*.yaml"))
@@ -342,6 +345,34 @@ def test_resnet50_trains_tiny_on_a_generated_jpeg_folder(tmp_path):
     overrides = ["recipe=resnet50", "debug=tiny", f"data.root={root}", "data.num_classes=3"]
     summary = train(compose_train(overrides, tmp_path / "run"))
     assert summary["global_step"] == 4 and 0.0 <= summary["val/acc"] <= 1.0  # 24 images: 2 batches of 16
+
+
+@pytest.mark.slow
+def test_a_run_goes_on_past_a_batch_whose_every_file_is_unreadable(tmp_path):
+    """data.skip_unreadable: epoch 0's second batch (8 of the 24 images) made of unreadable files only trains
+    nothing, and the run goes on."""
+    root = make_jpeg_folder(tmp_path / "data", classes=3, train=8, val=2)
+    files = EncodedFolder(root / "train")
+    sampler = EpochSampler(files, seed=0)  # the run's order of epoch 0 (seed=0)
+    for index, _ in list(sampler)[16:]:
+        Path(files.samples[index][0]).write_bytes(b"")
+    overrides = ["recipe=resnet50", "model.arch=resnet18", "debug=tiny", f"data.root={root}"]
+    overrides += ["data.num_classes=3", "data.skip_unreadable=true"]
+    with pytest.warns(UserWarning, match="left out"):
+        summary = train(compose_train(overrides, tmp_path / "run"))
+    assert summary["global_step"] == 4 and summary["epochs"] == 2
+
+
+def test_an_empty_batch_skips_the_step_on_one_device_and_gives_zero_gradients_under_ddp(monkeypatch):
+    model = _set_up_on("cpu")
+    images, targets = torch.empty(0, 3, 32, 32), torch.empty(0, dtype=torch.long)
+    assert model.training_step((images, targets), 0) is None  # Lightning steps no gradient
+    assert model.validation_step((images, targets), 0) is None
+    monkeypatch.setattr(pl.Trainer, "world_size", property(lambda trainer: 2))
+    loss = model.training_step((images, targets), 0)  # DDP refuses None: every rank must reduce
+    loss.backward()
+    assert loss.item() == 0.0
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters() if p.requires_grad)
 
 
 @pytest.mark.slow
