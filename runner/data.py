@@ -31,8 +31,8 @@ from torchvision.transforms import v2
 
 from lightning_fusedsgd.lightning import ConfigError
 from runner.augment import normalize
-from runner.decode import UnreadableImage, decoders
-from runner.files import EncodedFolder
+from runner.decode import decoders
+from runner.files import EncodedFolder, UnreadableImage
 from runner.image_pipeline import FolderSamples, LoadedBatch, collate
 from runner.sampling import EachView, EpochSampler, SeededDataset, Transform
 from runner.synthetic import SYNTHETIC_MEAN, SYNTHETIC_STD, Indices, SyntheticImages, SyntheticPool

@@ -20,22 +20,9 @@ import torch
 from PIL import Image
 
 from lightning_fusedsgd.lightning import ConfigError
-from runner.files import EncodedImage, as_stored, jpeg_size
+from runner.files import EncodedImage, UnreadableImage, as_stored, jpeg_size
 
-__all__ = ["UnreadableImage", "decode_batch", "decode_on_cpu", "decoders"]
-
-
-class UnreadableImage(Exception):
-    """A file no decoder reads: ``path`` and the decoder's ``reason`` (its ``args``, so that it pickles from a
-    loader worker)."""
-
-    def __init__(self, path: str, reason: str) -> None:
-        super().__init__(path, reason)
-        self.path = path
-        self.reason = reason
-
-    def __str__(self) -> str:
-        return f"{self.path}: {self.reason}"
+__all__ = ["decode_batch", "decode_on_cpu", "decoders"]
 
 
 @functools.cache

@@ -1,9 +1,11 @@
 """Reading an image folder as bytes: the loader workers' only I/O. The files and labels are torchvision
 ``ImageFolder``'s (its own scan), so a label means what it means there; each sample is the file's bytes and
-what its header says (a JPEG's size), read without decoding."""
+what its header says (a JPEG's size), read without decoding. A file that cannot be read, here or by a decoder,
+is an :class:`UnreadableImage`, which travels beside the batch instead of stopping a loader worker."""
 
 from __future__ import annotations
 
+import os
 import struct
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -13,11 +15,24 @@ import torch
 from torch.utils.data import Dataset
 from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_dataset
 
-__all__ = ["EncodedFolder", "EncodedImage", "as_stored", "jpeg_size"]
+__all__ = ["EncodedFolder", "EncodedImage", "UnreadableImage", "as_stored", "jpeg_size"]
 
 # Start-of-frame markers carry the size: baseline, extended, progressive, lossless and arithmetic-coded ones
 # (0xC4 is a Huffman table, 0xC8 reserved, 0xCC arithmetic conditioning).
 _START_OF_FRAME = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
+
+
+class UnreadableImage(Exception):
+    """A file that cannot be read or decoded: ``path`` and the ``reason`` (its ``args``, so that it pickles
+    from a loader worker)."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        super().__init__(path, reason)
+        self.path = path
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.reason}"
 
 
 class EncodedImage(NamedTuple):
@@ -130,11 +145,25 @@ class EncodedFolder(Dataset):
         return len(self.samples)
 
     def __getitem__(self, index: int) -> EncodedImage:
+        """The file's bytes.
+
+        Raises:
+            UnreadableImage: the file cannot be read (a link to a missing file, no permission, an I/O error).
+        """
         path, label = self.samples[index]
-        with open(path, "rb") as file:
-            data = bytearray(file.read())
+        try:
+            with open(path, "rb") as file:
+                data = bytearray(file.read())
+        except OSError as error:
+            raise UnreadableImage(path, _cannot_read(path, error)) from None
         return EncodedImage(
             path,
             torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8),
             label,
         )
+
+
+def _cannot_read(path: str, error: OSError) -> str:
+    if os.path.islink(path) and not os.path.exists(path):
+        return f"a link to {os.readlink(path)}, which does not exist"
+    return f"cannot be read: {error.strerror or error}"

@@ -17,8 +17,8 @@ import torch
 from torch.utils.data import Dataset
 
 from runner.augment import Crop, center_crop, draw_crop, normalize, resized_crop
-from runner.decode import UnreadableImage, decode_batch, decode_on_cpu
-from runner.files import EncodedFolder, EncodedImage, jpeg_size
+from runner.decode import decode_batch, decode_on_cpu
+from runner.files import EncodedFolder, EncodedImage, UnreadableImage, jpeg_size
 
 __all__ = ["FolderSamples", "LoadedBatch", "collate"]
 
@@ -53,8 +53,8 @@ class FolderSamples(Dataset):
 
     def __getitem__(self, key: int | tuple[int, int]) -> tuple[Any, int]:
         index, seed = key if isinstance(key, tuple) else (key, None)
-        image = self.files[index]
         try:
+            image = self.files[index]
             # The device decodes JPEGs; anything else (a PNG named .JPEG) is decoded here, by its format.
             header = jpeg_size(image.data) if self.decode_on_device else None
             pixels = None if header is not None else decode_on_cpu(image)
@@ -66,7 +66,7 @@ class FolderSamples(Dataset):
                 ), image.label
             return _transform(pixels, crop, self.size), image.label
         except UnreadableImage as unreadable:
-            return unreadable, image.label
+            return unreadable, self.files.samples[index][1]
 
 
 def _transform(pixels: torch.Tensor, crop: Crop | None, size: int) -> torch.Tensor:

@@ -409,6 +409,35 @@ def test_an_unreadable_file_in_a_loader_worker_is_named_not_a_worker_traceback(d
         _first_batch(module)
 
 
+@pytest.mark.parametrize(("num_workers", "on_device"), [(0, False), (0, True), (1, False), (1, True)])
+def test_a_file_that_cannot_be_opened_travels_as_the_other_unreadable_files(
+    folder, tmp_path, num_workers, on_device
+):
+    """A link to a missing file (listed by the scan): named with its cause, refused, or left out and counted
+    under skip_unreadable; never a loader worker's FileNotFoundError."""
+    root = tmp_path / "data"
+    shutil.copytree(folder, root)
+    link = root / "train" / "class_001" / "link.JPEG"
+    link.symlink_to(tmp_path / "moved.JPEG")
+    for skip in (False, True):
+        module = ImageFolderDataModule(
+            str(root), batch_size=64, image_size=SIZE, num_workers=num_workers, num_classes=3,
+            skip_unreadable=skip,
+        )  # fmt: skip
+        module.setup()
+        module.train_set.decode_on_device = on_device
+        if not skip:
+            with pytest.raises(
+                UnreadableImagesError, match=f"{link}: a link to {tmp_path / 'moved.JPEG'}, which"
+            ):
+                _first_batch(module)
+            continue
+        with pytest.warns(UserWarning, match="left out .*link.JPEG"):
+            images, labels = _first_batch(module)
+        assert [image.path for image in module.unreadable] == [str(link)]
+        assert len(images) == 18 and torch.bincount(labels).tolist() == [6, 6, 6]
+
+
 def test_decode_gpu_on_a_cpu_run_is_refused_with_the_fix(folder):
     module = ImageFolderDataModule(str(folder), num_classes=3, decode="gpu")
     with pytest.raises(ConfigError, match="data.decode=gpu .* use data.decode=cpu"):
