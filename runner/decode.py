@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import functools
 import io
+import re
 from types import ModuleType
 
 import numpy as np
 import torch
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 
 from lightning_fusedsgd.lightning import ConfigError
 from runner.files import EncodedImage, UnreadableImage, as_stored, jpeg_size
@@ -40,8 +41,19 @@ def decoders() -> ModuleType:
     return torchcodec.decoders
 
 
-def _reason(error: Exception) -> str:
-    return str(error).splitlines()[-1].split(", ")[-1] if str(error) else type(error).__name__
+# The place in the decoder's source that its C++ errors start with: "decode_rows, /.../DecodeJpeg.cpp:287, ".
+_SOURCE_LOCATION = re.compile(r"^\w+, \S+:\d+, ")
+
+
+def _reason(error: Exception, data: torch.Tensor) -> str:
+    """Why a decoder refused a file: its whole message on one line, without the place in its source (or a C++
+    backtrace); where PIL found no format it reads, what the file starts with."""
+    if isinstance(error, UnidentifiedImageError):  # its message names a BytesIO object, not the file
+        return (
+            f"not an image PIL or the JPEG decoder reads (the file starts with {bytes(data[:8].tolist())!r})"
+        )
+    message = str(error).split("\nException raised from", 1)[0]  # torch's C++ backtrace, where it adds one
+    return _SOURCE_LOCATION.sub("", " ".join(message.split())) or type(error).__name__
 
 
 def decode_on_cpu(image: EncodedImage) -> torch.Tensor:
@@ -59,7 +71,7 @@ def decode_on_cpu(image: EncodedImage) -> torch.Tensor:
     try:
         return decoders().decode_jpeg(as_stored(image.data), mode="RGB")
     except (RuntimeError, ValueError) as error:
-        raise UnreadableImage(image.path, _reason(error)) from None
+        raise UnreadableImage(image.path, _reason(error, image.data)) from None
 
 
 def _decode_with_pil(image: EncodedImage) -> torch.Tensor:
@@ -69,7 +81,7 @@ def _decode_with_pil(image: EncodedImage) -> torch.Tensor:
     # PIL's format plugins raise many kinds of errors on damaged bytes (OSError, SyntaxError, struct.error
     # and more): each is the file's, not the run's.
     except Exception as error:
-        raise UnreadableImage(image.path, _reason(error)) from None
+        raise UnreadableImage(image.path, _reason(error, image.data)) from None
     return torch.from_numpy(pixels).permute(2, 0, 1)  # (C, H, W) over (H, W, C) memory, as the decoders give
 
 

@@ -9,6 +9,7 @@ import math
 import shutil
 import struct
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -19,6 +20,7 @@ from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import pil_loader
 from torchvision.transforms import InterpolationMode, RandomResizedCrop, v2
 
+import runner.decode
 from lightning_fusedsgd.lightning import ConfigError
 from runner.augment import center_crop, draw_crop, normalize, resized_crop
 from runner.data import (
@@ -29,7 +31,7 @@ from runner.data import (
     UnreadableImagesError,
 )
 from runner.decode import decode_on_cpu, decoders
-from runner.files import EncodedFolder, jpeg_size
+from runner.files import EncodedFolder, EncodedImage, UnreadableImage, jpeg_size
 from runner.jpeg_folder import make_jpeg_folder
 
 SIZE = 64  # the tests' training size: small, so that resizing stays cheap
@@ -436,6 +438,42 @@ def test_a_file_that_cannot_be_opened_travels_as_the_other_unreadable_files(
             images, labels = _first_batch(module)
         assert [image.path for image in module.unreadable] == [str(link)]
         assert len(images) == 18 and torch.bincount(labels).tolist() == [6, 6, 6]
+
+
+def test_an_unreadable_files_reason_is_its_cause(folder, tmp_path, monkeypatch):
+    jpeg = (folder / "train" / "class_000" / "00000.JPEG").read_bytes()
+    png = io.BytesIO()
+    Image.open(folder / "train" / "class_000" / "00000.JPEG").save(png, "PNG")
+    files = {
+        "truncated.JPEG": jpeg[: len(jpeg) // 2],
+        "text.JPEG": b"This is no image, and it says so.",
+        "truncated.png": png.getvalue()[: len(png.getvalue()) // 2],
+    }
+    reasons = {}
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+        image = EncodedImage(str(tmp_path / name), torch.frombuffer(bytearray(data), dtype=torch.uint8), 0)
+        with pytest.raises(UnreadableImage) as refused:
+            decode_on_cpu(image)
+        reasons[name] = refused.value.reason
+    assert reasons["truncated.JPEG"].startswith("Image is incomplete or truncated")  # libjpeg-turbo's words
+    assert reasons["text.JPEG"] == (
+        "not an image PIL or the JPEG decoder reads (the file starts with b'This is ')"
+    )
+    assert reasons["truncated.png"].startswith("image file is truncated")  # PIL's
+    # A decoder's message is whole, commas included, without the place in its source.
+    message = "decode_rows, /src/torchcodec/_core/DecodeJpeg.cpp:287, Corrupt data, marker 0xD9 found"
+    monkeypatch.setattr(runner.decode, "decoders", lambda: SimpleNamespace(decode_jpeg=_raises(message)))
+    image = EncodedImage("corrupt.JPEG", torch.frombuffer(bytearray(jpeg), dtype=torch.uint8), 0)
+    with pytest.raises(UnreadableImage, match=r"^corrupt.JPEG: Corrupt data, marker 0xD9 found$"):
+        decode_on_cpu(image)
+
+
+def _raises(message: str):
+    def decode(*args, **kwargs):
+        raise RuntimeError(message)
+
+    return decode
 
 
 def test_decode_gpu_on_a_cpu_run_is_refused_with_the_fix(folder):
