@@ -32,7 +32,7 @@ from torchvision.transforms import v2
 from lightning_fusedsgd.lightning import ConfigError
 from runner.augment import normalize
 from runner.decode import decoders
-from runner.files import EncodedFolder, UnreadableImage
+from runner.files import EncodedFolder, UnreadableImage, refuse_empty_classes
 from runner.image_pipeline import FolderSamples, LoadedBatch, collate
 from runner.sampling import EachView, EpochSampler, SeededDataset, Transform
 from runner.synthetic import SYNTHETIC_MEAN, SYNTHETIC_STD, Indices, SyntheticImages, SyntheticPool
@@ -129,8 +129,8 @@ class _SeededDataModule(pl.LightningDataModule):
         #: Label count and image channels, as the data config declares them (the model config reads them).
         self.num_classes = num_classes
         self.in_channels = in_channels
-        if batch_size < 1:
-            raise ValueError(f"batch_size is the per-device batch and must be >= 1, got {batch_size}")
+        _check_at_least("batch_size", batch_size, 1, " (the per-device batch)")
+        _check_at_least("num_workers", num_workers, 0, " (0: loaded in the training process)")
         self.batch_size = batch_size
         self.num_workers = num_workers
         self.seed = seed
@@ -239,6 +239,11 @@ class _SeededDataModule(pl.LightningDataModule):
         return [self._loader(self._ready(self.bank_set), None), val]
 
 
+def _check_at_least(key: str, value: int, least: int, meaning: str = "") -> None:
+    if value < least:
+        raise ConfigError(f"data.{key}={value} must be >= {least}{meaning}")
+
+
 class DigitsDataModule(_SeededDataModule):
     """scikit-learn's 8x8 handwritten digits (1797 images, 10 classes), upsampled; ships offline.
 
@@ -276,6 +281,11 @@ class DigitsDataModule(_SeededDataModule):
     ) -> None:
         super().__init__(batch_size, num_workers, seed, drop_last, num_classes, in_channels, views, bank_size)
         self._check_declared(num_classes=10, in_channels=1)
+        _check_at_least("image_size", image_size, 1)
+        if not 0 < val_fraction < 1:
+            raise ConfigError(
+                f"data.val_fraction={val_fraction} must be between 0 and 1 (the share held out)"
+            )
         self.image_size = image_size
         self.val_fraction = val_fraction
         self.augment = augment
@@ -341,6 +351,7 @@ class CIFAR10DataModule(_SeededDataModule):
     ) -> None:
         super().__init__(batch_size, num_workers, seed, drop_last, num_classes, in_channels, views, bank_size)
         self._check_declared(num_classes=10, in_channels=3)
+        _check_at_least("image_size", image_size, 1)
         self.root = root
         self.image_size = image_size
         self.download = download
@@ -430,6 +441,7 @@ class ImageFolderDataModule(_SeededDataModule):
         self._check_declared(num_classes=num_classes, in_channels=3)
         if decode not in ("auto", "gpu", "cpu"):
             raise ConfigError(f"data.decode={decode!r}: choose auto, gpu or cpu")
+        _check_at_least("image_size", image_size, 1)
         self.root = root
         self.image_size = image_size
         self.decode = decode
@@ -439,17 +451,17 @@ class ImageFolderDataModule(_SeededDataModule):
 
     def check_data(self) -> None:
         root = Path(self.root).expanduser().resolve()
+        classes = {}
         for split in ("train", "val"):
-            folder = root / split
-            if not folder.is_dir() or not any(entry.is_dir() for entry in os.scandir(folder)):
-                raise DataNotFoundError("ImageNet-style (ImageFolder) data", str(folder), self.LAYOUT)
-        classes = find_classes(str(root / "train"))[0]
-        if len(classes) != self.num_classes:
+            classes[split] = _class_folders(root / split)
+            if not classes[split]:
+                raise DataNotFoundError("ImageNet-style (ImageFolder) data", str(root / split), self.LAYOUT)
+        if len(classes["train"]) != self.num_classes:
             raise ConfigError(
-                f"{root / 'train'} has {len(classes)} class folders, the config declares "
-                f"data.num_classes={self.num_classes}: set data.num_classes={len(classes)}"
+                f"{root / 'train'} has {len(classes['train'])} class folders, the config declares "
+                f"data.num_classes={self.num_classes}: set data.num_classes={len(classes['train'])}"
             )
-        _check_same_classes(root / "train", classes, root / "val", find_classes(str(root / "val"))[0])
+        _check_same_classes(root / "train", classes["train"], root / "val", classes["val"])
 
     def _decode_on_device(self) -> bool:
         on_gpu = self.trainer is not None and self.trainer.strategy.root_device.type == "cuda"
@@ -475,9 +487,11 @@ class ImageFolderDataModule(_SeededDataModule):
             return
         from torchvision.datasets import ImageFolder
 
+        splits = ImageFolder(train, allow_empty=True), ImageFolder(val, allow_empty=True)
+        for split in splits:  # labelled alike: check_data refused splits whose class folders differ
+            refuse_empty_classes(split.root, split.classes, split.samples)
         self._build(
-            ImageFolder(train),
-            ImageFolder(val),  # labelled alike: check_data refused splits whose class folders differ
+            *splits,
             [],
             [v2.Resize(round(self.image_size / 0.875), antialias=True), v2.CenterCrop(self.image_size)],
             _to_normalized_tensor(IMAGENET_MEAN, IMAGENET_STD),
@@ -494,6 +508,14 @@ class ImageFolderDataModule(_SeededDataModule):
             for image in unreadable:
                 rank_zero_warn(f"left out {image} ({len(self.unreadable)} unreadable file(s) so far)")
         return images, labels
+
+
+def _class_folders(split: Path) -> list[str]:
+    """A split's class folders, sorted (ImageFolder's labels); none where the split is missing."""
+    try:
+        return find_classes(str(split))[0]
+    except (FileNotFoundError, NotADirectoryError):  # no folder, or none in it
+        return []
 
 
 def _check_same_classes(train: Path, classes: list[str], split: Path, split_classes: list[str]) -> None:
@@ -556,8 +578,10 @@ class SyntheticDataModule(_SeededDataModule):
         bank_size: int | None = None,
     ) -> None:
         super().__init__(batch_size, num_workers, seed, drop_last, num_classes, in_channels, views, bank_size)
-        if pool_size < 1:
-            raise ConfigError(f"data.pool_size={pool_size} must be >= 1")
+        for key, value in (("image_size", image_size), ("train_samples", train_samples)):
+            _check_at_least(key, value, 1)
+        _check_at_least("val_samples", val_samples, 1, " (trainer.limit_val_batches=0 turns validation off)")
+        _check_at_least("pool_size", pool_size, 1)
         self.image_size = image_size
         self.train_samples = train_samples
         self.val_samples = val_samples

@@ -15,7 +15,16 @@ import torch
 from torch.utils.data import Dataset
 from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_dataset
 
-__all__ = ["EncodedFolder", "EncodedImage", "UnreadableImage", "as_stored", "jpeg_size"]
+from lightning_fusedsgd.lightning import ConfigError
+
+__all__ = [
+    "EncodedFolder",
+    "EncodedImage",
+    "UnreadableImage",
+    "as_stored",
+    "jpeg_size",
+    "refuse_empty_classes",
+]
 
 # Start-of-frame markers carry the size: baseline, extended, progressive, lossless and arithmetic-coded ones
 # (0xC4 is a Huffman table, 0xC8 reserved, 0xCC arithmetic conditioning).
@@ -139,7 +148,8 @@ class EncodedFolder(Dataset):
         self.root = str(root)
         self.classes = find_classes(self.root)[0] if classes is None else list(classes)
         class_to_idx = {name: label for label, name in enumerate(self.classes)}
-        self.samples = make_dataset(self.root, class_to_idx, extensions=IMG_EXTENSIONS)
+        self.samples = make_dataset(self.root, class_to_idx, extensions=IMG_EXTENSIONS, allow_empty=True)
+        refuse_empty_classes(self.root, self.classes, self.samples)
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -167,3 +177,19 @@ def _cannot_read(path: str, error: OSError) -> str:
     if os.path.islink(path) and not os.path.exists(path):
         return f"a link to {os.readlink(path)}, which does not exist"
     return f"cannot be read: {error.strerror or error}"
+
+
+def refuse_empty_classes(root: str, classes: Sequence[str], samples: Sequence[tuple[str, int]]) -> None:
+    """A class folder without an image file is a label no image has (torchvision's scan stops at it with a
+    traceback): one message naming each.
+
+    Raises:
+        ConfigError: some class folder of ``root`` holds no file of an image extension.
+    """
+    empty = sorted(set(range(len(classes))) - {label for _, label in samples})
+    if empty:
+        folders = ", ".join(os.path.join(root, classes[label]) for label in empty)
+        raise ConfigError(
+            f"{len(empty)} class folder(s) hold no image file ({', '.join(IMG_EXTENSIONS)}): {folders}; "
+            "add images to each or remove it from both splits (and set data.num_classes)"
+        )

@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-from hydra.utils import instantiate
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate as hydra_instantiate
 from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, OmegaConf
@@ -83,6 +84,21 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         warnings.filterwarnings("ignore", message=r"The function `to_tensor\(\.\.\.\)` is deprecated")
         trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
     return next((cb.summary for cb in callbacks if isinstance(cb, RunSummary)), {})
+
+
+def instantiate(node: Any, **kwargs: Any) -> Any:
+    """Hydra's ``instantiate``, with a user mistake a constructor refuses (``ConfigError``,
+    ``CheckpointError``) raised as itself, for train.py's one-line message: Hydra wraps every error of a
+    target in an ``InstantiationException``."""
+    try:
+        return hydra_instantiate(node, **kwargs)
+    except InstantiationException as error:
+        cause = error.__cause__
+        while isinstance(cause, InstantiationException):  # a nested node's error, wrapped once per level
+            cause = cause.__cause__
+        if isinstance(cause, (ConfigError, CheckpointError)):
+            raise cause from None
+        raise
 
 
 def _missing_package_callbacks(configured: list[pl.Callback]) -> list[pl.Callback]:

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 import torchvision.transforms.functional as TF
+from lightly.transforms import SimCLRTransform
 from PIL import Image
 from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import pil_loader
@@ -26,6 +27,8 @@ from runner.augment import center_crop, draw_crop, normalize, resized_crop
 from runner.data import (
     IMAGENET_MEAN,
     IMAGENET_STD,
+    CIFAR10DataModule,
+    DigitsDataModule,
     ImageFolderDataModule,
     SyntheticDataModule,
     UnreadableImagesError,
@@ -474,6 +477,47 @@ def _raises(message: str):
         raise RuntimeError(message)
 
     return decode
+
+
+@pytest.mark.parametrize("views", [None, "simclr"])
+def test_an_empty_class_folder_is_refused_in_one_message_naming_it(folder, tmp_path, views):
+    root = tmp_path / "data"
+    shutil.copytree(folder, root)
+    empty = root / "val" / "class_001"
+    for path in empty.iterdir():
+        path.rename(path.with_suffix(".txt"))  # a file of no image extension: the scan lists none
+    module = ImageFolderDataModule(
+        str(root), image_size=SIZE, num_workers=0, num_classes=3, views=SimCLRTransform() if views else None
+    )
+    with pytest.raises(ConfigError, match=rf"1 class folder\(s\) hold no image file .*: {empty}; add images"):
+        module.setup()
+
+
+@pytest.mark.parametrize(
+    ("build", "key"),
+    [
+        pytest.param(
+            lambda **k: ImageFolderDataModule(num_classes=3, **k), "image_size", id="folder-image_size"
+        ),
+        pytest.param(DigitsDataModule, "image_size", id="digits-image_size"),
+        pytest.param(CIFAR10DataModule, "image_size", id="cifar10-image_size"),
+        pytest.param(SyntheticDataModule, "image_size", id="synthetic-image_size"),
+        pytest.param(SyntheticDataModule, "train_samples", id="synthetic-train_samples"),
+        pytest.param(SyntheticDataModule, "val_samples", id="synthetic-val_samples"),
+        pytest.param(DigitsDataModule, "batch_size", id="digits-batch_size"),
+        pytest.param(DigitsDataModule, "num_workers", id="digits-num_workers"),
+    ],
+)
+def test_a_setting_out_of_range_is_refused_naming_it(build, key):
+    value = -1 if key == "num_workers" else 0
+    with pytest.raises(ConfigError, match=rf"^data.{key}={value} must be >= {value + 1}"):
+        build(**{key: value})
+
+
+def test_a_digits_val_fraction_outside_zero_and_one_is_refused():
+    for fraction in (0.0, 1.0, 1.5):
+        with pytest.raises(ConfigError, match=f"data.val_fraction={fraction} must be between 0 and 1"):
+            DigitsDataModule(val_fraction=fraction)
 
 
 def test_decode_gpu_on_a_cpu_run_is_refused_with_the_fix(folder):

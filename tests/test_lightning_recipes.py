@@ -308,6 +308,20 @@ def test_schedule_free_with_a_second_average_is_refused_before_the_run(tmp_path)
         train(cfg)
 
 
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("data.image_size=0", "data.image_size=0 must be >= 1"),
+        ("model.channels_last=yes", "model.channels_last='yes': choose true, false or auto"),
+    ],
+)
+def test_a_value_a_constructor_refuses_is_a_config_error_not_hydras_wrapper(override, message, tmp_path):
+    """Hydra wraps whatever a target raises; train.py prints a ConfigError in one line, so the runner unwraps
+    the user's mistake."""
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        train(compose_train(["debug=tiny", override], tmp_path))
+
+
 def test_enable_progress_bar_false_turns_the_configs_progress_bar_off(tmp_path):
     """A user's first override to quiet a log: the config's TQDMProgressBar would make Lightning refuse it."""
     overrides = ["trainer.fast_dev_run=true", "trainer.accelerator=cpu", "trainer.enable_progress_bar=false"]
