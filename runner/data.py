@@ -18,13 +18,14 @@ loaders, the un-augmented training images (a kNN memory bank) and the validation
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.fabric.utilities.rank_zero import rank_prefixed_message
 from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 from torchvision.datasets.folder import find_classes
 from torchvision.transforms import v2
@@ -83,12 +84,13 @@ class DataNotFoundError(ConfigError):
 
 
 class UnreadableImagesError(ConfigError):
-    """Files of the data no decoder reads (empty, truncated, not an image): each named with the reason."""
+    """Files of the data that cannot be read or decoded (empty, truncated, not an image, a link to a missing
+    file): each named with the reason."""
 
     def __init__(self, unreadable: list[UnreadableImage]) -> None:
         files = "\n".join(f"  {image}" for image in unreadable)
         super().__init__(
-            f"{len(unreadable)} file(s) of the data cannot be decoded:\n{files}\n"
+            f"{len(unreadable)} file(s) of the data cannot be read or decoded:\n{files}\n"
             "  remove or re-encode them, or add data.skip_unreadable=true to leave such files out of their "
             "batches (each is warned about and counted)"
         )
@@ -410,8 +412,9 @@ class ImageFolderDataModule(_SeededDataModule):
         num_classes: Class folders in ``train/`` (checked); in_channels: 3 (RGB).
         decode: ``gpu``: the training GPU decodes each batch (nvJPEG) and crops, resizes and flips it;
             ``cpu``: the workers decode, crop and resize; ``auto``: ``gpu`` where training runs on a GPU.
-        skip_unreadable: Leave files no decoder reads out of their batches (warned about, counted in
-            ``unreadable``) instead of stopping the run with their names.
+        skip_unreadable: Leave files that cannot be read or decoded out of their batches (warned about once
+            by the rank that meets them, counted in ``unreadable`` and the run's summary) instead of stopping
+            the run with their names.
         views: A multi-view transform for self-supervised training (lightly's ``SimCLRTransform``,
             say, with ``normalize=None``); see the module docstring. ``None``: supervised batches.
         bank_size: With ``views``: training images in the kNN memory bank (a fixed random subset);
@@ -446,8 +449,9 @@ class ImageFolderDataModule(_SeededDataModule):
         self.image_size = image_size
         self.decode = decode
         self.skip_unreadable = skip_unreadable
-        #: The files left out of their batches (``skip_unreadable``), in the order met.
-        self.unreadable: list[UnreadableImage] = []
+        #: This rank's files left out of their batches in this fit (``skip_unreadable``): path -> why, each
+        #: file once, in the order met (:class:`~runner.summary.RunSummary` counts every rank's).
+        self.unreadable: dict[str, str] = {}
 
     def check_data(self) -> None:
         root = Path(self.root).expanduser().resolve()
@@ -501,13 +505,20 @@ class ImageFolderDataModule(_SeededDataModule):
         if not isinstance(batch, LoadedBatch):
             return batch
         images, labels, unreadable = batch.finish(self.image_size, IMAGENET_MEAN, IMAGENET_STD)
-        if unreadable:
-            if not self.skip_unreadable:
-                raise UnreadableImagesError(unreadable)
-            self.unreadable += unreadable
-            for image in unreadable:
-                rank_zero_warn(f"left out {image} ({len(self.unreadable)} unreadable file(s) so far)")
+        if unreadable and not self.skip_unreadable:
+            raise UnreadableImagesError(unreadable)
+        rank = self.trainer.global_rank if self.trainer is not None else None
+        for image in unreadable:
+            if image.path not in self.unreadable:  # each file once, whichever epoch meets it again
+                self.unreadable[image.path] = image.reason
+                # Every rank warns: each reads its own share of the files.
+                message = f"left out {image} ({len(self.unreadable)} unreadable file(s) so far)"
+                warnings.warn(rank_prefixed_message(message, rank), stacklevel=2)
         return images, labels
+
+    def files_report(self) -> dict[str, dict[str, str]]:
+        """This rank's files that the run did not read as planned, by kind (path -> why), for the summary."""
+        return {"unreadable_files": dict(self.unreadable)}
 
 
 def _class_folders(split: Path) -> list[str]:

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torchvision.transforms.functional as TF
 from lightly.transforms import SimCLRTransform
+from lightning_utilities.core.rank_zero import rank_zero_only
 from PIL import Image
 from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import pil_loader
@@ -382,10 +383,7 @@ def test_skipped_unreadable_files_are_counted_and_leave_the_other_labels_right(d
     module.train_set.decode_on_device = on_device
     with pytest.warns(UserWarning, match=r"left out .*(truncated|empty)\.JPEG"):
         images, labels = _first_batch(module)
-    assert sorted(image.path.rsplit("/", 1)[1] for image in module.unreadable) == [
-        "empty.JPEG",
-        "truncated.JPEG",
-    ]
+    assert sorted(path.rsplit("/", 1)[1] for path in module.unreadable) == ["empty.JPEG", "truncated.JPEG"]
     assert len(images) == len(labels) == len(module.train_set) - 2
     # Every kept image carries its folder's label: the counts per class are the folder's.
     assert torch.bincount(labels).tolist() == [6, 6 + 3, 6]
@@ -405,6 +403,28 @@ def test_a_batch_whose_every_file_is_unreadable_is_empty_not_a_crash(folder, tmp
     with pytest.warns(UserWarning, match="left out"):
         images, labels = _first_batch(module, validation=True)
     assert images.shape == (0, 3, SIZE, SIZE) and labels.shape == (0,) and len(module.unreadable) == 2
+
+
+def test_a_file_met_again_is_counted_and_warned_once_on_any_rank(damaged, monkeypatch):
+    """Each epoch meets the same unreadable files: they are counted and warned about once, by whichever rank
+    reads them (each rank reads its own share, so rank 0 alone would not name them all)."""
+    monkeypatch.setattr(rank_zero_only, "rank", 1)
+    module = ImageFolderDataModule(
+        str(damaged), batch_size=64, image_size=SIZE, num_workers=0, num_classes=3, skip_unreadable=True
+    )
+    module.setup()
+    with pytest.warns(UserWarning, match="left out") as warned:
+        for _ in range(2):  # two epochs
+            _first_batch(module)
+    assert len([w for w in warned if "left out" in str(w.message)]) == 2
+    assert sorted(module.unreadable) == sorted(
+        str(p) for p in (damaged / "train" / "class_002").glob("[et]*")
+    )
+    assert module.files_report() == {"unreadable_files": module.unreadable}
+    assert (
+        module.unreadable[str(damaged / "train" / "class_002" / "empty.JPEG")]
+        == "the file is empty (0 bytes)"
+    )
 
 
 def test_an_unreadable_file_in_a_loader_worker_is_named_not_a_worker_traceback(damaged):
@@ -439,7 +459,7 @@ def test_a_file_that_cannot_be_opened_travels_as_the_other_unreadable_files(
             continue
         with pytest.warns(UserWarning, match="left out .*link.JPEG"):
             images, labels = _first_batch(module)
-        assert [image.path for image in module.unreadable] == [str(link)]
+        assert list(module.unreadable) == [str(link)]
         assert len(images) == 18 and torch.bincount(labels).tolist() == [6, 6, 6]
 
 

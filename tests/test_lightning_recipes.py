@@ -362,9 +362,9 @@ def test_resnet50_trains_tiny_on_a_generated_jpeg_folder(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_run_goes_on_past_a_batch_whose_every_file_is_unreadable(tmp_path):
+def test_a_run_goes_on_past_a_batch_whose_every_file_is_unreadable(tmp_path, capsys):
     """data.skip_unreadable: epoch 0's second batch (8 of the 24 images) made of unreadable files only trains
-    nothing, and the run goes on."""
+    nothing, and the run goes on; the summary counts the files."""
     root = make_jpeg_folder(tmp_path / "data", classes=3, train=8, val=2)
     files = EncodedFolder(root / "train")
     sampler = EpochSampler(files, seed=0)  # the run's order of epoch 0 (seed=0)
@@ -375,6 +375,13 @@ def test_a_run_goes_on_past_a_batch_whose_every_file_is_unreadable(tmp_path):
     with pytest.warns(UserWarning, match="left out"):
         summary = train(compose_train(overrides, tmp_path / "run"))
     assert summary["global_step"] == 4 and summary["epochs"] == 2
+    # Met in both epochs, counted once each, in the summary line and metrics.json with their reasons.
+    assert summary["unreadable_files"] == 8
+    written = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert written["unreadable_files"] == 8 and set(written["files"]["unreadable_files"].values()) == {
+        "the file is empty (0 bytes)"
+    }
+    assert " unreadable_files=8" in capsys.readouterr().out.strip().splitlines()[-1]
 
 
 def test_an_empty_batch_skips_the_step_on_one_device_and_gives_zero_gradients_under_ddp(monkeypatch):
