@@ -24,6 +24,7 @@ from torchvision.transforms import InterpolationMode, RandomResizedCrop, v2
 
 import runner.decode
 from lightning_fusedsgd.lightning import ConfigError
+from runner import jpeg_folder
 from runner.augment import center_crop, draw_crop, normalize, resized_crop
 from runner.data import (
     IMAGENET_MEAN,
@@ -277,6 +278,28 @@ def test_the_generated_folder_is_deterministic_and_imagenet_sized(folder, tmp_pa
         assert (folder / name).read_bytes() == (again / name).read_bytes()
         width, height = Image.open(folder / name).size
         assert 300 <= min(width, height) <= 375 and 400 <= max(width, height) <= 500
+
+
+def test_the_folder_script_refuses_counts_below_one_and_says_what_it_wrote(tmp_path, capsys, monkeypatch):
+    def script(*args: str) -> None:  # python -m runner.jpeg_folder ARGS
+        monkeypatch.setattr(sys, "argv", ["jpeg_folder", *args])
+        jpeg_folder.main()
+
+    for argv in (["--classes", "-2", "--train", "-3"], ["--train", "0"], ["--val", "0"]):
+        with pytest.raises(SystemExit) as stopped:
+            script(str(tmp_path / "refused"), *argv)
+        assert stopped.value.code == 2 and "must be >= 1" in capsys.readouterr().err
+    assert not (tmp_path / "refused").exists()  # nothing written
+    for name, counts in (("classes", (0, 1, 1)), ("train", (1, -1, 1)), ("val", (1, 1, -1))):
+        with pytest.raises(ValueError, match=f"^{name}=-?[01] must be >= "):
+            make_jpeg_folder(tmp_path / "refused", *counts)
+    script(str(tmp_path / "data"), "--classes", "2", "--train", "2", "--val", "1")
+    assert len(list((tmp_path / "data").rglob("*.JPEG"))) == 6
+    assert capsys.readouterr().out.startswith(
+        f"wrote 6 JPEGs to {tmp_path / 'data'}: 2 classes of 2 training"
+    )
+    script(str(tmp_path / "data"), "--classes", "1", "--train", "1", "--val", "1")  # over the last one
+    assert "wrote 2 JPEGs" in (out := capsys.readouterr().out) and "holds 4 other file(s) from before" in out
 
 
 @pytest.fixture
