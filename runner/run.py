@@ -20,6 +20,7 @@ from lightning_fusedsgd.lightning import ConfigError, EMAWeightAveraging, InitFr
 from lightning_fusedsgd.lightning.clipping import callbacks as package_callbacks
 from runner.cpu_bf16 import check_cpu_bf16_convolutions
 from runner.data import DataNotFoundError
+from runner.resume import ResumeInCutEpoch
 from runner.summary import RunSummary
 
 __all__ = ["train"]
@@ -61,6 +62,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         # Lightning refuses a progress bar callback beside enable_progress_bar=false; the config adds one.
         callbacks = [cb for cb in callbacks if not isinstance(cb, ProgressBar)]
     callbacks += _missing_package_callbacks(callbacks)
+    callbacks.append(ResumeInCutEpoch())  # a run stopped by max_steps resumes in the epoch it stopped in
     if cfg.ema.decay is not None:
         if cfg.optim.get("schedule_free", False):
             raise ConfigError(

@@ -9,6 +9,7 @@ import itertools
 import json
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning.pytorch as pl
 import pytest
@@ -27,9 +28,11 @@ from lightning_fusedsgd.lightning import (
     Schedule,
     ScheduleFreeModes,
 )
+from runner.data import DigitsDataModule
 from runner.files import EncodedFolder
 from runner.jpeg_folder import make_jpeg_folder
 from runner.model import ImageClassifier
+from runner.resume import ResumeInCutEpoch
 from runner.run import train
 from runner.sampling import EpochSampler
 from runner.simclr import SimCLR
@@ -239,6 +242,16 @@ def test_resume_from_last_checkpoint_continues_the_run(tmp_path):
     last = tmp_path / "first" / "checkpoints" / "last.ckpt"
     resumed = train(compose_train([*short, "trainer.max_epochs=2", f"ckpt_path={last}"], tmp_path / "second"))
     assert resumed["global_step"] == 4 and resumed["epochs"] == 2
+
+
+def test_a_cut_epoch_whose_loop_state_is_not_lightnings_layout_is_said_at_the_resume():
+    """Where the loop counters are not laid out as this Lightning writes them, the runner cannot resume in
+    the cut epoch: it says which batches go untrained rather than skipping them silently."""
+    trainer = SimpleNamespace(datamodule=DigitsDataModule())
+    checkpoint = {"DigitsDataModule": {"epoch": 3, "batches": 2}, "loops": {"fit_loop": {}}}
+    with pytest.warns(UserWarning, match="epoch 3 ended after 2 of its batches .* rest of epoch 3 is not"):
+        ResumeInCutEpoch().on_load_checkpoint(trainer, None, checkpoint)
+    assert checkpoint["loops"] == {"fit_loop": {}}  # left as it was
 
 
 @pytest.mark.parametrize(
