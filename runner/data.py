@@ -26,14 +26,15 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.rank_zero import rank_prefixed_message
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 from torchvision.datasets.folder import find_classes
 from torchvision.transforms import v2
 
 from lightning_fusedsgd.lightning import ConfigError
 from runner.augment import normalize
-from runner.decode import decoders
-from runner.files import EncodedFolder, UnreadableImage, refuse_empty_classes
+from runner.decode import device_failure, jpeg_decoder
+from runner.files import EncodedFolder, EncodedImage, UnreadableImage, jpeg_size, refuse_empty_classes
 from runner.image_pipeline import FolderSamples, LoadedBatch, collate
 from runner.sampling import EachView, EpochSampler, SeededDataset, Transform
 from runner.synthetic import SYNTHETIC_MEAN, SYNTHETIC_STD, Indices, SyntheticImages, SyntheticPool
@@ -411,7 +412,10 @@ class ImageFolderDataModule(_SeededDataModule):
         drop_last: Drop the last incomplete training batch.
         num_classes: Class folders in ``train/`` (checked); in_channels: 3 (RGB).
         decode: ``gpu``: the training GPU decodes each batch (nvJPEG) and crops, resizes and flips it;
-            ``cpu``: the workers decode, crop and resize; ``auto``: ``gpu`` where training runs on a GPU.
+            ``cpu``: the workers decode, crop and resize; ``auto``: ``gpu`` where training runs on a GPU and
+            the decoder decodes there (tried once at setup), else ``cpu``. Setup says which decoder runs
+            where; a JPEG the GPU refuses during training is decoded on the CPU in the training process,
+            warned about once, counted in ``decoded_on_host`` and the run's summary.
         skip_unreadable: Leave files that cannot be read or decoded out of their batches (warned about once
             by the rank that meets them, counted in ``unreadable`` and the run's summary) instead of stopping
             the run with their names.
@@ -452,6 +456,8 @@ class ImageFolderDataModule(_SeededDataModule):
         #: This rank's files left out of their batches in this fit (``skip_unreadable``): path -> why, each
         #: file once, in the order met (:class:`~runner.summary.RunSummary` counts every rank's).
         self.unreadable: dict[str, str] = {}
+        #: This rank's JPEGs the training device refused, decoded on the CPU in the training process instead.
+        self.decoded_on_host: dict[str, str] = {}
 
     def check_data(self) -> None:
         root = Path(self.root).expanduser().resolve()
@@ -467,14 +473,36 @@ class ImageFolderDataModule(_SeededDataModule):
             )
         _check_same_classes(root / "train", classes["train"], root / "val", classes["val"])
 
-    def _decode_on_device(self) -> bool:
-        on_gpu = self.trainer is not None and self.trainer.strategy.root_device.type == "cuda"
-        if self.decode == "gpu" and not on_gpu:
+    def _decode_on_device(self, files: EncodedFolder) -> bool:
+        """Where JPEGs are decoded, chosen once and said: on the training GPU (``gpu``, or ``auto`` on a GPU)
+        where the decoder decodes some of ``files``'s first JPEGs there, else by the loader workers."""
+        decoder = jpeg_decoder()
+        device = self.trainer.strategy.root_device if self.trainer is not None else torch.device("cpu")
+        if self.decode == "gpu" and device.type != "cuda":
             raise ConfigError(
                 "data.decode=gpu decodes on the training GPU, and this run trains on the CPU: "
                 "use data.decode=cpu (or auto)"
             )
-        return self.decode == "gpu" or (self.decode == "auto" and on_gpu)
+        failure = None
+        if self.decode != "cpu" and device.type == "cuda":
+            failure = device_failure(_first_jpegs(files), device)
+            if failure is None:
+                rank_zero_info(
+                    f"data.decode={self.decode}: {decoder.name} decodes the JPEGs on {device}, a batch a "
+                    "call; the loader workers read the files (and decode those of other formats with PIL)"
+                )
+                return True
+            if self.decode == "gpu":
+                raise ConfigError(
+                    f"data.decode=gpu: {decoder.name} cannot decode JPEGs on {device} ({failure}): use "
+                    "data.decode=cpu (or auto, which then decodes in the loader workers)"
+                )
+            rank_zero_warn(f"data.decode=auto: {decoder.name} cannot decode JPEGs on {device} ({failure})")
+        rank_zero_info(
+            f"data.decode={self.decode}: the loader workers decode on the CPU ({decoder.name} for JPEGs, PIL "
+            "for other formats), crop and resize"
+        )
+        return False
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
@@ -482,9 +510,8 @@ class ImageFolderDataModule(_SeededDataModule):
         self.check_data()
         train, val = os.path.join(self.root, "train"), os.path.join(self.root, "val")
         if self.views is None:
-            decoders()
-            on_device = self._decode_on_device()
             train_files = EncodedFolder(train)
+            on_device = self._decode_on_device(train_files)
             self.train_set = FolderSamples(train_files, self.image_size, on_device)
             self.val_set = FolderSamples(EncodedFolder(val, train_files.classes), self.image_size, on_device)
             self.collate_fn = collate
@@ -504,21 +531,42 @@ class ImageFolderDataModule(_SeededDataModule):
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         if not isinstance(batch, LoadedBatch):
             return batch
-        images, labels, unreadable = batch.finish(self.image_size, IMAGENET_MEAN, IMAGENET_STD)
-        if unreadable and not self.skip_unreadable:
-            raise UnreadableImagesError(unreadable)
-        rank = self.trainer.global_rank if self.trainer is not None else None
-        for image in unreadable:
-            if image.path not in self.unreadable:  # each file once, whichever epoch meets it again
-                self.unreadable[image.path] = image.reason
-                # Every rank warns: each reads its own share of the files.
-                message = f"left out {image} ({len(self.unreadable)} unreadable file(s) so far)"
-                warnings.warn(rank_prefixed_message(message, rank), stacklevel=2)
-        return images, labels
+        finished = batch.finish(self.image_size, IMAGENET_MEAN, IMAGENET_STD)
+        if finished.unreadable and not self.skip_unreadable:
+            raise UnreadableImagesError(finished.unreadable)
+        for image in finished.unreadable:
+            self._note(self.unreadable, image.path, image.reason, "left out", "unreadable file(s)")
+        for image in finished.decoded_on_host:  # the rate the device decode was chosen for is lost on these
+            self._note(self.decoded_on_host, image.path, image.reason, "decoded on the CPU", "such file(s)")
+        return finished.images, finished.labels
+
+    def _note(self, record: dict[str, str], path: str, reason: str, what: str, counted: str) -> None:
+        """Records a file in ``record`` and warns about it, once whichever epoch meets it again; every rank
+        warns, each reading its own share of the files."""
+        if path not in record:
+            record[path] = reason
+            message = f"{what} {path}: {reason} ({len(record)} {counted} so far)"
+            rank = self.trainer.global_rank if self.trainer is not None else None
+            warnings.warn(rank_prefixed_message(message, rank), stacklevel=3)
 
     def files_report(self) -> dict[str, dict[str, str]]:
         """This rank's files that the run did not read as planned, by kind (path -> why), for the summary."""
-        return {"unreadable_files": dict(self.unreadable)}
+        return {"unreadable_files": dict(self.unreadable), "host_decoded_files": dict(self.decoded_on_host)}
+
+
+def _first_jpegs(files: EncodedFolder, count: int = 8, looked_at: int = 64) -> list[EncodedImage]:
+    """Up to ``count`` readable JPEGs among the first ``looked_at`` files, to try the device decode on."""
+    jpegs = []
+    for index in range(min(len(files), looked_at)):
+        try:
+            image = files[index]
+        except UnreadableImage:
+            continue
+        if jpeg_size(image.data) is not None:
+            jpegs.append(image)
+        if len(jpegs) == count:
+            break
+    return jpegs
 
 
 def _class_folders(split: Path) -> list[str]:

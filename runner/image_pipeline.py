@@ -5,8 +5,9 @@ what ``on_after_batch_transfer`` does with the batch on the training device.
 training size; the device normalizes the stacked batch. ``True`` (``data.decode=gpu``): the worker reads the
 bytes and draws the crop from the JPEG's header; the device decodes the batch in one call, then crops,
 resizes, flips and normalizes. Either way each training image's crop comes from its sample seed, so the two
-agree on every box. A file no decoder reads travels as an :class:`UnreadableImage` beside the batch, never as
-a worker traceback; the DataModule refuses or skips it."""
+agree on every box. A file that cannot be read or decoded travels as an :class:`UnreadableImage` beside the
+batch, never as a worker traceback; the DataModule refuses or skips it. A JPEG the device refuses is decoded
+on the CPU in the training process, and the batch says which (the DataModule counts them)."""
 
 from __future__ import annotations
 
@@ -17,10 +18,10 @@ import torch
 from torch.utils.data import Dataset
 
 from runner.augment import Crop, center_crop, draw_crop, normalize, resized_crop
-from runner.decode import decode_batch, decode_on_cpu
+from runner.decode import DecodedOnHost, decode_batch, decode_on_cpu
 from runner.files import EncodedFolder, EncodedImage, UnreadableImage, jpeg_size
 
-__all__ = ["FolderSamples", "LoadedBatch", "collate"]
+__all__ = ["FinishedBatch", "FolderSamples", "LoadedBatch", "collate"]
 
 
 class Pending(NamedTuple):
@@ -75,6 +76,15 @@ def _transform(pixels: torch.Tensor, crop: Crop | None, size: int) -> torch.Tens
     )
 
 
+class FinishedBatch(NamedTuple):
+    """:meth:`LoadedBatch.finish`'s batch, and what it says about the files."""
+
+    images: torch.Tensor
+    labels: torch.Tensor
+    unreadable: list[UnreadableImage]
+    decoded_on_host: list[DecodedOnHost]
+
+
 class LoadedBatch:
     """A collated batch: the workers' uint8 images (``pixels``) or the images still to decode (``pending``),
     the labels of both, and the files no decoder read. ``to(device)`` (Lightning's transfer) moves the pixels
@@ -102,19 +112,18 @@ class LoadedBatch:
             pixels, self.pending, self.labels.to(device, non_blocking=non_blocking), self.unreadable
         )
 
-    def finish(
-        self, size: int, mean: Sequence[float], std: Sequence[float]
-    ) -> tuple[torch.Tensor, torch.Tensor, list[UnreadableImage]]:
-        """On the labels' device: the normalized float batch (channels-last), its labels, and the unreadable
-        files (left out of both)."""
+    def finish(self, size: int, mean: Sequence[float], std: Sequence[float]) -> FinishedBatch:
+        """On the labels' device: the normalized float batch (channels-last), its labels, the unreadable files
+        (left out of both) and the JPEGs the device refused, decoded on the CPU here instead."""
         device = self.labels.device
         if self.pixels is not None:
-            return normalize(self.pixels, mean, std), self.labels, self.unreadable
+            return FinishedBatch(normalize(self.pixels, mean, std), self.labels, self.unreadable, [])
         to_decode = [item.image for item in self.pending if item.pixels is None]
-        decoded = iter(decode_batch(to_decode, device) if to_decode else [])
+        decoded, on_host = decode_batch(to_decode, device) if to_decode else ([], [])
+        from_device = iter(decoded)
         images, keep, unreadable = [], [], list(self.unreadable)
         for item in self.pending:
-            pixels = next(decoded) if item.pixels is None else item.pixels.to(device, non_blocking=True)
+            pixels = next(from_device) if item.pixels is None else item.pixels.to(device, non_blocking=True)
             if isinstance(pixels, UnreadableImage):
                 unreadable.append(pixels)
                 keep.append(False)
@@ -123,8 +132,8 @@ class LoadedBatch:
             keep.append(True)
         labels = self.labels if all(keep) else self.labels[torch.tensor(keep, device=device)]
         if not images:  # every file of the batch is unreadable: an empty batch, which trains nothing
-            return torch.empty(0, 3, size, size, device=device), labels, unreadable
-        return normalize(torch.stack(images), mean, std), labels, unreadable
+            return FinishedBatch(torch.empty(0, 3, size, size, device=device), labels, unreadable, on_host)
+        return FinishedBatch(normalize(torch.stack(images), mean, std), labels, unreadable, on_host)
 
 
 def collate(samples: list[tuple[Any, int]]) -> LoadedBatch:

@@ -5,10 +5,13 @@ generated folder, and the synthetic pool on the device. All on CPU tensors: the 
 from __future__ import annotations
 
 import io
+import logging
 import math
 import shutil
 import struct
 import sys
+import warnings
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import numpy as np
@@ -35,7 +38,7 @@ from runner.data import (
     SyntheticDataModule,
     UnreadableImagesError,
 )
-from runner.decode import decode_on_cpu, decoders
+from runner.decode import JpegDecoder, decode_on_cpu, jpeg_decoder
 from runner.files import EncodedFolder, EncodedImage, UnreadableImage, jpeg_size
 from runner.jpeg_folder import make_jpeg_folder
 
@@ -443,7 +446,7 @@ def test_a_file_met_again_is_counted_and_warned_once_on_any_rank(damaged, monkey
     assert sorted(module.unreadable) == sorted(
         str(p) for p in (damaged / "train" / "class_002").glob("[et]*")
     )
-    assert module.files_report() == {"unreadable_files": module.unreadable}
+    assert module.files_report()["unreadable_files"] == module.unreadable
     assert (
         module.unreadable[str(damaged / "train" / "class_002" / "empty.JPEG")]
         == "the file is empty (0 bytes)"
@@ -509,7 +512,9 @@ def test_an_unreadable_files_reason_is_its_cause(folder, tmp_path, monkeypatch):
     assert reasons["truncated.png"].startswith("image file is truncated")  # PIL's
     # A decoder's message is whole, commas included, without the place in its source.
     message = "decode_rows, /src/torchcodec/_core/DecodeJpeg.cpp:287, Corrupt data, marker 0xD9 found"
-    monkeypatch.setattr(runner.decode, "decoders", lambda: SimpleNamespace(decode_jpeg=_raises(message)))
+    monkeypatch.setattr(
+        runner.decode, "jpeg_decoder", lambda: JpegDecoder("stub", _raises(message), _raises(message))
+    )
     image = EncodedImage("corrupt.JPEG", torch.frombuffer(bytearray(jpeg), dtype=torch.uint8), 0)
     with pytest.raises(UnreadableImage, match=r"^corrupt.JPEG: Corrupt data, marker 0xD9 found$"):
         decode_on_cpu(image)
@@ -591,17 +596,137 @@ def test_synthetic_batches_come_from_a_seeded_uint8_pool_normalized_on_the_devic
     assert not torch.equal(again._pools[False].images, pool.images)  # validation: its own images
 
 
-def test_an_image_folder_without_torchcodec_stops_at_setup_with_the_fix(folder, monkeypatch):
+@pytest.fixture
+def fresh_choice():
+    """jpeg_decoder() chooses afresh in the test (whatever it patches) and again after it."""
+    jpeg_decoder.cache_clear()
+    yield
+    jpeg_decoder.cache_clear()
+
+
+def _batches(root, on_device: bool) -> tuple:
+    module = ImageFolderDataModule(str(root), batch_size=6, image_size=SIZE, num_workers=0, num_classes=3)
+    module.setup()
+    for dataset in (module.train_set, module.val_set):
+        dataset.decode_on_device = on_device
+    return _first_batch(module), _first_batch(module, validation=True)
+
+
+@pytest.mark.parametrize("on_device", [False, True])
+def test_where_torchcodec_does_not_load_torchvisions_decoders_give_the_same_batches(
+    oriented, monkeypatch, fresh_choice, on_device
+):
+    """TorchCodec's image decoders need torch 2.11+, the library torch 2.6+: torchvision's own (CPU and
+    nvJPEG) decode instead, the same pixels on either path (EXIF orientations included), without their
+    deprecation warning."""
+    assert jpeg_decoder().name.startswith("TorchCodec")
+    expected = _batches(oriented, on_device)
     monkeypatch.setitem(sys.modules, "torchcodec.decoders", None)  # what a failed import leaves
-    decoders.cache_clear()
-    try:
-        module = ImageFolderDataModule(str(folder), num_classes=3, num_workers=0)
-        with pytest.raises(
-            ConfigError, match="needs TorchCodec, which did not load .*pip install torchcodec"
-        ):
-            module.setup()
-    finally:
-        decoders.cache_clear()
+    jpeg_decoder.cache_clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        assert jpeg_decoder().name.startswith("torchvision")
+        batches = _batches(oriented, on_device)
+    for (images, labels), (expected_images, expected_labels) in zip(batches, expected):
+        assert torch.equal(images, expected_images) and torch.equal(labels, expected_labels)
+
+
+def test_where_no_decoder_works_an_image_folder_stops_at_setup_with_the_fix(
+    folder, monkeypatch, fresh_choice
+):
+    monkeypatch.setitem(sys.modules, "torchcodec.decoders", None)
+    monkeypatch.setitem(sys.modules, "torchvision.io", None)
+    module = ImageFolderDataModule(str(folder), num_classes=3, num_workers=0)
+    with pytest.raises(
+        ConfigError, match="needs TorchCodec or torchvision's image decoders.*pip install torchcodec"
+    ):
+        module.setup()
+
+
+def _on_a_gpu(module: ImageFolderDataModule) -> ImageFolderDataModule:
+    """``module`` as Lightning sets it up for a run on the first GPU (the device decode is a stub's)."""
+    module.trainer = SimpleNamespace(
+        strategy=SimpleNamespace(root_device=torch.device("cuda", 0)), global_rank=0
+    )
+    return module
+
+
+def _decoder_whose_device(refuses) -> Callable[[], JpegDecoder]:
+    """A JPEG decoder whose device decode ``refuses(batch)`` (raising as nvJPEG does), or decodes on the
+    CPU."""
+    real = runner.decode._torchcodec()
+
+    def on_device(batch, device):
+        if refuses(batch):
+            raise RuntimeError(
+                "decode_jpegs_cuda, /src/DecodeJpeg.cpp:42, nvJPEG is not available in this build"
+            )
+        return real.on_device(batch, torch.device("cpu"))
+
+    return lambda: JpegDecoder("stub", real.on_cpu, on_device)
+
+
+@pytest.mark.parametrize("works", [True, False])
+def test_auto_tries_the_device_decode_once_and_says_which_decoder_runs_where(
+    folder, monkeypatch, fresh_choice, caplog, works
+):
+    monkeypatch.setattr(runner.decode, "_torchcodec", _decoder_whose_device(lambda batch: not works))
+    module = _on_a_gpu(ImageFolderDataModule(str(folder), num_classes=3, num_workers=0, decode="auto"))
+    with caplog.at_level(logging.INFO), warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        module.setup()
+    said = caplog.text
+    assert module.train_set.decode_on_device is module.val_set.decode_on_device is works
+    if works:
+        assert "data.decode=auto: stub decodes the JPEGs on cuda:0, a batch a call" in said and not warned
+    else:
+        assert [str(w.message) for w in warned] == [
+            "data.decode=auto: stub cannot decode JPEGs on cuda:0 (stub on cuda:0: nvJPEG is not available "
+            "in this build)"
+        ]
+        assert "data.decode=auto: the loader workers decode on the CPU (stub for JPEGs, PIL" in said
+
+
+def test_decode_gpu_where_the_device_cannot_decode_is_refused_with_the_fix(folder, monkeypatch, fresh_choice):
+    monkeypatch.setattr(runner.decode, "_torchcodec", _decoder_whose_device(lambda batch: True))
+    module = _on_a_gpu(ImageFolderDataModule(str(folder), num_classes=3, num_workers=0, decode="gpu"))
+    with pytest.raises(
+        ConfigError, match=r"data.decode=gpu: stub cannot decode JPEGs on cuda:0 \(.*use data"
+    ):
+        module.setup()
+
+
+def test_a_jpeg_the_device_refuses_in_training_is_decoded_on_the_cpu_counted_and_warned_once(
+    damaged, monkeypatch, fresh_choice
+):
+    """nvJPEG refusing a JPEG (CMYK, say) costs the batch a call per image and that image a CPU decode in the
+    training process: it is warned about once, counted for the summary, and its pixels are the CPU path's."""
+    cmyk = torch.frombuffer(
+        bytearray((damaged / "train" / "class_001" / "cmyk.JPEG").read_bytes()), dtype=torch.uint8
+    )
+    refuses = lambda batch: any(data.numel() == cmyk.numel() and torch.equal(data, cmyk) for data in batch)  # noqa: E731
+    monkeypatch.setattr(runner.decode, "_torchcodec", _decoder_whose_device(refuses))
+    batches = {}
+    for on_device in (False, True):
+        module = ImageFolderDataModule(
+            str(damaged), batch_size=64, image_size=SIZE, num_workers=0, num_classes=3, skip_unreadable=True
+        )
+        module.setup()
+        module.train_set.decode_on_device = on_device
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            batches[on_device] = [_first_batch(module) for _ in range(2)]  # two epochs
+        notes = [str(w.message) for w in warned if "decoded on the CPU" in str(w.message)]
+        if on_device:
+            path = str(damaged / "train" / "class_001" / "cmyk.JPEG")
+            assert module.decoded_on_host == {path: "stub on cpu: nvJPEG is not available in this build"}
+            assert notes == [f"decoded on the CPU {path}: stub on cpu: nvJPEG is not available in this build "
+                             "(1 such file(s) so far)"]  # fmt: skip
+            assert module.files_report()["host_decoded_files"] == module.decoded_on_host
+        else:
+            assert not module.decoded_on_host and not notes
+    for (images, labels), (device_images, device_labels) in zip(batches[False], batches[True]):
+        assert torch.equal(images, device_images) and torch.equal(labels, device_labels)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: bench/gpu_check.sh runs it")
