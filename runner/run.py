@@ -19,7 +19,7 @@ from lightning_fusedsgd.checkpoint import CheckpointError, read_start_checkpoint
 from lightning_fusedsgd.lightning import ConfigError, EMAWeightAveraging, InitFromCheckpoint
 from lightning_fusedsgd.lightning.clipping import callbacks as package_callbacks
 from runner.cpu_bf16 import check_cpu_bf16_convolutions
-from runner.data import DataNotFoundError
+from runner.datamodule import DataNotFoundError
 from runner.resume import ResumeInCutEpoch
 from runner.summary import RunSummary
 

@@ -28,10 +28,8 @@ from torchvision.transforms import InterpolationMode, RandomResizedCrop, v2
 import runner.decode
 from lightning_fusedsgd.lightning import ConfigError
 from runner import jpeg_folder
-from runner.augment import center_crop, draw_crop, normalize, resized_crop
+from runner.augment import IMAGENET_MEAN, IMAGENET_STD, center_crop, draw_crop, normalize, resized_crop
 from runner.data import (
-    IMAGENET_MEAN,
-    IMAGENET_STD,
     CIFAR10DataModule,
     DigitsDataModule,
     ImageFolderDataModule,
