@@ -69,7 +69,7 @@ class DigitsDataModule(SeededDataModule):
             ``num_workers``: the data lives in memory, so 0 is fastest.
     """
 
-    DEFAULTS: ClassVar[dict[str, Any]] = {
+    DEFAULTS: ClassVar[dict[str, int]] = {
         "batch_size": 64,
         "image_size": 32,
         "num_workers": 0,
@@ -78,7 +78,7 @@ class DigitsDataModule(SeededDataModule):
     }
 
     def __init__(self, val_fraction: float = 0.2, augment: bool = True, **shared: Any) -> None:
-        super().__init__(**(self.DEFAULTS | shared))
+        super().__init__(**shared)
         self._check_declared(num_classes=10, in_channels=1)
         if not 0 < val_fraction < 1:
             raise ConfigError(
@@ -120,7 +120,7 @@ class CIFAR10DataModule(SeededDataModule):
             resized to it; ``num_classes``, ``in_channels``: must be 10 and 3.
     """
 
-    DEFAULTS: ClassVar[dict[str, Any]] = {
+    DEFAULTS: ClassVar[dict[str, int]] = {
         "batch_size": 128,
         "image_size": 32,
         "num_workers": 4,
@@ -130,7 +130,7 @@ class CIFAR10DataModule(SeededDataModule):
     _FILES = ("data_batch_1", "data_batch_2", "data_batch_3", "data_batch_4", "data_batch_5", "test_batch")
 
     def __init__(self, root: str = "data/cifar10", download: bool = False, **shared: Any) -> None:
-        super().__init__(**(self.DEFAULTS | shared))
+        super().__init__(**shared)
         self._check_declared(num_classes=10, in_channels=3)
         self.root = root
         self.download = download
@@ -181,7 +181,7 @@ class SyntheticDataModule(SeededDataModule):
             the label range and image channels, any; ``seed`` also seeds the images.
     """
 
-    DEFAULTS: ClassVar[dict[str, Any]] = {
+    DEFAULTS: ClassVar[dict[str, int]] = {
         "batch_size": 32,
         "image_size": 224,
         "num_workers": 0,
@@ -192,7 +192,7 @@ class SyntheticDataModule(SeededDataModule):
     def __init__(
         self, train_samples: int = 1024, val_samples: int = 256, pool_size: int = 256, **shared: Any
     ) -> None:
-        super().__init__(**(self.DEFAULTS | shared))
+        super().__init__(**shared)
         check_at_least("train_samples", train_samples, 1)
         check_at_least("val_samples", val_samples, 1, " (trainer.limit_val_batches=0 turns validation off)")
         check_at_least("pool_size", pool_size, 1)

@@ -58,7 +58,7 @@ class SeededDataModule(pl.LightningDataModule):
     before ``configure_optimizers`` asks for the training loader, so even loader workers that start
     drawing indices at once start at the right place.
 
-    Args (every DataModule's; each subclass sets its own defaults in ``DEFAULTS``):
+    Args (every DataModule's, which passes them on as ``**shared``; ``None``: its ``DEFAULTS``):
         batch_size: Per-device batch size.
         image_size: Side of the images the model sees.
         num_classes, in_channels: Label count and image channels, as the data config declares them (the
@@ -72,33 +72,34 @@ class SeededDataModule(pl.LightningDataModule):
             ``None``: all of them.
     """
 
-    #: A subclass's defaults of the shared arguments (``super().__init__(**(self.DEFAULTS | shared))``).
-    DEFAULTS: ClassVar[dict[str, Any]] = {}
+    #: A DataModule's own defaults of the sizes, counts and workers, for the arguments given as ``None``.
+    DEFAULTS: ClassVar[dict[str, int]] = {}
 
     def __init__(
         self,
         *,
-        batch_size: int,
-        image_size: int,
-        num_classes: int,
-        in_channels: int,
-        num_workers: int = 0,
+        batch_size: int | None = None,
+        image_size: int | None = None,
+        num_classes: int | None = None,
+        in_channels: int | None = None,
+        num_workers: int | None = None,
         seed: int = 0,
         drop_last: bool = False,
         views: Transform | None = None,
         bank_size: int | None = None,
     ) -> None:
         super().__init__()
-        check_at_least("batch_size", batch_size, 1, " (the per-device batch)")
-        check_at_least("image_size", image_size, 1)
-        check_at_least("num_workers", num_workers, 0, " (0: loaded in the training process)")
+        own = self.DEFAULTS
+        self.batch_size = own["batch_size"] if batch_size is None else batch_size
+        self.image_size = own["image_size"] if image_size is None else image_size
+        self.num_classes = own["num_classes"] if num_classes is None else num_classes
+        self.in_channels = own["in_channels"] if in_channels is None else in_channels
+        self.num_workers = own["num_workers"] if num_workers is None else num_workers
+        check_at_least("batch_size", self.batch_size, 1, " (the per-device batch)")
+        check_at_least("image_size", self.image_size, 1)
+        check_at_least("num_workers", self.num_workers, 0, " (0: loaded in the training process)")
         if bank_size is not None and bank_size < 1:
             raise ConfigError(f"data.bank_size={bank_size} must be >= 1, or null for every training image")
-        self.batch_size = batch_size
-        self.image_size = image_size
-        self.num_classes = num_classes
-        self.in_channels = in_channels
-        self.num_workers = num_workers
         self.seed = seed
         self.drop_last = drop_last
         self.views = views

@@ -63,7 +63,7 @@ class ImageFolderDataModule(SeededDataModule):
         "<root>/train/<class>/<image> and <root>/val/<class>/<image> (the torchvision ImageFolder layout)"
     )
 
-    DEFAULTS: ClassVar[dict[str, Any]] = {
+    DEFAULTS: ClassVar[dict[str, int]] = {
         "batch_size": 32,
         "image_size": 224,
         "num_workers": 8,
@@ -74,7 +74,7 @@ class ImageFolderDataModule(SeededDataModule):
     def __init__(
         self, root: str = "data/imagenet", decode: str = "auto", skip_unreadable: bool = False, **shared: Any
     ) -> None:
-        super().__init__(**(self.DEFAULTS | shared))
+        super().__init__(**shared)
         self._check_declared(num_classes=self.num_classes, in_channels=3)
         if decode not in ("auto", "gpu", "cpu"):
             raise ConfigError(f"data.decode={decode!r}: choose auto, gpu or cpu")
