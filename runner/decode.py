@@ -29,7 +29,15 @@ from PIL import Image, UnidentifiedImageError
 from lightning_fusedsgd.lightning import ConfigError
 from runner.files import EncodedImage, UnreadableImage, as_stored, jpeg_size
 
-__all__ = ["DecodedOnHost", "JpegDecoder", "decode_batch", "decode_on_cpu", "device_failure", "jpeg_decoder"]
+__all__ = [
+    "DecodedOnHost",
+    "JpegDecoder",
+    "decode_batch",
+    "decode_on_cpu",
+    "device_failure",
+    "jpeg_decoder",
+    "pil_image",
+]
 
 CPU = torch.device("cpu")
 
@@ -137,31 +145,36 @@ def _first_line(error: Exception) -> str:
 
 def decode_on_cpu(image: EncodedImage) -> torch.Tensor:
     """``image`` decoded on the CPU by its format (whatever its name says): a JPEG by the JPEG decoder, any
-    other by PIL, as torchvision's ImageFolder loader reads it (BMP, TIFF, PPM/PGM, PNG, WebP, GIF: converted
-    to RGB, an animation's first frame).
+    other as :func:`pil_image` reads it.
 
     Raises:
         UnreadableImage: the file is empty, cut short or no image.
     """
-    if image.data.numel() == 0:
-        raise UnreadableImage(image.path, "the file is empty (0 bytes)")
     if jpeg_size(image.data) is None:
-        return _decode_with_pil(image)
+        # (C, H, W) over (H, W, C) memory, as the decoders give
+        return torch.from_numpy(np.array(pil_image(image))).permute(2, 0, 1)
     try:
         return jpeg_decoder().on_cpu(as_stored(image.data))
     except (RuntimeError, ValueError) as error:
         raise UnreadableImage(image.path, _reason(error, image.data)) from None
 
 
-def _decode_with_pil(image: EncodedImage) -> torch.Tensor:
+def pil_image(image: EncodedImage) -> Image.Image:
+    """``image`` as torchvision's ImageFolder loader reads it: PIL, whatever the format (BMP, TIFF, PPM/PGM,
+    PNG, WebP, GIF, JPEG), converted to RGB (an animation's first frame).
+
+    Raises:
+        UnreadableImage: the file is empty, cut short or no image.
+    """
+    if image.data.numel() == 0:
+        raise UnreadableImage(image.path, "the file is empty (0 bytes)")
     try:
         with Image.open(io.BytesIO(memoryview(image.data.numpy()))) as opened:
-            pixels = np.array(opened.convert("RGB"))
+            return opened.convert("RGB")
     # PIL's format plugins raise many kinds of errors on damaged bytes (OSError, SyntaxError, struct.error
     # and more): each is the file's, not the run's.
     except Exception as error:
         raise UnreadableImage(image.path, _reason(error, image.data)) from None
-    return torch.from_numpy(pixels).permute(2, 0, 1)  # (C, H, W) over (H, W, C) memory, as the decoders give
 
 
 def decode_batch(

@@ -23,7 +23,6 @@ __all__ = [
     "UnreadableImage",
     "as_stored",
     "jpeg_size",
-    "refuse_empty_classes",
 ]
 
 # Start-of-frame markers carry the size: baseline, extended, progressive, lossless and arithmetic-coded ones
@@ -149,7 +148,7 @@ class EncodedFolder(Dataset):
         self.classes = find_classes(self.root)[0] if classes is None else list(classes)
         class_to_idx = {name: label for label, name in enumerate(self.classes)}
         self.samples = make_dataset(self.root, class_to_idx, extensions=IMG_EXTENSIONS, allow_empty=True)
-        refuse_empty_classes(self.root, self.classes, self.samples)
+        _refuse_empty_classes(self.root, self.classes, self.samples)
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -179,7 +178,7 @@ def _cannot_read(path: str, error: OSError) -> str:
     return f"cannot be read: {error.strerror or error}"
 
 
-def refuse_empty_classes(root: str, classes: Sequence[str], samples: Sequence[tuple[str, int]]) -> None:
+def _refuse_empty_classes(root: str, classes: Sequence[str], samples: Sequence[tuple[str, int]]) -> None:
     """A class folder without an image file is a label no image has (torchvision's scan stops at it with a
     traceback): one message naming each.
 

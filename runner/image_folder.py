@@ -17,8 +17,8 @@ from lightning_fusedsgd.lightning import ConfigError
 from runner.augment import IMAGENET_MEAN, IMAGENET_STD, folder_view_transforms
 from runner.datamodule import DataNotFoundError, SeededDataModule
 from runner.decode import device_failure, jpeg_decoder
-from runner.files import EncodedFolder, EncodedImage, UnreadableImage, jpeg_size, refuse_empty_classes
-from runner.image_pipeline import FolderSamples, LoadedBatch, collate
+from runner.files import EncodedFolder, EncodedImage, UnreadableImage, jpeg_size
+from runner.image_pipeline import FolderSamples, LoadedBatch, PilImages, SetAside, collate, collate_set_aside
 
 __all__ = ["ImageFolderDataModule", "UnreadableImagesError"]
 
@@ -78,6 +78,12 @@ class ImageFolderDataModule(SeededDataModule):
         self._check_declared(num_classes=self.num_classes, in_channels=3)
         if decode not in ("auto", "gpu", "cpu"):
             raise ConfigError(f"data.decode={decode!r}: choose auto, gpu or cpu")
+        if skip_unreadable and self.views is not None:
+            raise ConfigError(
+                "data.skip_unreadable=true with data.views: SimCLR's batches stay whole (its negatives are "
+                "gathered from every rank's batch, of one size), so a file that cannot be read stops the "
+                "run, named; remove or re-encode such files instead"
+            )
         self.root = root
         self.decode = decode
         self.skip_unreadable = skip_unreadable
@@ -144,14 +150,16 @@ class ImageFolderDataModule(SeededDataModule):
             self.val_set = FolderSamples(EncodedFolder(val, train_files.classes), self.image_size, on_device)
             self.collate_fn = collate
             return
-        from torchvision.datasets import ImageFolder
-
-        splits = ImageFolder(train, allow_empty=True), ImageFolder(val, allow_empty=True)
-        for split in splits:  # labelled alike: check_data refused splits whose class folders differ
-            refuse_empty_classes(split.root, split.classes, split.samples)
-        self._build(*splits, folder_view_transforms(self.image_size))
+        train_files = EncodedFolder(train)
+        val_files = EncodedFolder(val, train_files.classes)
+        self._build(PilImages(train_files), PilImages(val_files), folder_view_transforms(self.image_size))
+        self.collate_fn = collate_set_aside
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        if isinstance(batch, SetAside):  # the views' batches: a file that cannot be read stops the run
+            if batch.unreadable:
+                raise UnreadableImagesError(batch.unreadable)
+            return batch.batch
         if not isinstance(batch, LoadedBatch):
             return batch
         finished = batch.finish(self.image_size, IMAGENET_MEAN, IMAGENET_STD)

@@ -6,7 +6,8 @@ training size; the device normalizes the stacked batch. ``True`` (``data.decode=
 bytes and draws the crop from the JPEG's header; the device decodes the batch in one call, then crops,
 resizes, flips and normalizes. Either way each training image's crop comes from its sample seed, so the two
 agree on every box. A file that cannot be read or decoded travels as an :class:`UnreadableImage` beside the
-batch, never as a worker traceback; the DataModule refuses or skips it. A JPEG the device refuses is decoded
+batch, never as a worker traceback; the DataModule refuses or skips it (with a view transform, SimCLR's
+:class:`PilImages`, it refuses it). A JPEG the device refuses is decoded
 on the CPU in the training process, and the batch says which (the DataModule counts them)."""
 
 from __future__ import annotations
@@ -15,13 +16,22 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
-from torch.utils.data import Dataset
+from PIL import Image
+from torch.utils.data import Dataset, default_collate
 
 from runner.augment import Crop, center_crop, draw_crop, normalize, resized_crop
-from runner.decode import DecodedOnHost, decode_batch, decode_on_cpu
+from runner.decode import DecodedOnHost, decode_batch, decode_on_cpu, pil_image
 from runner.files import EncodedFolder, EncodedImage, UnreadableImage, jpeg_size
 
-__all__ = ["FinishedBatch", "FolderSamples", "LoadedBatch", "collate"]
+__all__ = [
+    "FinishedBatch",
+    "FolderSamples",
+    "LoadedBatch",
+    "PilImages",
+    "SetAside",
+    "collate",
+    "collate_set_aside",
+]
 
 
 class Pending(NamedTuple):
@@ -145,3 +155,36 @@ def collate(samples: list[tuple[Any, int]]) -> LoadedBatch:
         return LoadedBatch(None, [sample for sample, _ in readable], labels, unreadable)
     pixels = torch.stack([sample for sample, _ in readable]) if readable else None
     return LoadedBatch(pixels, [], labels, unreadable)
+
+
+class PilImages(Dataset):
+    """A folder's files as PIL images for a view transform (SimCLR), as torchvision's ImageFolder loader reads
+    them (:func:`~runner.decode.pil_image`): ``(image, label)``, the image the :class:`UnreadableImage` it is
+    where the file cannot be read or decoded (:class:`~runner.sampling.SeededDataset` hands it on)."""
+
+    def __init__(self, files: EncodedFolder) -> None:
+        self.files = files
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, index: int) -> tuple[Image.Image | UnreadableImage, int]:
+        try:
+            return pil_image(self.files[index]), self.files.samples[index][1]
+        except UnreadableImage as unreadable:
+            return unreadable, self.files.samples[index][1]
+
+
+class SetAside(NamedTuple):
+    """A batch of the default collation (``None`` where no sample was readable) and the unreadable files set
+    aside from it."""
+
+    batch: Any
+    unreadable: list[UnreadableImage]
+
+
+def collate_set_aside(samples: list[tuple[Any, int]]) -> SetAside:
+    """The readable samples collated as the DataLoader would, the unreadable files set aside."""
+    readable = [sample for sample in samples if not isinstance(sample[0], UnreadableImage)]
+    unreadable = [sample[0] for sample in samples if isinstance(sample[0], UnreadableImage)]
+    return SetAside(default_collate(readable) if readable else None, unreadable)

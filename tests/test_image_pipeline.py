@@ -566,6 +566,28 @@ def test_a_digits_val_fraction_outside_zero_and_one_is_refused():
             DigitsDataModule(val_fraction=fraction)
 
 
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_simclrs_views_stop_at_a_file_that_cannot_be_read_naming_it(damaged, tmp_path, num_workers):
+    """With a view transform the workers read PIL images: a truncated or empty file and a link to a missing
+    file are named in one message, never a loader worker's traceback; skipping them is refused (SimCLR's
+    batches stay whole)."""
+    link = damaged / "train" / "class_000" / "link.JPEG"
+    link.symlink_to(tmp_path / "moved.JPEG")
+    module = ImageFolderDataModule(
+        str(damaged), batch_size=64, image_size=SIZE, num_workers=num_workers, num_classes=3,
+        views=SimCLRTransform(input_size=SIZE),
+    )  # fmt: skip
+    module.setup()
+    with pytest.raises(UnreadableImagesError) as refused:
+        _first_batch(module)
+    message = str(refused.value)
+    assert message.startswith("3 file(s) of the data cannot be read or decoded")
+    assert f"{link}: a link to" in message and "empty.JPEG: the file is empty" in message
+    assert "truncated.JPEG: image file is truncated" in message
+    with pytest.raises(ConfigError, match="data.skip_unreadable=true with data.views: SimCLR's batches stay"):
+        ImageFolderDataModule(str(damaged), num_classes=3, skip_unreadable=True, views=SimCLRTransform())
+
+
 def test_decode_gpu_on_a_cpu_run_is_refused_with_the_fix(folder):
     module = ImageFolderDataModule(str(folder), num_classes=3, decode="gpu")
     with pytest.raises(ConfigError, match="data.decode=gpu .* use data.decode=cpu"):
