@@ -1,10 +1,15 @@
-"""Augmentation of decoded uint8 images, the same code on the CPU (loader workers, ``data.decode=cpu``) and on
-the GPU (``on_after_batch_transfer``, ``data.decode=gpu``): torchvision's RandomResizedCrop, drawn per image,
-horizontal flip, resize, and the batch normalized to float in channels-last.
+"""Every dataset's augmentation and normalization, in one place.
 
-Each image's crop and flip are drawn from a generator seeded by its sample seed (``EpochSampler``), so a run
-sees the same crops whichever device decodes and however many workers load. Validation: resize the short side
-to ``size / 0.875``, center crop, as torchvision's reference."""
+The image folders' (supervised): decoded uint8 images, the same code on the CPU (loader workers,
+``data.decode=cpu``) and on the GPU (``on_after_batch_transfer``, ``data.decode=gpu``): torchvision's
+RandomResizedCrop, drawn per image, horizontal flip, resize, and the batch normalized to float in
+channels-last. Each image's crop and flip are drawn from a generator seeded by its sample seed
+(``EpochSampler``), so a run sees the same crops whichever device decodes and however many workers load.
+Validation: resize the short side to ``size / 0.875``, center crop, as torchvision's reference.
+
+The other datasets' (digits, CIFAR-10, synthetic images and every dataset's SimCLR views): torchvision v2
+transforms of one image in a loader worker, under RNGs seeded by the sample's seed
+(:class:`~runner.sampling.SeededDataset`), as :class:`HostTransforms`."""
 
 from __future__ import annotations
 
@@ -14,8 +19,31 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torchvision.transforms import v2
 
-__all__ = ["Crop", "center_crop", "draw_crop", "normalize", "resized_crop"]
+from runner.sampling import Transform
+
+__all__ = [
+    "CIFAR10_MEAN",
+    "CIFAR10_STD",
+    "IMAGENET_MEAN",
+    "IMAGENET_STD",
+    "Crop",
+    "HostTransforms",
+    "center_crop",
+    "cifar10_transforms",
+    "digits_transforms",
+    "draw_crop",
+    "folder_view_transforms",
+    "normalize",
+    "resized_crop",
+    "synthetic_view_transforms",
+]
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
+CIFAR10_STD = (0.2470, 0.2435, 0.2616)
 
 SCALE = (0.08, 1.0)  # torchvision's RandomResizedCrop defaults
 RATIO = (3 / 4, 4 / 3)
@@ -110,3 +138,52 @@ def normalize(images: torch.Tensor, mean: Sequence[float], std: Sequence[float])
         images.shape, dtype=torch.float32, device=images.device, memory_format=torch.channels_last
     )
     return torch.addcmul(shift, images.float(), scale, out=out)
+
+
+class HostTransforms(NamedTuple):
+    """A dataset's per-image transforms in the loader workers: training's random ones (``augment``, which
+    the view transform replaces for SimCLR), evaluation's (``evaluate``), then ``finish`` for both (to a
+    normalized float tensor)."""
+
+    augment: list[Transform]
+    evaluate: list[Transform]
+    finish: Transform
+
+
+def _to_normalized_tensor(mean: Sequence[float], std: Sequence[float]) -> Transform:
+    """PIL image or [0, 1] tensor -> normalized float tensor."""
+    return v2.Compose([v2.ToImage(), v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)])
+
+
+def digits_transforms(train_images: torch.Tensor, augment: bool) -> HostTransforms:
+    """The digits (float images in [0, 1]): a small random affine transform, normalized by the training
+    images' mean and std."""
+    # Augment before normalizing so the affine fill (0) is the background colour.
+    affine = [v2.RandomAffine(degrees=10, translate=(0.1, 0.1), scale=(0.9, 1.1))] if augment else []
+    return HostTransforms(affine, [], v2.Normalize([train_images.mean().item()], [train_images.std().item()]))
+
+
+def cifar10_transforms(image_size: int) -> HostTransforms:
+    """CIFAR-10 (PIL images): a random crop of the image padded by 4 and a flip, resized where
+    ``image_size`` is not 32."""
+    resize = [v2.Resize(image_size)] if image_size != 32 else []
+    return HostTransforms(
+        [v2.RandomCrop(32, padding=4), v2.RandomHorizontalFlip(), *resize],
+        resize,
+        _to_normalized_tensor(CIFAR10_MEAN, CIFAR10_STD),
+    )
+
+
+def folder_view_transforms(image_size: int) -> HostTransforms:
+    """An image folder's PIL images under a view transform: evaluation resizes to ``image_size / 0.875`` and
+    center crops, as torchvision's reference."""
+    return HostTransforms(
+        [],
+        [v2.Resize(round(image_size / 0.875), antialias=True), v2.CenterCrop(image_size)],
+        _to_normalized_tensor(IMAGENET_MEAN, IMAGENET_STD),
+    )
+
+
+def synthetic_view_transforms(in_channels: int) -> HostTransforms:
+    """Synthetic images in [0, 1] (uniform) under a view transform: normalized to mean 0, std 1."""
+    return HostTransforms([], [], v2.Normalize([0.5] * in_channels, [1 / 12**0.5] * in_channels))

@@ -1,8 +1,10 @@
-"""DataModules: scikit-learn's digits (offline quickstart), CIFAR-10 and ImageFolder from disk, synthetic.
+"""The runner's DataModules, the config's ``data`` targets: scikit-learn's digits (offline quickstart),
+CIFAR-10 and ImageFolder from disk (``runner.image_folder``), synthetic images.
 
-They stay thin: the image folders' pipeline has modules of its own (``files``: reading bytes, ``decode``,
-``augment``: augmentation on the device, ``image_pipeline``: the worker side and the device side),
-``synthetic`` makes synthetic images, ``sampling`` the data order and augmentation seeds.
+They stay thin: what they share is :class:`~runner.datamodule.SeededDataModule`; every augmentation is
+``runner.augment``'s; the image folders' pipeline has modules of its own (``files``: reading bytes,
+``decode``, ``image_pipeline``: the worker side and the device side); ``synthetic`` makes synthetic images,
+``sampling`` the data order and augmentation seeds.
 
 Every training loader draws from :class:`~runner.sampling.EpochSampler`: the order of epoch ``e`` is a
 function of ``(seed, e)`` only, and each sample's augmentation is seeded from ``(seed, e, index)``. The
@@ -17,265 +19,71 @@ loaders, the un-augmented training images (a kNN memory bank) and the validation
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
-from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
-from torchvision.transforms import v2
+from torch.utils.data import TensorDataset
 
 from lightning_fusedsgd.lightning import ConfigError
-from runner.augment import normalize
-from runner.decode import UnreadableImage, decoders
-from runner.files import EncodedFolder
-from runner.image_pipeline import FolderSamples, LoadedBatch, collate
-from runner.sampling import EachView, EpochSampler, SeededDataset, Transform
+from runner.augment import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    cifar10_transforms,
+    digits_transforms,
+    normalize,
+    synthetic_view_transforms,
+)
+from runner.datamodule import DataNotFoundError, SeededDataModule, check_at_least
+from runner.image_folder import ImageFolderDataModule, UnreadableImagesError
+from runner.sampling import EachView, EpochSampler, SeededDataset
 from runner.synthetic import SYNTHETIC_MEAN, SYNTHETIC_STD, Indices, SyntheticImages, SyntheticPool
 
-__all__ = [
+__all__ = [  # IMAGENET_MEAN and IMAGENET_STD: runner.augment's, imported from here by bench/
+    "IMAGENET_MEAN",
+    "IMAGENET_STD",
     "CIFAR10DataModule",
     "DataNotFoundError",
     "DigitsDataModule",
     "EachView",
     "EpochSampler",
     "ImageFolderDataModule",
+    "SeededDataModule",
     "SeededDataset",
     "SyntheticDataModule",
     "UnreadableImagesError",
 ]
 
 
-class DataNotFoundError(ConfigError):
-    """A dataset is missing or not laid out as expected.
-
-    Args:
-        dataset: What was looked for, e.g. ``"ImageNet-style (ImageFolder) data"``.
-        path: The path that was checked.
-        layout: The directory layout the datamodule expects.
-        setting: The config key that sets the path, e.g. ``"data.root"``.
-    """
-
-    def __init__(self, dataset: str, path: str, layout: str, setting: str = "data.root") -> None:
-        self.dataset = dataset
-        self.path = path
-        self.layout = layout
-        self.setting = setting
-        super().__init__(self.describe())
-
-    def describe(self, recipe: str | None = None) -> str:
-        """The message, naming ``recipe`` (and how to run it without data) when given."""
-        who = f"recipe '{recipe}' needs" if recipe else "needs"
-        lines = [
-            f"{who} {self.dataset}, but found none at {self.path}",
-            f"  expected layout: {self.layout}",
-            f"  point {self.setting}=/path/to/data at it",
-        ]
-        if recipe:
-            lines.append(f"  or try the recipe without data: python train.py recipe={recipe} data=synthetic")
-        else:
-            lines.append("  or use synthetic data (SyntheticDataModule / data=synthetic)")
-        return "\n".join(lines)
-
-
-class UnreadableImagesError(ConfigError):
-    """Files of the data no decoder reads (empty, truncated, not an image): each named with the reason."""
-
-    def __init__(self, unreadable: list[UnreadableImage]) -> None:
-        files = "\n".join(f"  {image}" for image in unreadable)
-        super().__init__(
-            f"{len(unreadable)} file(s) of the data cannot be decoded:\n{files}\n"
-            "  remove or re-encode them, or add data.skip_unreadable=true to leave such files out of their "
-            "batches (each is warned about and counted)"
-        )
-
-
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
-CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
-CIFAR10_STD = (0.2470, 0.2435, 0.2616)
-
-
-def _to_normalized_tensor(mean: Sequence[float], std: Sequence[float]) -> Transform:
-    """The last transform of every image pipeline: PIL image or [0, 1] tensor -> normalized float tensor."""
-    return v2.Compose([v2.ToImage(), v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)])
-
-
-class _SeededDataModule(pl.LightningDataModule):
-    """Shared loader logic: :class:`EpochSampler` for training, sequential evaluation.
-
-    ``state_dict`` (saved in Lightning checkpoints) records the epoch training is in and how many of
-    its batches were used; ``load_state_dict`` positions the training sampler there. It is restored
-    before ``configure_optimizers`` asks for the training loader, so even loader workers that start
-    drawing indices at once start at the right place.
-    """
-
-    def __init__(
-        self,
-        batch_size: int,
-        num_workers: int,
-        seed: int,
-        drop_last: bool,
-        num_classes: int,
-        in_channels: int,
-        views: Transform | None,
-        bank_size: int | None,
-    ) -> None:
-        super().__init__()
-        #: Label count and image channels, as the data config declares them (the model config reads them).
-        self.num_classes = num_classes
-        self.in_channels = in_channels
-        if batch_size < 1:
-            raise ValueError(f"batch_size is the per-device batch and must be >= 1, got {batch_size}")
-        self.batch_size = batch_size
-        self.num_workers = num_workers
-        self.seed = seed
-        self.drop_last = drop_last
-        if bank_size is not None and bank_size < 1:
-            raise ConfigError(f"data.bank_size={bank_size} must be >= 1, or null for every training image")
-        self.views = views
-        self.bank_size = bank_size
-        self.train_set: Dataset | None = None
-        self.val_set: Dataset | None = None
-        self.bank_set: Dataset | None = None  # with views: the training images as validation sees them
-        self._train_sampler: EpochSampler | None = None
-        self._resume: tuple[int, int] | None = None  # (epoch, batches used), from a checkpoint
-        self.collate_fn: Callable[[list[Any]], Any] | None = None  # None: the DataLoader's own
-
-    def _check_declared(self, num_classes: int, in_channels: int) -> None:
-        """A dataset whose classes and channels are fixed must be declared with those."""
-        for key, declared, actual in (
-            ("num_classes", self.num_classes, num_classes),
-            ("in_channels", self.in_channels, in_channels),
-        ):
-            if declared != actual:
-                raise ConfigError(
-                    f"{type(self).__name__} has {key}={actual}, the config declares data.{key}={declared}: "
-                    f"set data.{key}={actual}"
-                )
-
-    def state_dict(self) -> dict[str, int]:
-        """The position in the training data: ``{"epoch", "batches"}`` (batches of it already used)."""
-        trainer, sampler = self.trainer, self._train_sampler
-        if trainer is None or sampler is None:
-            return {}
-        epoch = sampler.epoch  # the epoch in progress or, after its end, the one just finished
-        used = trainer.fit_loop.epoch_loop.batch_progress.current.processed
-        if used >= trainer.num_training_batches:
-            epoch, used = epoch + 1, 0
-        return {"epoch": epoch, "batches": used}
-
-    def load_state_dict(self, state_dict: dict[str, int]) -> None:
-        """Continue at a position from :meth:`state_dict` (an empty dict: from the start)."""
-        self._resume = (state_dict["epoch"], state_dict["batches"]) if state_dict else None
-        if self._train_sampler is not None:
-            self._apply_resume(self._train_sampler)
-
-    def _apply_resume(self, sampler: EpochSampler) -> None:
-        if self._resume is not None:
-            epoch, batches = self._resume
-            sampler.resume_at(epoch, batches * self.batch_size)
-            self._resume = None  # once: a loader rebuilt later starts its epochs from the beginning
-
-    def check_data(self) -> None:
-        """Raise :class:`DataNotFoundError` if the data is not on disk (cheap; no decoding)."""
-
-    def _build(
-        self,
-        train: Dataset,
-        val: Dataset,
-        augment: list[Transform],
-        evaluate: list[Transform],
-        finish: Transform,
-    ) -> None:
-        """The datasets from raw images: training through ``augment`` (or ``views``), evaluation through
-        ``evaluate``, each then through ``finish`` (to a normalized tensor)."""
-        evaluation = v2.Compose([*evaluate, finish])
-        if self.views is None:
-            self.train_set = SeededDataset(train, v2.Compose([*augment, finish]))
-        else:
-            self.train_set = SeededDataset(train, EachView(self.views, finish))
-            bank = SeededDataset(train, evaluation)
-            if self.bank_size is not None and self.bank_size < len(bank):
-                # A fixed random subset (seed 0), the same for every run and every rank.
-                order = torch.randperm(len(bank), generator=torch.Generator().manual_seed(0))
-                bank = Subset(bank, sorted(order[: self.bank_size].tolist()))
-            self.bank_set = bank
-        self.val_set = SeededDataset(val, evaluation)
-
-    def _ready(self, dataset: Dataset | None) -> Dataset:
-        if dataset is None:
-            raise RuntimeError(f"{type(self).__name__}.setup() has not been called")
-        return dataset
-
-    def _loader(self, dataset: Dataset, sampler: EpochSampler | None) -> DataLoader:
-        return DataLoader(
-            dataset,
-            batch_size=self.batch_size,
-            sampler=sampler,
-            num_workers=self.num_workers,
-            pin_memory=torch.cuda.is_available(),
-            drop_last=self.drop_last and sampler is not None,
-            persistent_workers=self.num_workers > 0,
-            collate_fn=self.collate_fn,
-        )
-
-    def train_dataloader(self) -> DataLoader:
-        trainer = self.trainer
-        world_size, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
-        train_set = self._ready(self.train_set)
-        self._train_sampler = EpochSampler(train_set, num_replicas=world_size, rank=rank, seed=self.seed)
-        self._apply_resume(self._train_sampler)
-        return self._loader(train_set, self._train_sampler)
-
-    def val_dataloader(self) -> DataLoader | list[DataLoader]:
-        val = self._loader(self._ready(self.val_set), None)
-        if self.views is None:
-            return val
-        return [self._loader(self._ready(self.bank_set), None), val]
-
-
-class DigitsDataModule(_SeededDataModule):
+class DigitsDataModule(SeededDataModule):
     """scikit-learn's 8x8 handwritten digits (1797 images, 10 classes), upsampled; ships offline.
 
     A fixed stratified split (independent of ``seed``) keeps ``val_fraction`` of the images for
     validation. Training images get a small random affine transform.
 
     Args:
-        batch_size: Per-device batch size.
-        image_size: Side the 8x8 images are upsampled to (bilinear).
         val_fraction: Share of images held out for validation.
         augment: Random rotation/translation/scale of training images.
-        num_workers: Loader processes; the data lives in memory, so 0 is fastest.
-        seed: Seed of the training order and augmentation.
-        drop_last: Drop the last incomplete training batch.
-        num_classes, in_channels: As the config declares them; must be 10 and 1.
-        views: A multi-view transform for self-supervised training (lightly's ``SimCLRTransform``,
-            say, with ``normalize=None``); see the module docstring. ``None``: supervised batches.
-        bank_size: With ``views``: training images in the kNN memory bank (a fixed random subset);
-            ``None``: all of them.
+        shared: :class:`~runner.datamodule.SeededDataModule`'s arguments; ``image_size``: the side the 8x8
+            images are upsampled to (bilinear); ``num_classes``, ``in_channels``: must be 10 and 1;
+            ``num_workers``: the data lives in memory, so 0 is fastest.
     """
 
-    def __init__(
-        self,
-        batch_size: int = 64,
-        image_size: int = 32,
-        val_fraction: float = 0.2,
-        augment: bool = True,
-        num_workers: int = 0,
-        seed: int = 0,
-        drop_last: bool = False,
-        num_classes: int = 10,
-        in_channels: int = 1,
-        views: Transform | None = None,
-        bank_size: int | None = None,
-    ) -> None:
-        super().__init__(batch_size, num_workers, seed, drop_last, num_classes, in_channels, views, bank_size)
+    DEFAULTS: ClassVar[dict[str, int]] = {
+        "batch_size": 64,
+        "image_size": 32,
+        "num_workers": 0,
+        "num_classes": 10,
+        "in_channels": 1,
+    }
+
+    def __init__(self, val_fraction: float = 0.2, augment: bool = True, **shared: Any) -> None:
+        super().__init__(**shared)
         self._check_declared(num_classes=10, in_channels=1)
-        self.image_size = image_size
+        if not 0 < val_fraction < 1:
+            raise ConfigError(
+                f"data.val_fraction={val_fraction} must be between 0 and 1 (the share held out)"
+            )
         self.val_fraction = val_fraction
         self.augment = augment
 
@@ -295,53 +103,36 @@ class DigitsDataModule(_SeededDataModule):
             range(len(targets)), test_size=self.val_fraction, stratify=digits.target, random_state=0
         )
         train_images = images[train_idx]
-        normalize = v2.Normalize([train_images.mean().item()], [train_images.std().item()])
-        # Augment before normalizing so the affine fill (0) is the background colour.
-        augment = (
-            [v2.RandomAffine(degrees=10, translate=(0.1, 0.1), scale=(0.9, 1.1))] if self.augment else []
+        self._build(
+            TensorDataset(train_images, targets[train_idx]),
+            TensorDataset(images[val_idx], targets[val_idx]),
+            digits_transforms(train_images, self.augment),
         )
-        train = TensorDataset(train_images, targets[train_idx])
-        self._build(train, TensorDataset(images[val_idx], targets[val_idx]), augment, [], normalize)
 
 
-class CIFAR10DataModule(_SeededDataModule):
+class CIFAR10DataModule(SeededDataModule):
     """CIFAR-10 from a local folder (torchvision's python version), standard crop + flip augmentation.
 
     Args:
         root: Folder holding ``cifar-10-batches-py/``.
-        batch_size: Per-device batch size.
-        image_size: Side of the images the model sees (CIFAR's 32, or resized to it).
         download: Let torchvision download the data into ``root`` if it is missing.
-        num_workers: Loader processes.
-        seed: Seed of the training order and augmentation.
-        drop_last: Drop the last incomplete training batch.
-        num_classes, in_channels: As the config declares them; must be 10 and 3.
-        views: A multi-view transform for self-supervised training (lightly's ``SimCLRTransform``,
-            say, with ``normalize=None``); see the module docstring. ``None``: supervised batches.
-        bank_size: With ``views``: training images in the kNN memory bank (a fixed random subset);
-            ``None``: all of them.
+        shared: :class:`~runner.datamodule.SeededDataModule`'s arguments; ``image_size``: CIFAR's 32, or
+            resized to it; ``num_classes``, ``in_channels``: must be 10 and 3.
     """
 
+    DEFAULTS: ClassVar[dict[str, int]] = {
+        "batch_size": 128,
+        "image_size": 32,
+        "num_workers": 4,
+        "num_classes": 10,
+        "in_channels": 3,
+    }
     _FILES = ("data_batch_1", "data_batch_2", "data_batch_3", "data_batch_4", "data_batch_5", "test_batch")
 
-    def __init__(
-        self,
-        root: str = "data/cifar10",
-        batch_size: int = 128,
-        image_size: int = 32,
-        download: bool = False,
-        num_workers: int = 4,
-        seed: int = 0,
-        drop_last: bool = False,
-        num_classes: int = 10,
-        in_channels: int = 3,
-        views: Transform | None = None,
-        bank_size: int | None = None,
-    ) -> None:
-        super().__init__(batch_size, num_workers, seed, drop_last, num_classes, in_channels, views, bank_size)
+    def __init__(self, root: str = "data/cifar10", download: bool = False, **shared: Any) -> None:
+        super().__init__(**shared)
         self._check_declared(num_classes=10, in_channels=3)
         self.root = root
-        self.image_size = image_size
         self.download = download
 
     def check_data(self) -> None:
@@ -368,174 +159,43 @@ class CIFAR10DataModule(_SeededDataModule):
         from torchvision.datasets import CIFAR10
 
         self.check_data()
-        resize = [v2.Resize(self.image_size)] if self.image_size != 32 else []
-        augment = [v2.RandomCrop(32, padding=4), v2.RandomHorizontalFlip(), *resize]
         self._build(
             CIFAR10(self.root, train=True),
             CIFAR10(self.root, train=False),
-            augment,
-            resize,
-            _to_normalized_tensor(CIFAR10_MEAN, CIFAR10_STD),
+            cifar10_transforms(self.image_size),
         )
 
 
-class ImageFolderDataModule(_SeededDataModule):
-    """ImageNet layout (``root/train/<class>/*``, ``root/val/<class>/*``), standard ResNet transforms.
-
-    Training: RandomResizedCrop (per image) + horizontal flip. Validation: resize to ``image_size / 0.875``
-    then center crop (256 -> 224). The loader workers read the files' bytes; where they are decoded is
-    ``decode``'s choice (``runner.image_pipeline``), and the batch is normalized on the training device in
-    channels-last (``on_after_batch_transfer``). With ``views`` (self-supervised), the workers decode with PIL
-    and run the view transform per image.
-
-    Args:
-        root: Dataset folder with ``train/`` and ``val/``.
-        batch_size: Per-device batch size.
-        image_size: Crop size.
-        num_workers: Loader processes per device.
-        seed: Seed of the training order and augmentation.
-        drop_last: Drop the last incomplete training batch.
-        num_classes: Class folders in ``train/`` (checked); in_channels: 3 (RGB).
-        decode: ``gpu``: the training GPU decodes each batch (nvJPEG) and crops, resizes and flips it;
-            ``cpu``: the workers decode, crop and resize; ``auto``: ``gpu`` where training runs on a GPU.
-        skip_unreadable: Leave files no decoder reads out of their batches (warned about, counted in
-            ``unreadable``) instead of stopping the run with their names.
-        views: A multi-view transform for self-supervised training (lightly's ``SimCLRTransform``,
-            say, with ``normalize=None``); see the module docstring. ``None``: supervised batches.
-        bank_size: With ``views``: training images in the kNN memory bank (a fixed random subset);
-            ``None``: all of them.
-    """
-
-    LAYOUT = (
-        "<root>/train/<class>/<image> and <root>/val/<class>/<image> (the torchvision ImageFolder layout)"
-    )
-
-    def __init__(
-        self,
-        root: str = "data/imagenet",
-        batch_size: int = 32,
-        image_size: int = 224,
-        num_workers: int = 8,
-        seed: int = 0,
-        drop_last: bool = False,
-        num_classes: int = 1000,
-        in_channels: int = 3,
-        decode: str = "auto",
-        skip_unreadable: bool = False,
-        views: Transform | None = None,
-        bank_size: int | None = None,
-    ) -> None:
-        super().__init__(batch_size, num_workers, seed, drop_last, num_classes, in_channels, views, bank_size)
-        self._check_declared(num_classes=num_classes, in_channels=3)
-        if decode not in ("auto", "gpu", "cpu"):
-            raise ConfigError(f"data.decode={decode!r}: choose auto, gpu or cpu")
-        self.root = root
-        self.image_size = image_size
-        self.decode = decode
-        self.skip_unreadable = skip_unreadable
-        #: The files left out of their batches (``skip_unreadable``), in the order met.
-        self.unreadable: list[UnreadableImage] = []
-
-    def check_data(self) -> None:
-        root = Path(self.root).expanduser().resolve()
-        for split in ("train", "val"):
-            folder = root / split
-            if not folder.is_dir() or not any(entry.is_dir() for entry in os.scandir(folder)):
-                raise DataNotFoundError("ImageNet-style (ImageFolder) data", str(folder), self.LAYOUT)
-        classes = sum(entry.is_dir() for entry in os.scandir(root / "train"))
-        if classes != self.num_classes:
-            raise ConfigError(
-                f"{root / 'train'} has {classes} class folders, the config declares "
-                f"data.num_classes={self.num_classes}: set data.num_classes={classes}"
-            )
-
-    def _decode_on_device(self) -> bool:
-        on_gpu = self.trainer is not None and self.trainer.strategy.root_device.type == "cuda"
-        if self.decode == "gpu" and not on_gpu:
-            raise ConfigError(
-                "data.decode=gpu decodes on the training GPU, and this run trains on the CPU: "
-                "use data.decode=cpu (or auto)"
-            )
-        return self.decode == "gpu" or (self.decode == "auto" and on_gpu)
-
-    def setup(self, stage: str | None = None) -> None:
-        if self.train_set is not None:
-            return
-        self.check_data()
-        train, val = os.path.join(self.root, "train"), os.path.join(self.root, "val")
-        if self.views is None:
-            decoders()
-            on_device = self._decode_on_device()
-            self.train_set = FolderSamples(EncodedFolder(train), self.image_size, on_device)
-            self.val_set = FolderSamples(EncodedFolder(val), self.image_size, on_device)
-            self.collate_fn = collate
-            return
-        from torchvision.datasets import ImageFolder
-
-        self._build(
-            ImageFolder(train),
-            ImageFolder(val),
-            [],
-            [v2.Resize(round(self.image_size / 0.875), antialias=True), v2.CenterCrop(self.image_size)],
-            _to_normalized_tensor(IMAGENET_MEAN, IMAGENET_STD),
-        )
-
-    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        if not isinstance(batch, LoadedBatch):
-            return batch
-        images, labels, unreadable = batch.finish(self.image_size, IMAGENET_MEAN, IMAGENET_STD)
-        if unreadable:
-            if not self.skip_unreadable:
-                raise UnreadableImagesError(unreadable)
-            self.unreadable += unreadable
-            for image in unreadable:
-                rank_zero_warn(f"left out {image} ({len(self.unreadable)} unreadable file(s) so far)")
-        return images, labels
-
-
-class SyntheticDataModule(_SeededDataModule):
+class SyntheticDataModule(SeededDataModule):
     """Random images for smoke tests and throughput runs; no data needed.
 
     Supervised batches are gathered on the training device from a pool of uint8 images made once per rank
     (``runner.synthetic``); with ``views``, each image is made on the host for the view transform.
 
     Args:
-        batch_size: Per-device batch size.
-        image_size: Image side.
-        num_classes: Label range (the model config reads it).
-        in_channels: Image channels (the model config reads it).
         train_samples: Images per training epoch.
         val_samples: Images per validation pass.
         pool_size: Distinct images per rank (training and validation each); sample ``i`` is image
             ``i % pool_size``.
-        num_workers: Loader processes.
-        seed: Seed of the images and the training order.
-        drop_last: Drop the last incomplete training batch.
-        views: A multi-view transform for self-supervised training (lightly's ``SimCLRTransform``,
-            say, with ``normalize=None``); see the module docstring. ``None``: supervised batches.
-        bank_size: With ``views``: training images in the kNN memory bank (a fixed random subset);
-            ``None``: all of them.
+        shared: :class:`~runner.datamodule.SeededDataModule`'s arguments; ``num_classes``, ``in_channels``:
+            the label range and image channels, any; ``seed`` also seeds the images.
     """
 
+    DEFAULTS: ClassVar[dict[str, int]] = {
+        "batch_size": 32,
+        "image_size": 224,
+        "num_workers": 0,
+        "num_classes": 1000,
+        "in_channels": 3,
+    }
+
     def __init__(
-        self,
-        batch_size: int = 32,
-        image_size: int = 224,
-        num_classes: int = 1000,
-        in_channels: int = 3,
-        train_samples: int = 1024,
-        val_samples: int = 256,
-        pool_size: int = 256,
-        num_workers: int = 0,
-        seed: int = 0,
-        drop_last: bool = False,
-        views: Transform | None = None,
-        bank_size: int | None = None,
+        self, train_samples: int = 1024, val_samples: int = 256, pool_size: int = 256, **shared: Any
     ) -> None:
-        super().__init__(batch_size, num_workers, seed, drop_last, num_classes, in_channels, views, bank_size)
-        if pool_size < 1:
-            raise ConfigError(f"data.pool_size={pool_size} must be >= 1")
-        self.image_size = image_size
+        super().__init__(**shared)
+        check_at_least("train_samples", train_samples, 1)
+        check_at_least("val_samples", val_samples, 1, " (trainer.limit_val_batches=0 turns validation off)")
+        check_at_least("pool_size", pool_size, 1)
         self.train_samples = train_samples
         self.val_samples = val_samples
         self.pool_size = pool_size
@@ -554,9 +214,7 @@ class SyntheticDataModule(_SeededDataModule):
         self._build(
             SyntheticImages(self.train_samples, shape, self.num_classes, self.seed),
             SyntheticImages(self.val_samples, shape, self.num_classes, self.seed + 1),
-            [],
-            [],
-            v2.Normalize([0.5] * self.in_channels, [1 / 12**0.5] * self.in_channels),
+            synthetic_view_transforms(self.in_channels),
         )
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:

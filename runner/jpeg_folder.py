@@ -38,10 +38,17 @@ def make_jpeg_folder(
     root: str | Path, classes: int = 10, train: int = 50, val: int = 10, seed: int = 0
 ) -> Path:
     """Writes ``root/{train,val}/class_NNN/NNNNN.JPEG`` (``classes`` folders of ``train`` and ``val``
-    images); the same arguments give the same bytes. Returns ``root``."""
+    images; no ``val/`` for ``val=0``); the same arguments give the same bytes. Returns ``root``.
+
+    Raises:
+        ValueError: ``classes`` or ``train`` below 1, or ``val`` below 0 (before anything is written).
+    """
+    for name, count, least in (("classes", classes, 1), ("train", train, 1), ("val", val, 0)):
+        if count < least:
+            raise ValueError(f"{name}={count} must be >= {least}")
     root = Path(root)
     for split_index, (split, count) in enumerate((("train", train), ("val", val))):
-        for label in range(classes):
+        for label in range(classes if count else 0):
             folder = root / split / f"class_{label:03d}"
             folder.mkdir(parents=True, exist_ok=True)
             for index in range(count):
@@ -53,18 +60,35 @@ def make_jpeg_folder(
     return root
 
 
+def _count(least: int):
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < least:
+            raise argparse.ArgumentTypeError(f"{value} must be >= {least}")
+        return value
+
+    return parse
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "root", help="the folder to write (ImageNet layout: root/train/<class>, root/val/<class>)"
     )
-    parser.add_argument("--classes", type=int, default=10)
-    parser.add_argument("--train", type=int, default=50, help="training images per class")
-    parser.add_argument("--val", type=int, default=10, help="validation images per class")
+    parser.add_argument("--classes", type=_count(1), default=10)
+    parser.add_argument("--train", type=_count(1), default=50, help="training images per class")
+    # At least one: a class folder without images is refused by the runner (train.py validates every class).
+    parser.add_argument("--val", type=_count(1), default=10, help="validation images per class")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     root = make_jpeg_folder(args.root, args.classes, args.train, args.val, args.seed)
-    print(f"wrote {args.classes * (args.train + args.val)} JPEGs to {root} (data.root={root})")
+    written = args.classes * (args.train + args.val)
+    held = sum(path.is_file() for path in root.rglob("*"))
+    before = f"; it holds {held - written} other file(s) from before" if held != written else ""
+    print(
+        f"wrote {written} JPEGs to {root}: {args.classes} classes of {args.train} training and {args.val} "
+        f"validation images{before} (data.root={root} data.num_classes={args.classes})"
+    )
 
 
 if __name__ == "__main__":

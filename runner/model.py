@@ -129,8 +129,12 @@ class ImageClassifier(pl.LightningModule):
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.net(images.contiguous(memory_format=self.memory_format))
 
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor | None:
         images, targets = batch
+        if not len(targets):  # every file of the batch unreadable (data.skip_unreadable): nothing to learn
+            # One device skips the step (Lightning steps no gradient); under DDP every rank must reduce its
+            # gradients, and this one's are zero.
+            return None if self.trainer.world_size == 1 else self(images).sum()
         logits = self(images)
         loss = F.cross_entropy(logits, targets, label_smoothing=self.label_smoothing)
         self.log("train/loss", loss, prog_bar=True)
@@ -139,6 +143,8 @@ class ImageClassifier(pl.LightningModule):
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         images, targets = batch
+        if not len(targets):  # every file of the batch was unreadable: nothing to score
+            return
         logits = self(images)
         self.log("val/loss", F.cross_entropy(logits, targets), prog_bar=True, sync_dist=True)
         self.val_acc(logits, targets)

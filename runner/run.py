@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-from hydra.utils import instantiate
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate as hydra_instantiate
 from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, OmegaConf
@@ -18,7 +19,8 @@ from lightning_fusedsgd.checkpoint import CheckpointError, read_start_checkpoint
 from lightning_fusedsgd.lightning import ConfigError, EMAWeightAveraging, InitFromCheckpoint
 from lightning_fusedsgd.lightning.clipping import callbacks as package_callbacks
 from runner.cpu_bf16 import check_cpu_bf16_convolutions
-from runner.data import DataNotFoundError
+from runner.datamodule import DataNotFoundError
+from runner.resume import ResumeInCutEpoch
 from runner.summary import RunSummary
 
 __all__ = ["train"]
@@ -60,6 +62,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         # Lightning refuses a progress bar callback beside enable_progress_bar=false; the config adds one.
         callbacks = [cb for cb in callbacks if not isinstance(cb, ProgressBar)]
     callbacks += _missing_package_callbacks(callbacks)
+    callbacks.append(ResumeInCutEpoch())  # a run stopped by max_steps resumes in the epoch it stopped in
     if cfg.ema.decay is not None:
         if cfg.optim.get("schedule_free", False):
             raise ConfigError(
@@ -83,6 +86,21 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         warnings.filterwarnings("ignore", message=r"The function `to_tensor\(\.\.\.\)` is deprecated")
         trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
     return next((cb.summary for cb in callbacks if isinstance(cb, RunSummary)), {})
+
+
+def instantiate(node: Any, **kwargs: Any) -> Any:
+    """Hydra's ``instantiate``, with a user mistake a constructor refuses (``ConfigError``,
+    ``CheckpointError``) raised as itself, for train.py's one-line message: Hydra wraps every error of a
+    target in an ``InstantiationException``."""
+    try:
+        return hydra_instantiate(node, **kwargs)
+    except InstantiationException as error:
+        cause = error.__cause__
+        while isinstance(cause, InstantiationException):  # a nested node's error, wrapped once per level
+            cause = cause.__cause__
+        if isinstance(cause, (ConfigError, CheckpointError)):
+            raise cause from None
+        raise
 
 
 def _missing_package_callbacks(configured: list[pl.Callback]) -> list[pl.Callback]:

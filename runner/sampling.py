@@ -15,6 +15,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, DistributedSampler
 
+from runner.files import UnreadableImage
+
 __all__ = ["EachView", "EpochSampler", "SeededDataset", "Transform"]
 
 Transform = Callable[[Any], Any]
@@ -81,7 +83,8 @@ class SeededDataset(Dataset):
     """Applies a transform to ``base[index]`` under a CPU RNG seeded per sample.
 
     Keys are ``(index, seed)`` from :class:`EpochSampler` (random augmentation, reproducible) or a
-    plain ``index`` (evaluation transforms, which draw no random numbers).
+    plain ``index`` (evaluation transforms, which draw no random numbers). An image that is a
+    :class:`~runner.files.UnreadableImage` is handed on untransformed.
 
     Args:
         base: A dataset returning ``(image, target)``.
@@ -98,7 +101,7 @@ class SeededDataset(Dataset):
     def __getitem__(self, key: int | tuple[int, int]) -> tuple[Any, Any]:
         index, seed = key if isinstance(key, tuple) else (key, None)
         image, target = self.base[index]
-        if self.transform is None:
+        if self.transform is None or isinstance(image, UnreadableImage):  # a file to name, not to transform
             return image, target
         if seed is None:
             return self.transform(image), target

@@ -10,7 +10,6 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.utilities import rank_zero_only
 
 __all__ = ["RunSummary"]
 
@@ -23,8 +22,9 @@ class RunSummary(pl.Callback):
 
     On rank 0 at the end of ``fit``: ``<output_dir>/metrics.json`` (final logged metrics, best
     accuracy, steps, the optimizer steps skipped for inf/NaN gradients under a GradScaler, also logged as
-    ``train/skipped_steps``, wall time, checkpoint paths), ``<output_dir>/curves.png`` (lr, training loss
-    and validation accuracy against the global step) and a last printed line
+    ``train/skipped_steps``, wall time, checkpoint paths, and the image folder's files this fit left out as
+    unreadable on any rank, counted and listed with their reasons), ``<output_dir>/curves.png`` (lr,
+    training loss and validation accuracy against the global step) and a last printed line
     ``summary: name=... val_acc=... ...``. The recorded curves are saved in checkpoints, so a resumed
     run's files cover the whole run.
 
@@ -101,8 +101,12 @@ class RunSummary(pl.Callback):
             if value is not None:
                 series.append((trainer.global_step, float(value)))
 
-    @rank_zero_only
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        files = _files_report(trainer)  # on every rank: each holds its own share
+        if trainer.is_global_zero:
+            self._write(trainer, files)
+
+    def _write(self, trainer: pl.Trainer, files: dict[str, dict[str, str]]) -> None:
         metrics = {key: float(value) for key, value in trainer.callback_metrics.items() if value.numel() == 1}
         checkpoints = [cb for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint)]
         best = max((acc for _, acc in self.val_acc), default=None)  # None: no validation ran
@@ -113,12 +117,14 @@ class RunSummary(pl.Callback):
             "epochs": trainer.current_epoch,
             "global_step": trainer.global_step,
             "skipped_steps": self.skipped_steps,
+            **{kind: len(paths) for kind, paths in files.items()},
             "wall_time_s": round(time.perf_counter() - self.start_time, 1),
             "metrics": metrics,
             "last_checkpoint": _last_checkpoint(checkpoints),
             "best_checkpoint": next(
                 (cb.best_model_path for cb in checkpoints if cb.monitor == self.monitor), ""
             ),
+            "files": files,
         }
         self.output_dir.mkdir(parents=True, exist_ok=True)
         (self.output_dir / "metrics.json").write_text(json.dumps(self.summary, indent=2) + "\n")
@@ -141,6 +147,7 @@ class RunSummary(pl.Callback):
         parts += [f"epochs={self.summary['epochs']}", f"steps={self.summary['global_step']}"]
         if "train/images_per_sec" in metrics:  # runner.throughput.ImagesPerSecond's last window
             parts.append(f"images_per_sec={metrics['train/images_per_sec']:.1f}")
+        parts += [f"{kind}={len(paths)}" for kind, paths in self.summary["files"].items() if paths]
         parts += [
             f"time={self.summary['wall_time_s']}s",
             f"out={self.output_dir}",
@@ -171,6 +178,22 @@ class RunSummary(pl.Callback):
             ax.grid(alpha=0.3)
         fig.suptitle(self.name)
         fig.savefig(path, dpi=100)
+
+
+def _files_report(trainer: pl.Trainer) -> dict[str, dict[str, str]]:
+    """The files every rank's data did not read as planned (the DataModule's ``files_report``: kind -> path
+    -> why), each file once; empty for data without files. Under DDP every rank must call it."""
+    report = getattr(trainer.datamodule, "files_report", None)
+    local = report() if report is not None else {}
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return local
+    gathered: list[dict[str, dict[str, str]]] = [{} for _ in range(torch.distributed.get_world_size())]
+    torch.distributed.all_gather_object(gathered, local)
+    merged: dict[str, dict[str, str]] = {}
+    for rank_report in gathered:
+        for kind, paths in rank_report.items():
+            merged.setdefault(kind, {}).update(paths)
+    return merged
 
 
 def _last_checkpoint(checkpoints: list[ModelCheckpoint]) -> str:

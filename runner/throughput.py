@@ -50,8 +50,10 @@ class ImagesPerSecond(pl.Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        self._images += len(batch[1])  # the labels: one per image, whatever the images are (views included)
         self._batches += 1
+        if not len(batch[1]):  # every file unreadable (data.skip_unreadable): its time goes to the next
+            return
+        self._images += len(batch[1])  # the labels: one per image, whatever the images are (views included)
         self._throughput.update(
             time=perf_counter() - self._start, batches=self._batches, samples=self._images
         )

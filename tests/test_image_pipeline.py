@@ -5,29 +5,39 @@ generated folder, and the synthetic pool on the device. All on CPU tensors: the 
 from __future__ import annotations
 
 import io
+import logging
 import math
 import shutil
+import struct
 import sys
+import warnings
+from collections.abc import Callable
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 import torchvision.transforms.functional as TF
+from lightly.transforms import SimCLRTransform
+from lightning_utilities.core.rank_zero import rank_zero_only
 from PIL import Image
 from torchvision.datasets import ImageFolder
+from torchvision.datasets.folder import pil_loader
 from torchvision.transforms import InterpolationMode, RandomResizedCrop, v2
 
+import runner.decode
 from lightning_fusedsgd.lightning import ConfigError
-from runner.augment import center_crop, draw_crop, normalize, resized_crop
+from runner import jpeg_folder
+from runner.augment import IMAGENET_MEAN, IMAGENET_STD, center_crop, draw_crop, normalize, resized_crop
 from runner.data import (
-    IMAGENET_MEAN,
-    IMAGENET_STD,
+    CIFAR10DataModule,
+    DigitsDataModule,
     ImageFolderDataModule,
     SyntheticDataModule,
     UnreadableImagesError,
 )
-from runner.decode import decode_on_cpu, decoders
-from runner.files import EncodedFolder, jpeg_size
+from runner.decode import JpegDecoder, decode_on_cpu, jpeg_decoder
+from runner.files import EncodedFolder, EncodedImage, UnreadableImage, jpeg_size
 from runner.jpeg_folder import make_jpeg_folder
 
 SIZE = 64  # the tests' training size: small, so that resizing stays cheap
@@ -152,12 +162,102 @@ def test_decoding_on_the_device_gives_the_workers_batches(folder):
         assert torch.equal(images, device_images) and torch.equal(labels, device_labels)
 
 
+def _with_orientation(jpeg: bytes, orientation: int, byteorder: str) -> bytes:
+    """``jpeg`` with an EXIF block holding an orientation tag (as a camera writes it, in either byte order)
+    inserted after its start marker: the compressed image is the same bytes."""
+    order = "<" if byteorder == "little" else ">"
+    tiff = (b"II" if byteorder == "little" else b"MM") + struct.pack(order + "HI", 42, 8)
+    tiff += struct.pack(order + "H", 1) + struct.pack(order + "HHIHH", 0x0112, 3, 1, orientation, 0)
+    payload = b"Exif\x00\x00" + tiff + struct.pack(order + "I", 0)
+    return jpeg[:2] + b"\xff\xe1" + struct.pack(">H", len(payload) + 2) + payload + jpeg[2:]
+
+
+def _pil_pixels(path) -> torch.Tensor:
+    return torch.from_numpy(np.array(Image.open(path).convert("RGB"))).permute(2, 0, 1)
+
+
+@pytest.fixture
+def oriented(folder, tmp_path):
+    """The generated folder, each image given an EXIF orientation (2-8 in turn: flips, rotations by 90, 180
+    and 270 degrees), little-endian in train/, big-endian in val/."""
+    root = tmp_path / "oriented"
+    shutil.copytree(folder, root)
+    for split, byteorder in (("train", "little"), ("val", "big")):
+        for number, path in enumerate(sorted((root / split).rglob("*.JPEG"))):
+            orientation = 2 + number % 7
+            path.write_bytes(_with_orientation(path.read_bytes(), orientation, byteorder))
+            assert Image.open(path).getexif()[0x0112] == orientation  # what a camera's file says
+    return root
+
+
+def test_a_jpegs_exif_orientation_is_not_applied_as_pil_reads_it(oriented):
+    """Pixels as stored, PIL's (torchvision's ImageFolder loader): TorchCodec alone would turn each image."""
+    for split in ("train", "val"):
+        files = EncodedFolder(oriented / split)
+        for index in range(len(files)):
+            image = files[index]
+            ours, reference = decode_on_cpu(image), _pil_pixels(image.path)
+            assert ours.shape == reference.shape, image.path
+            assert (ours.int() - reference.int()).abs().float().mean() < 0.5, image.path
+
+
+def test_both_decode_paths_crop_an_oriented_jpeg_as_torchvisions_reference(oriented):
+    """decode=cpu and the device path (on CPU tensors) give the same batches of oriented JPEGs, and each
+    training crop is the reference pipeline's on PIL's unrotated image, for the box drawn from the stored
+    size."""
+    batches = {}
+    for on_device in (False, True):
+        module = ImageFolderDataModule(
+            str(oriented), batch_size=18, image_size=SIZE, num_workers=0, num_classes=3
+        )
+        module.setup()
+        for dataset in (module.train_set, module.val_set):
+            dataset.decode_on_device = on_device
+        batches[on_device] = (_first_batch(module), _first_batch(module, validation=True))
+    for (images, labels), (device_images, device_labels) in zip(batches[False], batches[True]):
+        assert torch.equal(images, device_images) and torch.equal(labels, device_labels)
+    module.train_set.decode_on_device = False
+    sampler_keys = list(module.train_dataloader().sampler)
+    std = torch.tensor(IMAGENET_STD).view(3, 1, 1)
+    mean = torch.tensor(IMAGENET_MEAN).view(3, 1, 1)
+    for (index, seed), image in zip(sampler_keys, batches[False][0][0]):
+        path = module.train_set.files.samples[index][0]
+        height, width = _pil_pixels(path).shape[-2:]
+        crop = draw_crop(height, width, seed)
+        reference = _pil_reference(path, (crop.top, crop.left, crop.height, crop.width), crop.flip, SIZE)
+        levels = ((image * std + mean) * 255 - reference).abs()
+        assert levels.max() <= 1.01 and levels.mean() <= 0.3, path
+
+
 def test_labels_are_imagefolders(folder):
     module = ImageFolderDataModule(str(folder), batch_size=4, image_size=SIZE, num_workers=0, num_classes=3)
     module.setup()
     reference = ImageFolder(str(folder / "val"))
     _, labels = _first_batch(module, validation=True)
     assert labels.tolist() == [target for _, target in reference.samples[:4]]
+
+
+@pytest.mark.parametrize("change", ["lacks", "has"])
+def test_a_validation_split_with_other_classes_than_training_is_refused(folder, tmp_path, change):
+    """Validation is labelled by train/'s classes: a val/ lacking one would shift every later label by one
+    (val/acc against the wrong labels), one with a class train/ lacks would index past the model's outputs."""
+    root = tmp_path / "data"
+    shutil.copytree(folder, root)
+    if change == "lacks":
+        shutil.rmtree(root / "val" / "class_001")
+    else:
+        shutil.copytree(root / "val" / "class_002", root / "val" / "class_003")
+    module = ImageFolderDataModule(str(root), batch_size=4, image_size=SIZE, num_workers=0, num_classes=3)
+    expected = (
+        f"{root / 'val'} lacks class_001"
+        if change == "lacks"
+        else f"{root / 'val'} has class_003, which {root / 'train'} lacks"
+    )
+    for check in (module.check_data, module.setup):
+        with pytest.raises(ConfigError) as refused:
+            check()
+        message = str(refused.value)
+        assert expected in message and f"{root / 'val'} and {root / 'train'} must hold the same" in message
 
 
 def test_a_header_gives_the_size_a_decoder_finds(folder, tmp_path):
@@ -179,6 +279,28 @@ def test_the_generated_folder_is_deterministic_and_imagenet_sized(folder, tmp_pa
         assert (folder / name).read_bytes() == (again / name).read_bytes()
         width, height = Image.open(folder / name).size
         assert 300 <= min(width, height) <= 375 and 400 <= max(width, height) <= 500
+
+
+def test_the_folder_script_refuses_counts_below_one_and_says_what_it_wrote(tmp_path, capsys, monkeypatch):
+    def script(*args: str) -> None:  # python -m runner.jpeg_folder ARGS
+        monkeypatch.setattr(sys, "argv", ["jpeg_folder", *args])
+        jpeg_folder.main()
+
+    for argv in (["--classes", "-2", "--train", "-3"], ["--train", "0"], ["--val", "0"]):
+        with pytest.raises(SystemExit) as stopped:
+            script(str(tmp_path / "refused"), *argv)
+        assert stopped.value.code == 2 and "must be >= 1" in capsys.readouterr().err
+    assert not (tmp_path / "refused").exists()  # nothing written
+    for name, counts in (("classes", (0, 1, 1)), ("train", (1, -1, 1)), ("val", (1, 1, -1))):
+        with pytest.raises(ValueError, match=f"^{name}=-?[01] must be >= "):
+            make_jpeg_folder(tmp_path / "refused", *counts)
+    script(str(tmp_path / "data"), "--classes", "2", "--train", "2", "--val", "1")
+    assert len(list((tmp_path / "data").rglob("*.JPEG"))) == 6
+    assert capsys.readouterr().out.startswith(
+        f"wrote 6 JPEGs to {tmp_path / 'data'}: 2 classes of 2 training"
+    )
+    script(str(tmp_path / "data"), "--classes", "1", "--train", "1", "--val", "1")  # over the last one
+    assert "wrote 2 JPEGs" in (out := capsys.readouterr().out) and "holds 4 other file(s) from before" in out
 
 
 @pytest.fixture
@@ -209,6 +331,57 @@ def test_cmyk_grayscale_and_a_png_named_jpeg_decode_as_pil_reads_them(damaged):
         assert ours.shape == reference.shape and (ours.int() - reference.int()).abs().float().mean() < 2.0
 
 
+FORMATS = {  # file name: how PIL writes it (each a format torchvision's ImageFolder reads)
+    "bmp.bmp": lambda image, path: image.save(path, "BMP"),
+    "tiff.tif": lambda image, path: image.save(path, "TIFF"),
+    "tiff_lzw.tiff": lambda image, path: image.save(path, "TIFF", compression="tiff_lzw"),
+    "ppm.ppm": lambda image, path: image.save(path, "PPM"),
+    "pgm.pgm": lambda image, path: image.convert("L").save(path, "PPM"),
+    "rgba.png": lambda image, path: image.convert("RGBA").save(path, "PNG"),
+    "palette.png": lambda image, path: image.quantize(16).save(path, "PNG", transparency=0),
+    "webp.webp": lambda image, path: image.save(path, "WEBP", lossless=True),
+    "bmp_named.JPEG": lambda image, path: image.save(path, "BMP"),
+    "animated_gif_named.JPEG": lambda image, path: image.save(
+        path, "GIF", save_all=True, append_images=[image.rotate(90)]
+    ),
+}
+
+
+@pytest.fixture
+def formats(folder, tmp_path):
+    """The generated folder with an image of each format in train/class_001."""
+    root = tmp_path / "formats"
+    shutil.copytree(folder, root)
+    image = Image.open(root / "train" / "class_000" / "00000.JPEG").convert("RGB").resize((150, 110))
+    for name, write in FORMATS.items():
+        write(image, root / "train" / "class_001" / name)
+    return root
+
+
+def test_every_format_imagefolder_reads_decodes_as_its_loader_reads_it(formats):
+    """By the file's format, not its name: pixels equal to torchvision's ImageFolder loader's (PIL's)."""
+    files = EncodedFolder(formats / "train")
+    decoded = {
+        files[i].path.rsplit("/", 1)[1]: (files[i], decode_on_cpu(files[i]))
+        for i in range(len(files))
+        if files[i].path.rsplit("/", 1)[1] in FORMATS
+    }
+    assert decoded.keys() == FORMATS.keys()  # the scan lists each
+    for name, (image, ours) in decoded.items():
+        reference = torch.from_numpy(np.array(pil_loader(image.path))).permute(2, 0, 1)
+        assert ours.dtype == torch.uint8 and torch.equal(ours, reference), name
+
+
+@pytest.mark.parametrize("on_device", [False, True])
+def test_a_run_trains_on_every_format_the_scan_lists(formats, on_device):
+    module = ImageFolderDataModule(str(formats), batch_size=64, image_size=SIZE, num_workers=0, num_classes=3)
+    module.setup()
+    module.train_set.decode_on_device = on_device
+    images, labels = _first_batch(module)
+    assert len(images) == len(module.train_set) == 18 + len(FORMATS)
+    assert torch.bincount(labels).tolist() == [6, 6 + len(FORMATS), 6] and torch.isfinite(images).all()
+
+
 @pytest.mark.parametrize("on_device", [False, True])
 def test_unreadable_files_stop_the_run_naming_each(damaged, on_device):
     module = ImageFolderDataModule(str(damaged), batch_size=64, image_size=SIZE, num_workers=0, num_classes=3)
@@ -234,13 +407,48 @@ def test_skipped_unreadable_files_are_counted_and_leave_the_other_labels_right(d
     module.train_set.decode_on_device = on_device
     with pytest.warns(UserWarning, match=r"left out .*(truncated|empty)\.JPEG"):
         images, labels = _first_batch(module)
-    assert sorted(image.path.rsplit("/", 1)[1] for image in module.unreadable) == [
-        "empty.JPEG",
-        "truncated.JPEG",
-    ]
+    assert sorted(path.rsplit("/", 1)[1] for path in module.unreadable) == ["empty.JPEG", "truncated.JPEG"]
     assert len(images) == len(labels) == len(module.train_set) - 2
     # Every kept image carries its folder's label: the counts per class are the folder's.
     assert torch.bincount(labels).tolist() == [6, 6 + 3, 6]
+
+
+@pytest.mark.parametrize("on_device", [False, True])
+def test_a_batch_whose_every_file_is_unreadable_is_empty_not_a_crash(folder, tmp_path, on_device):
+    root = tmp_path / "data"
+    shutil.copytree(folder, root)
+    for path in (root / "val" / "class_000").iterdir():  # validation's first batch, in its sequential order
+        path.write_bytes(b"")
+    module = ImageFolderDataModule(
+        str(root), batch_size=2, image_size=SIZE, num_workers=0, num_classes=3, skip_unreadable=True
+    )
+    module.setup()
+    module.val_set.decode_on_device = on_device
+    with pytest.warns(UserWarning, match="left out"):
+        images, labels = _first_batch(module, validation=True)
+    assert images.shape == (0, 3, SIZE, SIZE) and labels.shape == (0,) and len(module.unreadable) == 2
+
+
+def test_a_file_met_again_is_counted_and_warned_once_on_any_rank(damaged, monkeypatch):
+    """Each epoch meets the same unreadable files: they are counted and warned about once, by whichever rank
+    reads them (each rank reads its own share, so rank 0 alone would not name them all)."""
+    monkeypatch.setattr(rank_zero_only, "rank", 1)
+    module = ImageFolderDataModule(
+        str(damaged), batch_size=64, image_size=SIZE, num_workers=0, num_classes=3, skip_unreadable=True
+    )
+    module.setup()
+    with pytest.warns(UserWarning, match="left out") as warned:
+        for _ in range(2):  # two epochs
+            _first_batch(module)
+    assert len([w for w in warned if "left out" in str(w.message)]) == 2
+    assert sorted(module.unreadable) == sorted(
+        str(p) for p in (damaged / "train" / "class_002").glob("[et]*")
+    )
+    assert module.files_report()["unreadable_files"] == module.unreadable
+    assert (
+        module.unreadable[str(damaged / "train" / "class_002" / "empty.JPEG")]
+        == "the file is empty (0 bytes)"
+    )
 
 
 def test_an_unreadable_file_in_a_loader_worker_is_named_not_a_worker_traceback(damaged):
@@ -248,6 +456,136 @@ def test_an_unreadable_file_in_a_loader_worker_is_named_not_a_worker_traceback(d
     module.setup()
     with pytest.raises(UnreadableImagesError, match="truncated.JPEG"):
         _first_batch(module)
+
+
+@pytest.mark.parametrize(("num_workers", "on_device"), [(0, False), (0, True), (1, False), (1, True)])
+def test_a_file_that_cannot_be_opened_travels_as_the_other_unreadable_files(
+    folder, tmp_path, num_workers, on_device
+):
+    """A link to a missing file (listed by the scan): named with its cause, refused, or left out and counted
+    under skip_unreadable; never a loader worker's FileNotFoundError."""
+    root = tmp_path / "data"
+    shutil.copytree(folder, root)
+    link = root / "train" / "class_001" / "link.JPEG"
+    link.symlink_to(tmp_path / "moved.JPEG")
+    for skip in (False, True):
+        module = ImageFolderDataModule(
+            str(root), batch_size=64, image_size=SIZE, num_workers=num_workers, num_classes=3,
+            skip_unreadable=skip,
+        )  # fmt: skip
+        module.setup()
+        module.train_set.decode_on_device = on_device
+        if not skip:
+            with pytest.raises(
+                UnreadableImagesError, match=f"{link}: a link to {tmp_path / 'moved.JPEG'}, which"
+            ):
+                _first_batch(module)
+            continue
+        with pytest.warns(UserWarning, match="left out .*link.JPEG"):
+            images, labels = _first_batch(module)
+        assert list(module.unreadable) == [str(link)]
+        assert len(images) == 18 and torch.bincount(labels).tolist() == [6, 6, 6]
+
+
+def test_an_unreadable_files_reason_is_its_cause(folder, tmp_path, monkeypatch):
+    jpeg = (folder / "train" / "class_000" / "00000.JPEG").read_bytes()
+    png = io.BytesIO()
+    Image.open(folder / "train" / "class_000" / "00000.JPEG").save(png, "PNG")
+    files = {
+        "truncated.JPEG": jpeg[: len(jpeg) // 2],
+        "text.JPEG": b"This is no image, and it says so.",
+        "truncated.png": png.getvalue()[: len(png.getvalue()) // 2],
+    }
+    reasons = {}
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+        image = EncodedImage(str(tmp_path / name), torch.frombuffer(bytearray(data), dtype=torch.uint8), 0)
+        with pytest.raises(UnreadableImage) as refused:
+            decode_on_cpu(image)
+        reasons[name] = refused.value.reason
+    assert reasons["truncated.JPEG"].startswith("Image is incomplete or truncated")  # libjpeg-turbo's words
+    assert reasons["text.JPEG"] == (
+        "not an image PIL or the JPEG decoder reads (the file starts with b'This is ')"
+    )
+    assert reasons["truncated.png"].startswith("image file is truncated")  # PIL's
+    # A decoder's message is whole, commas included, without the place in its source.
+    message = "decode_rows, /src/torchcodec/_core/DecodeJpeg.cpp:287, Corrupt data, marker 0xD9 found"
+    monkeypatch.setattr(
+        runner.decode, "jpeg_decoder", lambda: JpegDecoder("stub", _raises(message), _raises(message))
+    )
+    image = EncodedImage("corrupt.JPEG", torch.frombuffer(bytearray(jpeg), dtype=torch.uint8), 0)
+    with pytest.raises(UnreadableImage, match=r"^corrupt.JPEG: Corrupt data, marker 0xD9 found$"):
+        decode_on_cpu(image)
+
+
+def _raises(message: str):
+    def decode(*args, **kwargs):
+        raise RuntimeError(message)
+
+    return decode
+
+
+@pytest.mark.parametrize("views", [None, "simclr"])
+def test_an_empty_class_folder_is_refused_in_one_message_naming_it(folder, tmp_path, views):
+    root = tmp_path / "data"
+    shutil.copytree(folder, root)
+    empty = root / "val" / "class_001"
+    for path in empty.iterdir():
+        path.rename(path.with_suffix(".txt"))  # a file of no image extension: the scan lists none
+    module = ImageFolderDataModule(
+        str(root), image_size=SIZE, num_workers=0, num_classes=3, views=SimCLRTransform() if views else None
+    )
+    with pytest.raises(ConfigError, match=rf"1 class folder\(s\) hold no image file .*: {empty}; add images"):
+        module.setup()
+
+
+@pytest.mark.parametrize(
+    ("build", "key"),
+    [
+        pytest.param(
+            lambda **k: ImageFolderDataModule(num_classes=3, **k), "image_size", id="folder-image_size"
+        ),
+        pytest.param(DigitsDataModule, "image_size", id="digits-image_size"),
+        pytest.param(CIFAR10DataModule, "image_size", id="cifar10-image_size"),
+        pytest.param(SyntheticDataModule, "image_size", id="synthetic-image_size"),
+        pytest.param(SyntheticDataModule, "train_samples", id="synthetic-train_samples"),
+        pytest.param(SyntheticDataModule, "val_samples", id="synthetic-val_samples"),
+        pytest.param(DigitsDataModule, "batch_size", id="digits-batch_size"),
+        pytest.param(DigitsDataModule, "num_workers", id="digits-num_workers"),
+    ],
+)
+def test_a_setting_out_of_range_is_refused_naming_it(build, key):
+    value = -1 if key == "num_workers" else 0
+    with pytest.raises(ConfigError, match=rf"^data.{key}={value} must be >= {value + 1}"):
+        build(**{key: value})
+
+
+def test_a_digits_val_fraction_outside_zero_and_one_is_refused():
+    for fraction in (0.0, 1.0, 1.5):
+        with pytest.raises(ConfigError, match=f"data.val_fraction={fraction} must be between 0 and 1"):
+            DigitsDataModule(val_fraction=fraction)
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_simclrs_views_stop_at_a_file_that_cannot_be_read_naming_it(damaged, tmp_path, num_workers):
+    """With a view transform the workers read PIL images: a truncated or empty file and a link to a missing
+    file are named in one message, never a loader worker's traceback; skipping them is refused (SimCLR's
+    batches stay whole)."""
+    link = damaged / "train" / "class_000" / "link.JPEG"
+    link.symlink_to(tmp_path / "moved.JPEG")
+    module = ImageFolderDataModule(
+        str(damaged), batch_size=64, image_size=SIZE, num_workers=num_workers, num_classes=3,
+        views=SimCLRTransform(input_size=SIZE),
+    )  # fmt: skip
+    module.setup()
+    with pytest.raises(UnreadableImagesError) as refused:
+        _first_batch(module)
+    message = str(refused.value)
+    assert message.startswith("3 file(s) of the data cannot be read or decoded")
+    assert f"{link}: a link to" in message and "empty.JPEG: the file is empty" in message
+    assert "truncated.JPEG: image file is truncated" in message
+    with pytest.raises(ConfigError, match="data.skip_unreadable=true with data.views: SimCLR's batches stay"):
+        ImageFolderDataModule(str(damaged), num_classes=3, skip_unreadable=True, views=SimCLRTransform())
 
 
 def test_decode_gpu_on_a_cpu_run_is_refused_with_the_fix(folder):
@@ -278,17 +616,137 @@ def test_synthetic_batches_come_from_a_seeded_uint8_pool_normalized_on_the_devic
     assert not torch.equal(again._pools[False].images, pool.images)  # validation: its own images
 
 
-def test_an_image_folder_without_torchcodec_stops_at_setup_with_the_fix(folder, monkeypatch):
+@pytest.fixture
+def fresh_choice():
+    """jpeg_decoder() chooses afresh in the test (whatever it patches) and again after it."""
+    jpeg_decoder.cache_clear()
+    yield
+    jpeg_decoder.cache_clear()
+
+
+def _batches(root, on_device: bool) -> tuple:
+    module = ImageFolderDataModule(str(root), batch_size=6, image_size=SIZE, num_workers=0, num_classes=3)
+    module.setup()
+    for dataset in (module.train_set, module.val_set):
+        dataset.decode_on_device = on_device
+    return _first_batch(module), _first_batch(module, validation=True)
+
+
+@pytest.mark.parametrize("on_device", [False, True])
+def test_where_torchcodec_does_not_load_torchvisions_decoders_give_the_same_batches(
+    oriented, monkeypatch, fresh_choice, on_device
+):
+    """TorchCodec's image decoders need torch 2.11+, the library torch 2.6+: torchvision's own (CPU and
+    nvJPEG) decode instead, the same pixels on either path (EXIF orientations included), without their
+    deprecation warning."""
+    assert jpeg_decoder().name.startswith("TorchCodec")
+    expected = _batches(oriented, on_device)
     monkeypatch.setitem(sys.modules, "torchcodec.decoders", None)  # what a failed import leaves
-    decoders.cache_clear()
-    try:
-        module = ImageFolderDataModule(str(folder), num_classes=3, num_workers=0)
-        with pytest.raises(
-            ConfigError, match="needs TorchCodec, which did not load .*pip install torchcodec"
-        ):
-            module.setup()
-    finally:
-        decoders.cache_clear()
+    jpeg_decoder.cache_clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        assert jpeg_decoder().name.startswith("torchvision")
+        batches = _batches(oriented, on_device)
+    for (images, labels), (expected_images, expected_labels) in zip(batches, expected):
+        assert torch.equal(images, expected_images) and torch.equal(labels, expected_labels)
+
+
+def test_where_no_decoder_works_an_image_folder_stops_at_setup_with_the_fix(
+    folder, monkeypatch, fresh_choice
+):
+    monkeypatch.setitem(sys.modules, "torchcodec.decoders", None)
+    monkeypatch.setitem(sys.modules, "torchvision.io", None)
+    module = ImageFolderDataModule(str(folder), num_classes=3, num_workers=0)
+    with pytest.raises(
+        ConfigError, match="needs TorchCodec or torchvision's image decoders.*pip install torchcodec"
+    ):
+        module.setup()
+
+
+def _on_a_gpu(module: ImageFolderDataModule) -> ImageFolderDataModule:
+    """``module`` as Lightning sets it up for a run on the first GPU (the device decode is a stub's)."""
+    module.trainer = SimpleNamespace(
+        strategy=SimpleNamespace(root_device=torch.device("cuda", 0)), global_rank=0
+    )
+    return module
+
+
+def _decoder_whose_device(refuses) -> Callable[[], JpegDecoder]:
+    """A JPEG decoder whose device decode ``refuses(batch)`` (raising as nvJPEG does), or decodes on the
+    CPU."""
+    real = runner.decode._torchcodec()
+
+    def on_device(batch, device):
+        if refuses(batch):
+            raise RuntimeError(
+                "decode_jpegs_cuda, /src/DecodeJpeg.cpp:42, nvJPEG is not available in this build"
+            )
+        return real.on_device(batch, torch.device("cpu"))
+
+    return lambda: JpegDecoder("stub", real.on_cpu, on_device)
+
+
+@pytest.mark.parametrize("works", [True, False])
+def test_auto_tries_the_device_decode_once_and_says_which_decoder_runs_where(
+    folder, monkeypatch, fresh_choice, caplog, works
+):
+    monkeypatch.setattr(runner.decode, "_torchcodec", _decoder_whose_device(lambda batch: not works))
+    module = _on_a_gpu(ImageFolderDataModule(str(folder), num_classes=3, num_workers=0, decode="auto"))
+    with caplog.at_level(logging.INFO), warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        module.setup()
+    said = caplog.text
+    assert module.train_set.decode_on_device is module.val_set.decode_on_device is works
+    if works:
+        assert "data.decode=auto: stub decodes the JPEGs on cuda:0, a batch a call" in said and not warned
+    else:
+        assert [str(w.message) for w in warned] == [
+            "data.decode=auto: stub cannot decode JPEGs on cuda:0 (stub on cuda:0: nvJPEG is not available "
+            "in this build)"
+        ]
+        assert "data.decode=auto: the loader workers decode on the CPU (stub for JPEGs, PIL" in said
+
+
+def test_decode_gpu_where_the_device_cannot_decode_is_refused_with_the_fix(folder, monkeypatch, fresh_choice):
+    monkeypatch.setattr(runner.decode, "_torchcodec", _decoder_whose_device(lambda batch: True))
+    module = _on_a_gpu(ImageFolderDataModule(str(folder), num_classes=3, num_workers=0, decode="gpu"))
+    with pytest.raises(
+        ConfigError, match=r"data.decode=gpu: stub cannot decode JPEGs on cuda:0 \(.*use data"
+    ):
+        module.setup()
+
+
+def test_a_jpeg_the_device_refuses_in_training_is_decoded_on_the_cpu_counted_and_warned_once(
+    damaged, monkeypatch, fresh_choice
+):
+    """nvJPEG refusing a JPEG (CMYK, say) costs the batch a call per image and that image a CPU decode in the
+    training process: it is warned about once, counted for the summary, and its pixels are the CPU path's."""
+    cmyk = torch.frombuffer(
+        bytearray((damaged / "train" / "class_001" / "cmyk.JPEG").read_bytes()), dtype=torch.uint8
+    )
+    refuses = lambda batch: any(data.numel() == cmyk.numel() and torch.equal(data, cmyk) for data in batch)  # noqa: E731
+    monkeypatch.setattr(runner.decode, "_torchcodec", _decoder_whose_device(refuses))
+    batches = {}
+    for on_device in (False, True):
+        module = ImageFolderDataModule(
+            str(damaged), batch_size=64, image_size=SIZE, num_workers=0, num_classes=3, skip_unreadable=True
+        )
+        module.setup()
+        module.train_set.decode_on_device = on_device
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            batches[on_device] = [_first_batch(module) for _ in range(2)]  # two epochs
+        notes = [str(w.message) for w in warned if "decoded on the CPU" in str(w.message)]
+        if on_device:
+            path = str(damaged / "train" / "class_001" / "cmyk.JPEG")
+            assert module.decoded_on_host == {path: "stub on cpu: nvJPEG is not available in this build"}
+            assert notes == [f"decoded on the CPU {path}: stub on cpu: nvJPEG is not available in this build "
+                             "(1 such file(s) so far)"]  # fmt: skip
+            assert module.files_report()["host_decoded_files"] == module.decoded_on_host
+        else:
+            assert not module.decoded_on_host and not notes
+    for (images, labels), (device_images, device_labels) in zip(batches[False], batches[True]):
+        assert torch.equal(images, device_images) and torch.equal(labels, device_labels)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: bench/gpu_check.sh runs it")

@@ -8,6 +8,8 @@ import importlib.metadata
 import itertools
 import json
 import re
+from pathlib import Path
+from types import SimpleNamespace
 
 import lightning.pytorch as pl
 import pytest
@@ -26,9 +28,13 @@ from lightning_fusedsgd.lightning import (
     Schedule,
     ScheduleFreeModes,
 )
+from runner.data import DigitsDataModule
+from runner.files import EncodedFolder
 from runner.jpeg_folder import make_jpeg_folder
 from runner.model import ImageClassifier
+from runner.resume import ResumeInCutEpoch
 from runner.run import train
+from runner.sampling import EpochSampler
 from runner.simclr import SimCLR
 
 RECIPES = sorted(path.stem for path in (ROOT / "recipes").glob("*.yaml"))
@@ -238,6 +244,16 @@ def test_resume_from_last_checkpoint_continues_the_run(tmp_path):
     assert resumed["global_step"] == 4 and resumed["epochs"] == 2
 
 
+def test_a_cut_epoch_whose_loop_state_is_not_lightnings_layout_is_said_at_the_resume():
+    """Where the loop counters are not laid out as this Lightning writes them, the runner cannot resume in
+    the cut epoch: it says which batches go untrained rather than skipping them silently."""
+    trainer = SimpleNamespace(datamodule=DigitsDataModule())
+    checkpoint = {"DigitsDataModule": {"epoch": 3, "batches": 2}, "loops": {"fit_loop": {}}}
+    with pytest.warns(UserWarning, match="epoch 3 ended after 2 of its batches .* rest of epoch 3 is not"):
+        ResumeInCutEpoch().on_load_checkpoint(trainer, None, checkpoint)
+    assert checkpoint["loops"] == {"fit_loop": {}}  # left as it was
+
+
 @pytest.mark.parametrize(
     ("overrides", "classes", "channels"),
     [
@@ -305,6 +321,20 @@ def test_schedule_free_with_a_second_average_is_refused_before_the_run(tmp_path)
         train(cfg)
 
 
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("data.image_size=0", "data.image_size=0 must be >= 1"),
+        ("model.channels_last=yes", "model.channels_last='yes': choose true, false or auto"),
+    ],
+)
+def test_a_value_a_constructor_refuses_is_a_config_error_not_hydras_wrapper(override, message, tmp_path):
+    """Hydra wraps whatever a target raises; train.py prints a ConfigError in one line, so the runner unwraps
+    the user's mistake."""
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        train(compose_train(["debug=tiny", override], tmp_path))
+
+
 def test_enable_progress_bar_false_turns_the_configs_progress_bar_off(tmp_path):
     """A user's first override to quiet a log: the config's TQDMProgressBar would make Lightning refuse it."""
     overrides = ["trainer.fast_dev_run=true", "trainer.accelerator=cpu", "trainer.enable_progress_bar=false"]
@@ -342,6 +372,41 @@ def test_resnet50_trains_tiny_on_a_generated_jpeg_folder(tmp_path):
     overrides = ["recipe=resnet50", "debug=tiny", f"data.root={root}", "data.num_classes=3"]
     summary = train(compose_train(overrides, tmp_path / "run"))
     assert summary["global_step"] == 4 and 0.0 <= summary["val/acc"] <= 1.0  # 24 images: 2 batches of 16
+
+
+@pytest.mark.slow
+def test_a_run_goes_on_past_a_batch_whose_every_file_is_unreadable(tmp_path, capsys):
+    """data.skip_unreadable: epoch 0's second batch (8 of the 24 images) made of unreadable files only trains
+    nothing, and the run goes on; the summary counts the files."""
+    root = make_jpeg_folder(tmp_path / "data", classes=3, train=8, val=2)
+    files = EncodedFolder(root / "train")
+    sampler = EpochSampler(files, seed=0)  # the run's order of epoch 0 (seed=0)
+    for index, _ in list(sampler)[16:]:
+        Path(files.samples[index][0]).write_bytes(b"")
+    overrides = ["recipe=resnet50", "model.arch=resnet18", "debug=tiny", f"data.root={root}"]
+    overrides += ["data.num_classes=3", "data.skip_unreadable=true"]
+    with pytest.warns(UserWarning, match="left out"):
+        summary = train(compose_train(overrides, tmp_path / "run"))
+    assert summary["global_step"] == 4 and summary["epochs"] == 2
+    # Met in both epochs, counted once each, in the summary line and metrics.json with their reasons.
+    assert summary["unreadable_files"] == 8
+    written = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert written["unreadable_files"] == 8 and set(written["files"]["unreadable_files"].values()) == {
+        "the file is empty (0 bytes)"
+    }
+    assert " unreadable_files=8" in capsys.readouterr().out.strip().splitlines()[-1]
+
+
+def test_an_empty_batch_skips_the_step_on_one_device_and_gives_zero_gradients_under_ddp(monkeypatch):
+    model = _set_up_on("cpu")
+    images, targets = torch.empty(0, 3, 32, 32), torch.empty(0, dtype=torch.long)
+    assert model.training_step((images, targets), 0) is None  # Lightning steps no gradient
+    assert model.validation_step((images, targets), 0) is None
+    monkeypatch.setattr(pl.Trainer, "world_size", property(lambda trainer: 2))
+    loss = model.training_step((images, targets), 0)  # DDP refuses None: every rank must reduce
+    loss.backward()
+    assert loss.item() == 0.0
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters() if p.requires_grad)
 
 
 @pytest.mark.slow

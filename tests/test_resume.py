@@ -114,6 +114,23 @@ def test_mid_epoch_resume_from_a_step_checkpoint_continues_at_the_right_step(
     assert_identical(final_state(tmp_path / "second"), straight("sgd"))
 
 
+def test_a_run_stopped_by_max_steps_mid_epoch_resumes_in_that_epoch(tmp_path: Path) -> None:
+    """Lightning saves a max_steps stop at on_train_epoch_end, the epoch counted done: resumed as saved, the
+    epoch's last batch would never train (5 steps, not 6). No warmup and no milestone within the 2 epochs, so
+    that max_steps shapes no lr the run uses: the two halves must be the run made in one go, bit for bit."""
+    constant = ["schedule.warmup=0", "trainer.max_epochs=2"]
+    run(tmp_path / "straight", *constant)
+    expected = final_state(tmp_path / "straight")
+    assert expected["global_step"] == 2 * STEPS_PER_EPOCH
+
+    run(tmp_path / "first", *constant, "trainer.max_steps=2")  # stops one batch before epoch 0 ends
+    checkpoint = read_checkpoint_file(last_checkpoint(tmp_path / "first"))
+    assert checkpoint["global_step"] == 2 and checkpoint["DigitsDataModule"] == {"epoch": 0, "batches": 2}
+    summary = run(tmp_path / "second", *constant, f"ckpt_path={last_checkpoint(tmp_path / 'first')}")
+    assert summary["global_step"] == 2 * STEPS_PER_EPOCH and summary["epochs"] == 2
+    assert_identical(final_state(tmp_path / "second"), expected)
+
+
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_datamodule_continues_at_its_saved_position(num_workers: int) -> None:
     def batches(datamodule: DigitsDataModule, epoch: int) -> list[torch.Tensor]:
