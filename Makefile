@@ -3,7 +3,9 @@
 PYTHON ?= python3
 # The test tools' exact releases (constraints.txt); `make test-latest` empties it.
 CONSTRAINTS ?= -c constraints.txt
-PIP = $(PYTHON) -m pip install --quiet --disable-pip-version-check
+# --no-compile: Python compiles what is imported when it is first imported; compiling all of torch ahead of time
+# costs half a minute of every new environment's install.
+PIP = $(PYTHON) -m pip install --quiet --disable-pip-version-check --no-compile
 # An install is redone only when what it reads changed: its stamp lies in the environment it went into, named
 # by this checkout, so a new virtual environment (or one another checkout installed into) is installed anew.
 STAMP := $(shell $(PYTHON) -c 'import hashlib, sys; print(sys.prefix + "/lightning_fusedsgd-" + hashlib.sha1(sys.argv[1].encode()).hexdigest()[:12])' $(CURDIR))
