@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import re
+import warnings
 
 import pytest
 import torch
@@ -210,3 +211,74 @@ def test_schedule_free_group_state_of_another_kind_is_refused_and_changes_nothin
     broken["param_groups"][0][key] = value
     message = rf"saved param_groups\[0\]: its {key} is {problem}.*Load the state the run saved"
     _refused_and_unchanged(model, optimizer, lambda: optimizer.load_state_dict(broken), message)
+
+
+def _our_warnings(caught, optimizer) -> list[str]:
+    start = f"{type(optimizer).__name__}.load_state_dict: the loaded state has"
+    return [str(w.message) for w in caught if str(w.message).startswith(start)]
+
+
+@pytest.mark.parametrize("name", HOLDERS)
+def test_a_state_without_a_slot_its_groups_hold_says_so_once_naming_it_and_how_many(name):
+    """Each slot but the momentum buffer carries history a restart loses: a loaded state without it warns once
+    for the load, naming the slot, its option and how many params start it anew; the step then runs."""
+    model, optimizer = _stepped(name)
+    saved = optimizer.state_dict()
+    keys = {key for entry in saved["state"].values() for key in entry} - {"momentum_buffer"}
+    for key in sorted(keys):
+        lacking = copy.deepcopy(saved)
+        count = sum(lacking_entry.pop(key, None) is not None for lacking_entry in lacking["state"].values())
+        option = _abi.slot(key).option
+        with pytest.warns(UserWarning) as caught:
+            optimizer.load_state_dict(lacking)
+        said = _our_warnings(caught, optimizer)
+        assert len(said) == 1, said
+        assert re.search(rf"has no {key} for {count} params whose groups keep one \({option}\)", said[0])
+        assert re.search(rf"starts anew at the next step \(.*{key}.* from ", said[0])
+        _step(model, optimizer, seed=4)
+        assert key in optimizer.state[model[0].weight]
+
+
+@pytest.mark.parametrize("name", HOLDERS)
+def test_a_complete_state_loads_without_a_word(name):
+    model, optimizer = _stepped(name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+
+
+def test_every_missing_slot_is_said_in_one_warning_and_an_emptied_entry_counts():
+    """A state without masters and the average's counts: one warning names each with its count; an entry
+    emptied of all its state is a loaded param that lacks them too. A missing momentum buffer is not said: it
+    starts from the next gradient, as torch.optim.SGD's does."""
+    model, optimizer = _stepped("sgd-masters-average")
+    lacking = copy.deepcopy(optimizer.state_dict())
+    for entry in lacking["state"].values():
+        for key in ("master_param", "ema_step", "ema_updates", "momentum_buffer"):
+            del entry[key]
+    lacking["state"][3].clear()  # '2.bias': no ema either
+    with pytest.warns(UserWarning) as caught:
+        optimizer.load_state_dict(lacking)
+    (said,) = _our_warnings(caught, optimizer)
+    assert re.search(
+        r"has no master_param for 4 params whose groups keep one \(master_weights\), no ema for 1 params "
+        r"whose groups keep one \(ema_decay\), no ema_step for 4 params .*, no ema_updates for 4 params .*: "
+        r"each starts anew at the next step \(master_param, ema from the param's weight; ema_step, "
+        r"ema_updates from 0\)",
+        said,
+    ), said
+    assert "momentum_buffer" not in said
+
+
+def test_an_earlier_versions_group_count_of_0_is_no_missing_count():
+    """A state dict of an earlier version keeps the stochastic steps' count per group; at 0 its params start
+    at 0, as the checkpoint says: nothing is missing."""
+    model, optimizer = _stepped("sgd-stochastic")
+    earlier = copy.deepcopy(optimizer.state_dict())
+    for entry in earlier["state"].values():
+        del entry["rounding_step"]
+    earlier["param_groups"][0]["rounding_step"] = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        optimizer.load_state_dict(earlier)
+    assert all(optimizer.state[p]["rounding_step"].item() == 0 for p in model.parameters())

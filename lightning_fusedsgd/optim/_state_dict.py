@@ -24,6 +24,13 @@ from lightning_fusedsgd.optim._plan import check_state_shapes
 
 # Earlier versions counted stochastic steps per group, under the key the per-param count's slot has now.
 _GROUP_ROUNDING_STEP = "rounding_step"
+# What a slot a loaded state lacks starts from, by its seed (``Slot.seed``).
+_STARTS_FROM = {
+    "weight": "the param's weight",
+    "residual": "0",
+    "zeros": "0",
+    "gradient": "the next gradient",
+}
 
 
 def load(
@@ -65,24 +72,42 @@ def load(
 
 
 def _say_missing_state(optimizer: Optimizer) -> None:
-    """Warns once per slot declared ``missing_said`` that loaded params whose groups hold it lack it."""
-    for slot in (slot for slot in _abi.SLOTS if slot.missing_said):
-        missing = [
-            param
-            for group in optimizer.param_groups
-            for param in group["params"]
-            if optimizer.state.get(param)
-            and slot.key not in optimizer.state[param]
-            and slot.held(group, param.dtype)
-        ]
-        if missing:
-            warnings.warn(
-                f"FusedSGD.load_state_dict: the loaded state has no {slot.key} for {len(missing)} params "
-                f"whose groups keep one ({slot.option}; a checkpoint from before it was kept): it starts "
-                "from their weights at the next step.",
-                UserWarning,
-                stacklevel=4,
+    """Warns, once for the load, of each slot declared ``missing_said`` that loaded params (those with an
+    entry in the loaded state) lack where their groups hold it, and how many params start it anew."""
+    loaded = [
+        (group, param)
+        for group in optimizer.param_groups
+        for param in group["params"]
+        if param in optimizer.state
+    ]
+    missing = {
+        slot: count
+        for slot in _abi.SLOTS
+        if slot.missing_said
+        and (
+            count := sum(
+                optimizer.state[param].get(slot.key) is None and slot.held(group, param.dtype)
+                for group, param in loaded
             )
+        )
+    }
+    if not missing:
+        return
+    lacking = ", ".join(
+        f"no {slot.key} for {count} params whose groups keep one ({slot.option})"
+        for slot, count in missing.items()
+    )
+    starts: dict[str, list[str]] = {}
+    for slot in missing:
+        starts.setdefault(_STARTS_FROM[slot.seed], []).append(slot.key)
+    warnings.warn(
+        f"{type(optimizer).__name__}.load_state_dict: the loaded state has {lacking} (a checkpoint from "
+        "before they were kept, another optimizer's or an edited one): each starts anew at the next step ("
+        + "; ".join(f"{', '.join(keys)} from {start}" for start, keys in starts.items())
+        + "), without the history a checkpoint carries.",
+        UserWarning,
+        stacklevel=4,
+    )
 
 
 def check_loadable(state_dict: Any, defaults: Mapping[str, Any]) -> None:
@@ -137,12 +162,13 @@ def rounding_steps_in_state(state_dict: dict[str, Any]) -> dict[str, Any]:
     if not any(_GROUP_ROUNDING_STEP in group for group in groups):
         return state_dict
     state = dict(state_dict["state"])
-    for group in groups:
-        count = group.get(_GROUP_ROUNDING_STEP, 0)
+    for group in (group for group in groups if _GROUP_ROUNDING_STEP in group):
+        count = group[_GROUP_ROUNDING_STEP]
         for index in group["params"]:
-            saved = state.get(index, {})
-            if count and _GROUP_ROUNDING_STEP not in saved:
-                state[index] = {**saved, _GROUP_ROUNDING_STEP: torch.tensor(count, dtype=torch.int64)}
+            # Each param with state takes its count, 0 too (not missing then); one without takes a count > 0.
+            saved = state.get(index)
+            if (count or saved is not None) and _GROUP_ROUNDING_STEP not in (saved or {}):
+                state[index] = {**(saved or {}), _GROUP_ROUNDING_STEP: torch.tensor(count, dtype=torch.int64)}
     return {
         **state_dict,
         "state": state,
