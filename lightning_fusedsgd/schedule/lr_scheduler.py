@@ -62,18 +62,18 @@ class _DeviceSchedule:
 
     optimizer: DeviceLrs
     position: Tensor  # int64 [applied steps, skipped steps]
-    row: Tensor  # WarmupSchedule.as_row()
+    row: Tensor  # WarmupSchedule.row()
     peaks: Tensor  # float64 [groups]
 
     @classmethod
     def create(
-        cls, optimizer: DeviceLrs, schedule: WarmupSchedule, peaks: list[float], counts: list[int]
+        cls, optimizer: DeviceLrs, row: Tensor, peaks: list[float], counts: list[int]
     ) -> _DeviceSchedule:
         on_device = dict(device=optimizer.lr_tensor().device)
         return cls(
             optimizer,
             torch.tensor(counts, dtype=torch.int64, **on_device),
-            torch.tensor(schedule.as_row(), dtype=torch.float64, **on_device),
+            row.to(**on_device),
             torch.tensor(peaks, dtype=torch.float64, **on_device),
         )
 
@@ -161,6 +161,8 @@ class WarmupLR(LRScheduler):
         # [last_epoch, skipped_steps]: host ints, or the device counter on a capturable optimizer.
         self._counts: list[int] | Tensor = [last_epoch, 0]
         self._device: _DeviceSchedule | None = None
+        # A device schedule's row, built (or refused) before the optimizer's groups take an initial_lr.
+        self._row: Tensor | None = self.schedule.row() if _on_device(optimizer) else None
         # The optimizer's step outcome already acted on (each step under a GradScaler makes a new one).
         self._seen_outcome = _last_step_applied(optimizer)
         super().__init__(optimizer, last_epoch)
@@ -211,8 +213,9 @@ class WarmupLR(LRScheduler):
         if self._device is None:  # the constructor's initial step: the lrs of the position
             peaks = [_as_float(peak) for peak in self.base_lrs]
             self._device = _DeviceSchedule.create(
-                self.optimizer, self.schedule, peaks, [self.last_epoch + 1, self.skipped_steps]
+                self.optimizer, self._row, peaks, [self.last_epoch + 1, self.skipped_steps]
             )
+            self._row = None  # on the device now
             self._counts = self._device.position
             self._device.run(advance=False)
             return
@@ -236,7 +239,7 @@ class WarmupLR(LRScheduler):
         state = {
             key: value
             for key, value in self.__dict__.items()
-            if key not in ("optimizer", "schedule", "_seen_outcome", "_counts", "_device")
+            if key not in ("optimizer", "schedule", "_seen_outcome", "_counts", "_device", "_row")
         }
         state.update(
             last_epoch=self.last_epoch,
