@@ -6,6 +6,9 @@ runs on the device."""
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
+import operator
 import warnings
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
@@ -53,6 +56,51 @@ def _on_device(optimizer: Optimizer) -> bool:
 
 def _as_float(lr: float | torch.Tensor) -> float:
     return lr.item() if isinstance(lr, torch.Tensor) else float(lr)
+
+
+def _check_loadable(state_dict: dict[str, Any]) -> None:
+    """Refuses, before anything changes, a scheduler state whose steps are not counts, whose peaks are not
+    lrs or whose schedule is not one (the values ``WarmupLR.state_dict`` saves)."""
+    fix = "the state is damaged or not WarmupLR's: load what scheduler.state_dict() saved"
+    for key in ("last_epoch", "skipped_steps"):
+        value = state_dict.get(key, 0)
+        try:
+            count = operator.index(value)  # an int, or a 0-d integer tensor
+        except TypeError:
+            count = -1
+        if count < 0 or isinstance(value, bool):
+            raise ValueError(
+                f"the lr scheduler checkpoint's {key} is {value!r}, but it is a count of steps, "
+                f"an int >= 0: {fix}."
+            )
+    peaks = state_dict.get("base_lrs", [])
+    if not isinstance(peaks, Sequence) or not all(_is_lr(peak) for peak in peaks):
+        raise ValueError(
+            f"the lr scheduler checkpoint's base_lrs is {peaks!r}, but it is each group's peak lr, a number "
+            f">= 0: {fix}."
+        )
+    saved_schedule = state_dict.get("schedule")
+    if saved_schedule:
+        try:
+            WarmupSchedule(**saved_schedule)
+        except (TypeError, ValueError) as error:
+            raise ValueError(
+                f"the lr scheduler checkpoint's schedule is no WarmupSchedule ({error}): {fix}."
+            ) from None
+
+
+def _is_lr(value: Any) -> bool:
+    """Whether ``value`` is an lr: a finite number >= 0, or a one-element tensor of one."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_complex():
+            return False
+        value = value.item()
+    return (
+        isinstance(value, numbers.Real)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value >= 0
+    )
 
 
 @dataclasses.dataclass
@@ -254,7 +302,10 @@ class WarmupLR(LRScheduler):
         Raises:
             CheckpointMismatchError: (a ValueError) If the checkpoint was saved with a different number of
                 parameter groups.
+            ValueError: If its steps are not counts (ints >= 0), its peaks not lrs (numbers >= 0) or its
+                schedule not one; nothing changes then.
         """
+        _check_loadable(state_dict)
         saved_peaks = state_dict.get("base_lrs", [])
         if len(saved_peaks) != len(self.base_lrs):
             raise CheckpointMismatchError(
