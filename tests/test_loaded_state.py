@@ -282,3 +282,18 @@ def test_an_earlier_versions_group_count_of_0_is_no_missing_count():
         warnings.simplefilter("error")
         optimizer.load_state_dict(earlier)
     assert all(optimizer.state[p]["rounding_step"].item() == 0 for p in model.parameters())
+
+
+def test_schedule_free_groups_without_their_state_say_so_once():
+    """A group that lacks schedule-free SGD's scalars (a torch.optim.SGD checkpoint) keeps the optimizer's
+    own: said once for the load, naming each and in how many of the loaded groups."""
+    model, optimizer = _stepped("schedule-free-masters")
+    lacking = copy.deepcopy(optimizer.state_dict())
+    for key in ("k", "weight_sum"):
+        del lacking["param_groups"][0][key]
+    k = optimizer.param_groups[0]["k"].item()
+    with pytest.warns(UserWarning) as caught:
+        optimizer.load_state_dict(lacking)
+    said = [str(w.message) for w in caught if "lack schedule-free SGD's state of a group" in str(w.message)]
+    assert len(said) == 1 and "k in 1 of 1, weight_sum in 1 of 1" in said[0], said
+    assert optimizer.param_groups[0]["k"] == k  # the optimizer's own

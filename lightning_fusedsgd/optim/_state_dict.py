@@ -44,6 +44,7 @@ def load(
         if result is not None:
             state_dict = result
     check_loadable(state_dict, optimizer.defaults)
+    saved_groups = state_dict["param_groups"]
     state_dict = rounding_steps_in_state(state_dict)
     if not same_param_layout(state_dict, optimizer.param_groups):
         # A different grouping (e.g. torch.optim.SGD's one group for our two): move state by name.
@@ -67,8 +68,28 @@ def load(
     for param, values in kept_dtypes.items():
         optimizer.state[param].update(values)
     _say_missing_state(optimizer)
+    _say_missing_group_state(optimizer, saved_groups)
     for hook in post_hooks.values():
         hook(optimizer)
+
+
+def _say_missing_group_state(optimizer: Optimizer, saved_groups: list[dict[str, Any]]) -> None:
+    """Warns, once for the load, of the group state (``_abi.GROUP_STATE``: schedule-free SGD's) the optimizer
+    keeps that saved groups lack, which the loaded groups take from the optimizer's."""
+    lacking = {
+        key: count
+        for key in _abi.GROUP_STATE
+        if key in optimizer.defaults and (count := sum(key not in group for group in saved_groups))
+    }
+    if lacking:
+        said = ", ".join(f"{key} in {count} of {len(saved_groups)}" for key, count in lacking.items())
+        warnings.warn(
+            f"{type(optimizer).__name__}.load_state_dict: the loaded groups lack schedule-free SGD's state "
+            f"of a group: {said} (a checkpoint of another optimizer has none). They keep this optimizer's "
+            "own values (a new optimizer's are those before its first step).",
+            UserWarning,
+            stacklevel=4,
+        )
 
 
 def _say_missing_state(optimizer: Optimizer) -> None:
