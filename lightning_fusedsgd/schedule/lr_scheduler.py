@@ -62,8 +62,10 @@ def _check_loadable(state_dict: dict[str, Any]) -> None:
     """Refuses, before anything changes, a scheduler state whose steps are not counts, whose peaks are not
     lrs or whose schedule is not one (the values ``WarmupLR.state_dict`` saves)."""
     fix = "the state is damaged or not WarmupLR's: load what scheduler.state_dict() saved"
+    if "last_epoch" not in state_dict:  # it would start the schedule again at step 0
+        raise ValueError(f"the lr scheduler checkpoint has no last_epoch, the steps taken: {fix}.")
     for key in ("last_epoch", "skipped_steps"):
-        value = state_dict.get(key, 0)
+        value = state_dict.get(key, 0)  # a state of an earlier version counts no skipped steps
         try:
             count = operator.index(value)  # an int, or a 0-d integer tensor
         except TypeError:
@@ -316,7 +318,7 @@ class WarmupLR(LRScheduler):
             )
         # Resuming with another schedule (a longer run, for one) is fine as long as the steps already
         # taken had the lrs the new schedule gives them: then the resumed run is exactly the new run.
-        taken = int(state_dict.get("last_epoch", 0))
+        taken = int(state_dict["last_epoch"])
         saved_schedule = state_dict.get("schedule")
         changed = (
             WarmupSchedule(**saved_schedule).changes_within(self.schedule, taken) if saved_schedule else {}
