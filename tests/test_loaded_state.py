@@ -234,7 +234,6 @@ def test_a_state_without_a_slot_its_groups_hold_says_so_once_naming_it_and_how_m
         said = _our_warnings(caught, optimizer)
         assert len(said) == 1, said
         assert re.search(rf"has no {key} for {count} params whose groups keep one \({option}\)", said[0])
-        assert re.search(rf"starts anew at the next step \(.*{key}.* from ", said[0])
         _step(model, optimizer, seed=4)
         assert key in optimizer.state[model[0].weight]
 
@@ -263,8 +262,7 @@ def test_every_missing_slot_is_said_in_one_warning_and_an_emptied_entry_counts()
     assert re.search(
         r"has no master_param for 4 params whose groups keep one \(master_weights\), no ema for 1 params "
         r"whose groups keep one \(ema_decay\), no ema_step for 4 params .*, no ema_updates for 4 params .*: "
-        r"each starts anew at the next step \(master_param, ema from the param's weight; ema_step, "
-        r"ema_updates from 0\)",
+        r"each starts anew",
         said,
     ), said
     assert "momentum_buffer" not in said

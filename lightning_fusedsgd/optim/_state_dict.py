@@ -24,13 +24,6 @@ from lightning_fusedsgd.optim._plan import check_state_shapes
 
 # Earlier versions counted stochastic steps per group, under the key the per-param count's slot has now.
 _GROUP_ROUNDING_STEP = "rounding_step"
-# What a slot a loaded state lacks starts from, by its seed (``Slot.seed``).
-_STARTS_FROM = {
-    "weight": "the param's weight",
-    "residual": "0",
-    "zeros": "0",
-    "gradient": "the next gradient",
-}
 
 
 def load(
@@ -118,14 +111,10 @@ def _say_missing_state(optimizer: Optimizer) -> None:
         f"no {slot.key} for {count} params whose groups keep one ({slot.option})"
         for slot, count in missing.items()
     )
-    starts: dict[str, list[str]] = {}
-    for slot in missing:
-        starts.setdefault(_STARTS_FROM[slot.seed], []).append(slot.key)
     warnings.warn(
         f"{type(optimizer).__name__}.load_state_dict: the loaded state has {lacking} (a checkpoint from "
-        "before they were kept, another optimizer's or an edited one): each starts anew at the next step ("
-        + "; ".join(f"{', '.join(keys)} from {start}" for start, keys in starts.items())
-        + "), without the history a checkpoint carries.",
+        "before they were kept, another optimizer's or an edited one): each starts anew, from the weights (a "
+        "count from 0), without the history a checkpoint carries.",
         UserWarning,
         stacklevel=4,
     )
