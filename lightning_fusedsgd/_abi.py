@@ -429,8 +429,9 @@ class Slot:
         weight: What it is of the weight: ``"whole"`` (the param holds its rounding) or ``"residual"`` (the
             weight is param + it), or None where it is no part of the weight.
         torch_sgd: ``torch.optim.SGD`` keeps it too (its own path steps sparse gradients with it).
-        missing_said: A loaded state without it (a checkpoint from before it was kept) says so, as it starts
-            anew rather than with the history a checkpoint would carry.
+        missing_said: A loaded state without it (a checkpoint from before it was kept, or edited) says so, as
+            it starts anew rather than with the history a checkpoint would carry (every slot but the momentum
+            buffer, which starts from the next gradient without a word, as ``torch.optim.SGD``'s does).
         count: A one-element int64 count on the param's device (0-d), not a tensor laid out as the param.
         stale_unheld: It goes stale while its param steps without it: dropped then, and seeded anew when its
             group holds it again.
@@ -474,14 +475,13 @@ def _average_family() -> tuple[Slot, ...]:
     from the weight, as a copy of the model is where an average begins; the param's applied steps since its
     average began (the schedule's step: ema_start, ema_every); the updates the average has had (the first
     copies the weight; the decay's warmup counts them)."""
-    family = dict(held=_averages, option="ema_decay", stale_unheld=True)
+    family = dict(held=_averages, option="ema_decay", stale_unheld=True, missing_said=True)
     count = dict(dtype=lambda group, dtype: torch.int64, seed="zeros", count=True, **family)
     return (
         Slot(
             key="ema",
             dtype=lambda group, dtype: torch.float64 if dtype == torch.float64 else torch.float32,
             seed="weight",
-            missing_said=True,
             **family,
         ),
         Slot(key="ema_step", **count),
@@ -507,6 +507,7 @@ SLOTS: tuple[Slot, ...] = (
         seed="weight",
         option="master_weights",
         weight="whole",
+        missing_said=True,
         stale_unheld=True,
     ),
     # update_rounding="kahan": the weight is param + compensation, the param its rounding to nearest.
@@ -517,6 +518,7 @@ SLOTS: tuple[Slot, ...] = (
         seed="residual",
         option="update_rounding",
         weight="residual",
+        missing_said=True,
         stale_unheld=True,
     ),
     # update_rounding="stochastic": the param's count of stochastic steps, the step of its random bits.
@@ -526,6 +528,7 @@ SLOTS: tuple[Slot, ...] = (
         dtype=lambda group, dtype: torch.int64,
         seed="zeros",
         option="update_rounding",
+        missing_said=True,
         count=True,
     ),
     *_average_family(),
@@ -537,6 +540,7 @@ SLOTS: tuple[Slot, ...] = (
         dtype=_buffer_dtype,
         seed="weight",
         option="schedule_free",
+        missing_said=True,
         stale_unheld=True,
     ),
 )

@@ -261,8 +261,8 @@ def test_remap_error_names_missing_extra_and_reshaped_parameters_and_changes_not
     assert "old.ckpt" in message
     assert "missing from the checkpoint (1): bn.bias" in message
     assert "in the checkpoint but not in the model (1): bn.beta" in message
-    assert "fc.weight (checkpoint [3, 4], model [5, 4])" in message
-    assert "fc.bias (checkpoint [3], model [5])" in message
+    assert "fc.weight (checkpoint momentum_buffer [3, 4], model [5, 4])" in message
+    assert "fc.bias (checkpoint momentum_buffer [3], model [5])" in message
     after = optimizer.state_dict()
     assert after["param_groups"] == before["param_groups"]
     for index, state in before["state"].items():

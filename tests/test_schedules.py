@@ -5,11 +5,13 @@ from __future__ import annotations
 import dataclasses
 import io
 import math
+import tracemalloc
 
 import pytest
 import torch
 
-from lightning_fusedsgd.schedule import WarmupLR, WarmupSchedule, scaled_lr
+from lightning_fusedsgd import FusedSGD
+from lightning_fusedsgd.schedule import DEVICE_ROW_STEPS, WarmupLR, WarmupSchedule, scaled_lr
 
 # One schedule shape for the table below: peak 0.8, 10 steps, 2 of warmup from 0.25 * peak.
 PEAK = 0.8
@@ -402,3 +404,112 @@ def test_resume_across_a_skipped_step_continues_the_uninterrupted_run() -> None:
     assert resumed_lrs == lrs[5:]
     assert torch.equal(resumed_weight, weight)
     assert saved[2]["skipped_steps"] == 2 and saved[2]["last_epoch"] == 3
+
+
+@pytest.mark.parametrize(
+    "config, factor",
+    [
+        (dict(decay="cosine", warmup_steps=7), lambda p, s: 0.5 * (1.0 + math.cos(math.pi * p))),
+        (dict(decay="poly", warmup_steps=3, power=2.0), lambda p, s: (1.0 - p) ** 2.0),
+        (dict(decay="poly", power=0.7), lambda p, s: (1.0 - p) ** 0.7),
+        (dict(decay="linear", warmup_steps=1), lambda p, s: (1.0 - p) ** 1.0),
+    ],
+    ids=["cosine", "poly-2", "poly-0.7", "linear"],
+)
+def test_the_device_row_holds_each_steps_factor_of_the_formula_bit_for_bit(config, factor) -> None:
+    """The row's factors, one a step from warmup_steps to total_steps, are the class docstring's shape of
+    p = (t - w) / (T - w), computed here in plain Python (the host's cos and pow), bit for bit; lr_at reads
+    them too."""
+    schedule = WarmupSchedule(total_steps=100_003, end_lr=1e-4, **config)
+    w, total = schedule.warmup_steps, schedule.total_steps
+    row = schedule.row()
+    assert row.dtype == torch.float64 and row.device.type == "cpu"
+    factors = row[len(row) - (total - w + 1) :].tolist()
+    assert factors == [factor((t - w) / (total - w), t) for t in range(w, total + 1)]
+    for t in (w, w + 1, total // 2, total):
+        assert schedule.lr_at(t, 0.4) == 1e-4 + (0.4 - 1e-4) * factors[t - w]
+
+
+def test_a_device_row_is_built_without_a_python_list_of_its_steps() -> None:
+    """A capturable optimizer's WarmupLR builds its row of 8 bytes a step: its peak Python allocations for
+    10^6 steps stay under 12 bytes a step (a list of floats takes 32)."""
+    steps = 1_000_000
+    optimizer = FusedSGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1, capturable=True)
+    tracemalloc.start()
+    try:
+        WarmupLR(optimizer, total_steps=steps, warmup_steps=10, decay="cosine")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 12 * steps, peak
+    assert optimizer.lr_tensor().item() == 0.0  # f(0) of a warmup from 0
+
+
+def test_a_device_row_longer_than_its_bound_is_refused_naming_the_ways_out() -> None:
+    long = dict(total_steps=DEVICE_ROW_STEPS + 5, warmup_steps=5)
+    optimizer = FusedSGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1, capturable=True)
+    lrs = optimizer.lr_tensor().clone()
+    for decay in ("cosine", "poly", "linear"):
+        with pytest.raises(
+            ValueError,
+            match=rf"decay='{decay}'.*each of its {DEVICE_ROW_STEPS + 1} steps.*"
+            r"capturable=False.*'multistep' or 'constant'.*shorter total_steps",
+        ):
+            WarmupLR(optimizer, decay=decay, **long)
+        assert torch.equal(optimizer.lr_tensor(), lrs) and "initial_lr" not in optimizer.param_groups[0]
+    # The host schedule of the same run, and a device schedule whose row holds no step's factor, are made.
+    host = FusedSGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    assert WarmupLR(host, **long).get_last_lr() == [0.0]
+    WarmupLR(optimizer, decay="multistep", milestones=(DEVICE_ROW_STEPS,), **long)
+    assert optimizer.lr_tensor().item() == 0.0
+
+
+# A key left out of a scheduler state.
+_ABSENT = object()
+
+
+@pytest.mark.parametrize("capturable", [False, True], ids=["host", "device"])
+@pytest.mark.parametrize(
+    "key, value, problem",
+    [
+        ("last_epoch", _ABSENT, " has no last_epoch, the steps taken"),
+        (
+            "last_epoch",
+            torch.tensor([1, 2]),
+            r"'s last_epoch is tensor\(\[1, 2\]\), but it is a count of steps",
+        ),
+        ("last_epoch", -5, "'s last_epoch is -5, but it is a count of steps, an int >= 0"),
+        ("last_epoch", 2.5, "'s last_epoch is 2.5, but it is a count of steps"),
+        ("skipped_steps", -2, "'s skipped_steps is -2, but it is a count of steps"),
+        ("skipped_steps", "1", "'s skipped_steps is '1', but it is a count of steps"),
+        (
+            "base_lrs",
+            [float("nan")],
+            r"'s base_lrs is \[nan\], but it is each group's peak lr, a number >= 0",
+        ),
+        (
+            "schedule",
+            {"total_steps": 0},
+            r"'s schedule is no WarmupSchedule \(total_steps must be an integer >= 1",
+        ),
+    ],
+)
+def test_a_scheduler_state_of_another_kind_is_refused_and_changes_nothing(capturable, key, value, problem):
+    """Refused before anything changes (a negative count set a negative lr, a count of two steps failed
+    naming nothing, a state without its steps started the schedule again); the run goes on as f(step) says.
+    Oracle: lr_at."""
+    schedule = dict(total_steps=20, warmup_steps=5, start_factor=0.1)
+    optimizer = FusedSGD([torch.nn.Parameter(torch.zeros(2))], lr=0.4, capturable=capturable)
+    scheduler = WarmupLR(optimizer, **schedule)
+    for _ in range(3):
+        optimizer.step()
+        scheduler.step()
+    saved = scheduler.state_dict()
+    broken = {k: v for k, v in {**saved, key: value}.items() if v is not _ABSENT}
+    with pytest.raises(ValueError, match=rf"the lr scheduler checkpoint{problem}.*scheduler.state_dict\(\)"):
+        scheduler.load_state_dict(broken)
+    assert scheduler.state_dict() == saved
+    for step in (3, 4):
+        assert float(optimizer.param_groups[0]["lr"]) == WarmupSchedule(**schedule).lr_at(step, 0.4)
+        optimizer.step()
+        scheduler.step()

@@ -14,11 +14,14 @@ from typing import Any
 
 import torch
 
+from lightning_fusedsgd._abi import SLOTS
 from lightning_fusedsgd.checkpoint.archive import ZIP_MAGIC, ArchiveDamage, TorchScriptArchive, check_archive
 from lightning_fusedsgd.checkpoint.errors import CheckpointError, InvalidOptimizerStateError
 
 # torchvision's reference script stores its argparse namespace under "args".
 _SAFE_GLOBALS = [argparse.Namespace]
+# FusedSGD's state that is a count, one number (``Slot.count``), rather than a tensor shaped as its param.
+_COUNTS = frozenset(slot.key for slot in SLOTS if slot.count)
 _USE_INTACT = "Nothing was loaded; use an intact checkpoint, e.g. an earlier one from the same directory."
 
 
@@ -159,7 +162,9 @@ def save_checkpoint_file(obj: Any, path: str | os.PathLike[str]) -> None:
 
 
 def check_optimizer_state_dict(state_dict: Any, source: str = "the optimizer state dict") -> None:
-    """Checks that ``state_dict`` is laid out as ``Optimizer.state_dict()`` makes it, with usable tensors.
+    """Checks that ``state_dict`` is laid out as ``Optimizer.state_dict()`` makes it, with usable tensors, and
+    FusedSGD's counts (``Slot.count``) one number each; the other state's shapes are checked against the
+    params where those are known (the loader, name matching).
 
     Raises:
         InvalidOptimizerStateError: Naming what is wrong (and the parameter, where it has a name).
@@ -203,4 +208,10 @@ def check_optimizer_state_dict(state_dict: Any, source: str = "the optimizer sta
                 raise InvalidOptimizerStateError(
                     f"{source}: the {key} of {label} is on the meta device and holds no values: load the "
                     "checkpoint with its data (torch.load(path, map_location='cpu')), not a meta-device copy."
+                )
+            if key in _COUNTS and value.dim() != 0:
+                raise InvalidOptimizerStateError(
+                    f"{source}: the {key} of {label} has shape {tuple(value.shape)}, but it is a count, one "
+                    "number (shape ()): the state is damaged or was not saved by FusedSGD; load the state "
+                    "the run saved (optimizer.state_dict()), or drop the optimizer state to start it anew."
                 )

@@ -243,7 +243,7 @@ def read_start_checkpoint(
 
     expected = {name: tensor.shape for name, tensor in module.state_dict().items()}
     rename = match_names(
-        {name: [tensor.shape] for name, tensor in weights.items()},
+        {name: {"": tensor.shape} for name, tensor in weights.items()},
         expected,
         source=path,
         what="model weights",

@@ -12,6 +12,7 @@ from torch import nn
 
 from lightning_fusedsgd._abi import GROUP_STATE
 from lightning_fusedsgd.checkpoint.errors import CheckpointMismatchError
+from lightning_fusedsgd.checkpoint.files import check_optimizer_state_dict
 
 # How many names an error message lists per category before summarizing.
 _MAX_LISTED = 8
@@ -56,7 +57,7 @@ def _name_translation(saved: Collection[str], target: Collection[str]) -> Callab
 
 
 def match_names(
-    saved_shapes: Mapping[str, Collection[torch.Size]],
+    saved_shapes: Mapping[str, Mapping[str, torch.Size]],
     target_shapes: Mapping[str, torch.Size],
     *,
     source: str,
@@ -66,7 +67,8 @@ def match_names(
     """Map every saved name to a target name, or raise naming what is missing, extra or reshaped.
 
     Args:
-        saved_shapes: Saved name -> shapes of the tensors stored for it (empty if none).
+        saved_shapes: Saved name -> the shapes of the tensors stored for it, each under what it is (a state
+            key, or "" for a weight; empty if none).
         target_shapes: Target name -> expected shape.
         source: What was saved, for the message (usually the file).
         what: What is matched, for the message ("model weights", "optimizer state").
@@ -83,10 +85,16 @@ def match_names(
     extra = sorted(name for name, target in mapping.items() if target not in target_shapes)
     missing = [] if allow_missing else sorted(set(target_shapes) - set(mapping.values()))
     reshaped = [
-        f"{mapping[name]} (checkpoint {' / '.join(str(list(s)) for s in sorted(set(shapes), key=tuple))}, "
-        f"model {list(target_shapes[mapping[name]])})"
+        f"{mapping[name]} (checkpoint {', '.join(differing)}, model {list(target_shapes[mapping[name]])})"
         for name, shapes in saved_shapes.items()
-        if mapping[name] in target_shapes and any(s != target_shapes[mapping[name]] for s in shapes)
+        if mapping[name] in target_shapes
+        and (
+            differing := [
+                f"{key} {list(shape)}".lstrip()
+                for key, shape in shapes.items()
+                if shape != target_shapes[mapping[name]]
+            ]
+        )
     ]
     problems = [
         f"  {label} ({len(items)}): {listed(items)}"
@@ -129,9 +137,12 @@ def _split_flat(names: Sequence[str], groups: Sequence[Mapping[str, Any]], side:
     return out
 
 
-def state_shapes(state: Mapping[str, Any]) -> list[torch.Size]:
-    """Shapes of a parameter's per-element state tensors (0-d ones, like a step count, are skipped)."""
-    return [value.shape for value in state.values() if isinstance(value, torch.Tensor) and value.ndim > 0]
+def state_shapes(state: Mapping[str, Any]) -> dict[str, torch.Size]:
+    """Shapes of a parameter's per-element state tensors by key (0-d ones, like a step count, are skipped:
+    FusedSGD's loader checks each of its slots by its declaration)."""
+    return {
+        key: value.shape for key, value in state.items() if isinstance(value, torch.Tensor) and value.ndim > 0
+    }
 
 
 def same_param_layout(saved: Mapping[str, Any], target_groups: Sequence[Mapping[str, Any]]) -> bool:
@@ -189,10 +200,13 @@ def remap_optimizer_state_dict(
         ``param_names``) in its order, state keyed by the matching indices.
 
     Raises:
+        InvalidOptimizerStateError: If ``saved`` is not an optimizer state dict, or holds values that cannot
+            be state (:func:`check_optimizer_state_dict`).
         CheckpointMismatchError: If names are unavailable or their count is wrong, a parameter is
             missing on either side, or a state tensor's shape differs from its target parameter. The
             message names the parameters; nothing is modified.
     """
+    check_optimizer_state_dict(saved, source=source)
     saved_groups = saved["param_groups"]
     saved_by_group = group_names(saved_groups)
     if saved_by_group is None:

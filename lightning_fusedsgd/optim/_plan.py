@@ -272,13 +272,14 @@ def _slot_value(
         if (
             isinstance(stored, Tensor)
             and stored.dtype == dtype
-            and stored.numel() == 1
+            and stored.dim() == 0
             and stored.device == dense.device
             and not _dtensor.is_sharded(stored)
         ):
             return stored
         value = seeded(slot, dense, dense, dtype)
         if stored is not None:
+            check_state_shapes(state, *place, param)
             value.fill_(int(stored))
         plan.new_state.append((param, slot.key, value))
         return value
@@ -318,22 +319,36 @@ def _steppable_as_stored(
 def check_state_shapes(
     state: dict[str, Any], group: dict[str, Any], group_index: int, param_index: int, param: Tensor
 ) -> None:
-    for key in (slot.key for slot in _abi.SLOTS if not slot.count):
-        value = state.get(key)
-        if isinstance(value, Tensor) and _dtensor.is_sharded(value) != _dtensor.is_sharded(param):
+    """Refuses a param's state whose slots are not shaped as ``_abi.SLOTS`` declares them: a count one number
+    (a 0-d tensor), every other slot the param's shape, sharded (a DTensor) where the param is. ``group``
+    names the param in the message (its ``param_names``)."""
+    for slot in _abi.SLOTS:
+        value = state.get(slot.key)
+        if not isinstance(value, Tensor):
+            continue
+        if slot.count:
+            if value.dim() != 0:
+                raise ValueError(
+                    f"The {slot.key} of {param_label(group, group_index, param_index, param)} has shape "
+                    f"{tuple(value.shape)} but it is a count, one number (shape "
+                    "()): the optimizer state is damaged or was not saved by FusedSGD. Load the state the "
+                    "run saved (optimizer.state_dict()), or drop the optimizer state to start it anew."
+                )
+            continue
+        if _dtensor.is_sharded(value) != _dtensor.is_sharded(param):
             kinds = ["a DTensor", "a plain tensor"]
             if not _dtensor.is_sharded(value):
                 kinds.reverse()
             raise ValueError(
-                f"The {key} of {param_label(group, group_index, param_index, param)} is {kinds[0]} but the "
-                f"parameter is {kinds[1]}: sharded (FSDP2) optimizer state is loaded with "
+                f"The {slot.key} of {param_label(group, group_index, param_index, param)} is {kinds[0]} but "
+                f"the parameter is {kinds[1]}: sharded (FSDP2) optimizer state is loaded with "
                 "torch.distributed.checkpoint.state_dict.set_optimizer_state_dict, which places it like the "
                 "parameters; a plain optimizer.load_state_dict cannot reshard it."
             )
-        if value is not None and value.shape != param.shape:
+        if value.shape != param.shape:
             raise ValueError(
-                f"The {key} of {param_label(group, group_index, param_index, param)} has shape "
+                f"The {slot.key} of {param_label(group, group_index, param_index, param)} has shape "
                 f"{tuple(value.shape)} but the parameter has shape {tuple(param.shape)}: the optimizer "
                 "state belongs to a different model. Load a matching checkpoint, or drop the optimizer "
-                "state to restart momentum from zero."
+                "state to start it anew (momentum from zero)."
             )

@@ -6,17 +6,27 @@ steps an optimizer through it."""
 
 from __future__ import annotations
 
+import array
 import bisect
 import dataclasses
 import math
 import numbers
 import operator
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from itertools import repeat
 from typing import Any
+
+import torch
+from torch import Tensor
 
 from lightning_fusedsgd._abi import DECAYS, SCHEDULE_HEADER
 
-__all__ = ["DECAYS", "WarmupSchedule", "scaled_lr"]
+__all__ = ["DECAYS", "DEVICE_ROW_STEPS", "WarmupSchedule", "scaled_lr"]
+
+DEVICE_ROW_STEPS = 2**24
+"""The most steps, from ``warmup_steps`` to ``total_steps``, of a cosine, poly or linear decay whose row
+(:meth:`WarmupSchedule.row`) is built: a factor of 8 bytes a step, on the host and again on the device of a
+capturable optimizer (128 MiB each at the bound)."""
 
 
 def _is_real(value: Any) -> bool:
@@ -186,14 +196,23 @@ class WarmupSchedule:
         return self.end_lr + (peak - self.end_lr) * self._factor(step)
 
     def _factor(self, index: int) -> float:
-        """The decay's factor: ``gamma ** index`` (multistep, ``index`` milestones reached), or the shape at
-        step ``index`` from ``warmup_steps`` to ``total_steps`` (cosine, poly, linear)."""
+        """The decay's factor at ``index`` (:meth:`_factors`)."""
+        return next(self._factors((index,)))
+
+    def _factors(self, indices: Iterable[int]) -> Iterator[float]:
+        """The decay's factor at each of ``indices``: ``gamma ** index`` (multistep, ``index`` milestones
+        reached), or the shape at step ``index`` from ``warmup_steps`` to ``total_steps`` (cosine, poly,
+        linear). Built of maps of Python's own operations, so that a row of millions of steps takes no Python
+        loop and no list, and each value is the one :meth:`lr_at` computes, bit for bit."""
         if self.decay == "multistep":
-            return self.gamma**index
-        progress = (index - self.warmup_steps) / (self.total_steps - self.warmup_steps)
-        if self.decay == "cosine":
-            return 0.5 * (1.0 + math.cos(math.pi * progress))
-        return (1.0 - progress) ** (1.0 if self.decay == "linear" else self.power)
+            return map(operator.pow, repeat(self.gamma), indices)
+        steps = map(operator.sub, indices, repeat(self.warmup_steps))
+        progress = map(operator.truediv, steps, repeat(self.total_steps - self.warmup_steps))
+        if self.decay == "cosine":  # 0.5 * (1 + cos(pi * progress))
+            cosines = map(math.cos, map(operator.mul, repeat(math.pi), progress))
+            return map(operator.mul, repeat(0.5), map(operator.add, repeat(1.0), cosines))
+        power = 1.0 if self.decay == "linear" else self.power  # (1 - progress) ** power
+        return map(operator.pow, map(operator.sub, repeat(1.0), progress), repeat(power))
 
     def changes_within(self, other: WarmupSchedule, num_steps: int) -> dict[str, tuple[Any, Any]]:
         """The differences from ``other`` that change the lr of one of steps ``0 ... num_steps - 1``.
@@ -247,15 +266,24 @@ class WarmupSchedule:
                 found["power"] = 1.0 if self.decay == "linear" else self.power
         return found
 
-    def as_row(self) -> list[float]:
-        """The schedule as the device op ``schedule_lrs`` reads it (csrc/schedule.h): the fields named by
-        :data:`~lightning_fusedsgd._abi.SCHEDULE_HEADER` in its order (the decay as its index in
-        :data:`DECAYS`, ``milestone_count`` the number of milestones), the milestones, then the decay's
-        factors as :meth:`lr_at` computes them here: ``gamma ** k`` for k = 0 ... milestones (multistep),
-        the shape of each step from ``warmup_steps`` to ``total_steps`` (cosine, poly, linear; 8 bytes a
-        step), none (constant). The device takes these rather than its own ``cos`` and ``pow``, whose last
-        bits differ from the host's (CUDA's libm is not glibc's), so that its lrs are :meth:`lr_at`'s bit
-        for bit: the rest is +, -, * and / in the same order, rounded alike everywhere."""
+    def row(self) -> Tensor:
+        """The schedule as the device op ``schedule_lrs`` reads it (csrc/schedule.h), a float64 CPU tensor:
+        the fields named by :data:`~lightning_fusedsgd._abi.SCHEDULE_HEADER` in its order (the decay as its
+        index in :data:`DECAYS`, ``milestone_count`` the number of milestones), the milestones, then the
+        decay's factors as :meth:`lr_at` computes them here: ``gamma ** k`` for k = 0 ... milestones
+        (multistep), the shape of each step from ``warmup_steps`` to ``total_steps`` (cosine, poly, linear),
+        none (constant). The device takes these rather than its own ``cos`` and ``pow``, whose last bits
+        differ from the host's (CUDA's libm is not glibc's), so that its lrs are :meth:`lr_at`'s bit for bit:
+        the rest is +, -, * and / in the same order, rounded alike everywhere.
+
+        The shape takes 8 bytes a step, built without a Python list (10^7 steps: 80 MB, and 4 s on a busy CPU
+        core), up to :data:`DEVICE_ROW_STEPS` steps.
+
+        Raises:
+            ValueError: Where a cosine, poly or linear decay runs over more than :data:`DEVICE_ROW_STEPS`
+                steps, naming the ways out: a host schedule (an optimizer with ``capturable=False``), a
+                multistep or constant decay, or a shorter run.
+        """
         header = [
             DECAYS.index(self.decay)
             if name == "decay"
@@ -264,17 +292,31 @@ class WarmupSchedule:
             else getattr(self, name)
             for name in SCHEDULE_HEADER
         ]
+        row = array.array("d", [float(value) for value in (*header, *self.milestones)])
         if self.decay == "multistep":
-            factors = [self._factor(k) for k in range(len(self.milestones) + 1)]
-        elif self.decay == "constant":
-            factors = []
-        else:
-            factors = [self._factor(step) for step in range(self.warmup_steps, self.total_steps + 1)]
-        return [float(value) for value in (*header, *self.milestones)] + factors
+            row.extend(self._factors(range(len(self.milestones) + 1)))
+        elif self.decay != "constant":
+            steps = self.total_steps - self.warmup_steps + 1
+            if steps > DEVICE_ROW_STEPS:
+                raise ValueError(
+                    f"decay={self.decay!r} from warmup_steps={self.warmup_steps} to total_steps="
+                    f"{self.total_steps} takes a factor for each of its {steps} steps in the row a device "
+                    f"schedule reads (8 bytes a step, {8 * steps / 2**20:.0f} MiB on the host and on the "
+                    f"device), and the row holds at most {DEVICE_ROW_STEPS} (DEVICE_ROW_STEPS). Run the "
+                    "schedule on the host (WarmupLR on an optimizer with capturable=False computes each "
+                    "step's lr there), use decay='multistep' or 'constant', whose rows hold a few numbers, "
+                    "or a shorter total_steps."
+                )
+            row.extend(self._factors(range(self.warmup_steps, self.total_steps + 1)))
+        return torch.frombuffer(row, dtype=torch.float64)  # shares the array's memory, and keeps it
+
+    def as_row(self) -> list[float]:
+        """:meth:`row` as a list of floats."""
+        return self.row().tolist()
 
     @classmethod
     def from_row(cls, row: Sequence[float]) -> WarmupSchedule:
-        """The schedule :meth:`as_row` encoded (its header and milestones; the factors follow from them)."""
+        """The schedule :meth:`row` encoded (its header and milestones; the factors follow from them)."""
         fields = dict(zip(SCHEDULE_HEADER, row[: len(SCHEDULE_HEADER)], strict=True))
         fields["decay"] = DECAYS[int(fields["decay"])]
         for name in ("total_steps", "warmup_steps", "milestone_count"):

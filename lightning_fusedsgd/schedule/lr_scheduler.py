@@ -6,6 +6,9 @@ runs on the device."""
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
+import operator
 import warnings
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
@@ -55,6 +58,53 @@ def _as_float(lr: float | torch.Tensor) -> float:
     return lr.item() if isinstance(lr, torch.Tensor) else float(lr)
 
 
+def _check_loadable(state_dict: dict[str, Any]) -> None:
+    """Refuses, before anything changes, a scheduler state whose steps are not counts, whose peaks are not
+    lrs or whose schedule is not one (the values ``WarmupLR.state_dict`` saves)."""
+    fix = "the state is damaged or not WarmupLR's: load what scheduler.state_dict() saved"
+    if "last_epoch" not in state_dict:  # it would start the schedule again at step 0
+        raise ValueError(f"the lr scheduler checkpoint has no last_epoch, the steps taken: {fix}.")
+    for key in ("last_epoch", "skipped_steps"):
+        value = state_dict.get(key, 0)  # a state of an earlier version counts no skipped steps
+        try:
+            count = operator.index(value)  # an int, or a 0-d integer tensor
+        except TypeError:
+            count = -1
+        if count < 0 or isinstance(value, bool):
+            raise ValueError(
+                f"the lr scheduler checkpoint's {key} is {value!r}, but it is a count of steps, "
+                f"an int >= 0: {fix}."
+            )
+    peaks = state_dict.get("base_lrs", [])
+    if not isinstance(peaks, Sequence) or not all(_is_lr(peak) for peak in peaks):
+        raise ValueError(
+            f"the lr scheduler checkpoint's base_lrs is {peaks!r}, but it is each group's peak lr, a number "
+            f">= 0: {fix}."
+        )
+    saved_schedule = state_dict.get("schedule")
+    if saved_schedule:
+        try:
+            WarmupSchedule(**saved_schedule)
+        except (TypeError, ValueError) as error:
+            raise ValueError(
+                f"the lr scheduler checkpoint's schedule is no WarmupSchedule ({error}): {fix}."
+            ) from None
+
+
+def _is_lr(value: Any) -> bool:
+    """Whether ``value`` is an lr: a finite number >= 0, or a one-element tensor of one."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_complex():
+            return False
+        value = value.item()
+    return (
+        isinstance(value, numbers.Real)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value >= 0
+    )
+
+
 @dataclasses.dataclass
 class _DeviceSchedule:
     """WarmupLR's position and schedule on a capturable optimizer's device, stepped by its
@@ -62,18 +112,18 @@ class _DeviceSchedule:
 
     optimizer: DeviceLrs
     position: Tensor  # int64 [applied steps, skipped steps]
-    row: Tensor  # WarmupSchedule.as_row()
+    row: Tensor  # WarmupSchedule.row()
     peaks: Tensor  # float64 [groups]
 
     @classmethod
     def create(
-        cls, optimizer: DeviceLrs, schedule: WarmupSchedule, peaks: list[float], counts: list[int]
+        cls, optimizer: DeviceLrs, row: Tensor, peaks: list[float], counts: list[int]
     ) -> _DeviceSchedule:
         on_device = dict(device=optimizer.lr_tensor().device)
         return cls(
             optimizer,
             torch.tensor(counts, dtype=torch.int64, **on_device),
-            torch.tensor(schedule.as_row(), dtype=torch.float64, **on_device),
+            row.to(**on_device),
             torch.tensor(peaks, dtype=torch.float64, **on_device),
         )
 
@@ -161,6 +211,8 @@ class WarmupLR(LRScheduler):
         # [last_epoch, skipped_steps]: host ints, or the device counter on a capturable optimizer.
         self._counts: list[int] | Tensor = [last_epoch, 0]
         self._device: _DeviceSchedule | None = None
+        # A device schedule's row, built (or refused) before the optimizer's groups take an initial_lr.
+        self._row: Tensor | None = self.schedule.row() if _on_device(optimizer) else None
         # The optimizer's step outcome already acted on (each step under a GradScaler makes a new one).
         self._seen_outcome = _last_step_applied(optimizer)
         super().__init__(optimizer, last_epoch)
@@ -211,8 +263,9 @@ class WarmupLR(LRScheduler):
         if self._device is None:  # the constructor's initial step: the lrs of the position
             peaks = [_as_float(peak) for peak in self.base_lrs]
             self._device = _DeviceSchedule.create(
-                self.optimizer, self.schedule, peaks, [self.last_epoch + 1, self.skipped_steps]
+                self.optimizer, self._row, peaks, [self.last_epoch + 1, self.skipped_steps]
             )
+            self._row = None  # on the device now
             self._counts = self._device.position
             self._device.run(advance=False)
             return
@@ -236,7 +289,7 @@ class WarmupLR(LRScheduler):
         state = {
             key: value
             for key, value in self.__dict__.items()
-            if key not in ("optimizer", "schedule", "_seen_outcome", "_counts", "_device")
+            if key not in ("optimizer", "schedule", "_seen_outcome", "_counts", "_device", "_row")
         }
         state.update(
             last_epoch=self.last_epoch,
@@ -251,7 +304,10 @@ class WarmupLR(LRScheduler):
         Raises:
             CheckpointMismatchError: (a ValueError) If the checkpoint was saved with a different number of
                 parameter groups.
+            ValueError: If its steps are not counts (ints >= 0), its peaks not lrs (numbers >= 0) or its
+                schedule not one; nothing changes then.
         """
+        _check_loadable(state_dict)
         saved_peaks = state_dict.get("base_lrs", [])
         if len(saved_peaks) != len(self.base_lrs):
             raise CheckpointMismatchError(
@@ -262,7 +318,7 @@ class WarmupLR(LRScheduler):
             )
         # Resuming with another schedule (a longer run, for one) is fine as long as the steps already
         # taken had the lrs the new schedule gives them: then the resumed run is exactly the new run.
-        taken = int(state_dict.get("last_epoch", 0))
+        taken = int(state_dict["last_epoch"])
         saved_schedule = state_dict.get("schedule")
         changed = (
             WarmupSchedule(**saved_schedule).changes_within(self.schedule, taken) if saved_schedule else {}
