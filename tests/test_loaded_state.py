@@ -193,6 +193,37 @@ def test_a_count_set_to_a_misshapen_tensor_is_refused_by_the_step_naming_it(key)
     assert all(torch.equal(p, w) for p, w in zip(model.parameters(), before[0]))
 
 
+@pytest.mark.parametrize("key", [slot.key for slot in _abi.SLOTS if slot.count])
+@pytest.mark.parametrize(
+    "value, problem",
+    [
+        (torch.tensor(-3), "is -3, but it is a count, a whole number >= 0"),
+        (torch.tensor(2.7), "is 2.7[0-9]*, but it is a count, a whole number >= 0"),
+        (torch.tensor(float("nan")), "is nan, but it is a count, a whole number >= 0"),
+        (torch.tensor(True), "is a torch.bool tensor, but it is a count, a whole number >= 0"),
+    ],
+)
+def test_a_count_of_a_value_no_count_has_is_refused_naming_it_and_changes_nothing(key, value, problem):
+    """A count is one whole number >= 0: a negative one left the average where it was at every later step,
+    a fraction was cut to an int, a bool taken as 0 or 1, each without a word."""
+    name = "sgd-stochastic" if key == "rounding_step" else "sgd-masters-average"
+    model, optimizer = _stepped(name)
+    broken = copy.deepcopy(optimizer.state_dict())
+    broken["state"][0][key] = value
+    message = rf"the {key} of '0.weight' {problem}: the state is damaged.*drop the optimizer state"
+    _refused_and_unchanged(model, optimizer, lambda: optimizer.load_state_dict(broken), message)
+
+
+def test_another_optimizers_state_is_refused_naming_its_keys_and_changes_nothing():
+    """Adam's ``exp_avg`` and ``exp_avg_sq`` are no state of FusedSGD: torch's loader would keep them beside
+    FusedSGD's own without a word."""
+    model, optimizer = _stepped("lars-fp32")
+    adam = torch.optim.Adam(model.parameters(), lr=0.1)
+    _step(model, adam, seed=3)
+    message = r"per-parameter state 'exp_avg', 'exp_avg_sq', which is no state of FusedSGD.*weights only"
+    _refused_and_unchanged(model, optimizer, lambda: optimizer.load_state_dict(adam.state_dict()), message)
+
+
 @pytest.mark.parametrize(
     "key, value, problem",
     [

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import math
 import os
 import pickle
 import secrets
@@ -22,6 +23,21 @@ from lightning_fusedsgd.checkpoint.errors import CheckpointError, InvalidOptimiz
 _SAFE_GLOBALS = [argparse.Namespace]
 # FusedSGD's state that is a count, one number (``Slot.count``), rather than a tensor shaped as its param.
 _COUNTS = frozenset(slot.key for slot in SLOTS if slot.count)
+
+
+def count_problem(value: torch.Tensor) -> str | None:
+    """Why ``value`` cannot be a count (``Slot.count``): one whole number >= 0 (shape (), an integer or
+    whole-valued float dtype); ``None`` where it can."""
+    if value.dim() != 0:
+        return f"has shape {tuple(value.shape)}, but it is a count, one number (shape ())"
+    if value.dtype == torch.bool or value.is_complex():
+        return f"is a {value.dtype} tensor, but it is a count, a whole number >= 0"
+    number = value.item()
+    if not (math.isfinite(number) and number >= 0 and float(number).is_integer()):
+        return f"is {number}, but it is a count, a whole number >= 0"
+    return None
+
+
 _USE_INTACT = "Nothing was loaded; use an intact checkpoint, e.g. an earlier one from the same directory."
 
 
@@ -209,9 +225,10 @@ def check_optimizer_state_dict(state_dict: Any, source: str = "the optimizer sta
                     f"{source}: the {key} of {label} is on the meta device and holds no values: load the "
                     "checkpoint with its data (torch.load(path, map_location='cpu')), not a meta-device copy."
                 )
-            if key in _COUNTS and value.dim() != 0:
+            problem = count_problem(value) if key in _COUNTS else None
+            if problem is not None:
                 raise InvalidOptimizerStateError(
-                    f"{source}: the {key} of {label} has shape {tuple(value.shape)}, but it is a count, one "
-                    "number (shape ()): the state is damaged or was not saved by FusedSGD; load the state "
-                    "the run saved (optimizer.state_dict()), or drop the optimizer state to start it anew."
+                    f"{source}: the {key} of {label} {problem}: the state is damaged or was not saved by "
+                    "FusedSGD; load the state the run saved (optimizer.state_dict()), or drop the optimizer "
+                    "state to start it anew."
                 )

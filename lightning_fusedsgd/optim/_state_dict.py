@@ -16,6 +16,7 @@ from torch.optim import Optimizer
 
 from lightning_fusedsgd import _abi, _checks
 from lightning_fusedsgd.checkpoint import (
+    InvalidOptimizerStateError,
     check_optimizer_state_dict,
     remap_optimizer_state_dict,
     same_param_layout,
@@ -125,6 +126,7 @@ def check_loadable(state_dict: Any, defaults: Mapping[str, Any]) -> None:
     optimizer state, or whose groups have hyperparameters FusedSGD refuses or group state (schedule-free's
     mode and scalars) that is not of its kind."""
     check_optimizer_state_dict(state_dict)
+    _check_state_keys(state_dict)
     for index, saved in enumerate(state_dict["param_groups"]):
         group = {**defaults, **{k: v for k, v in saved.items() if k in defaults}}
         try:
@@ -139,6 +141,21 @@ def check_loadable(state_dict: Any, defaults: Mapping[str, Any]) -> None:
                     "state dict is damaged or not a schedule-free optimizer's. Load the state the run saved "
                     "(optimizer.state_dict())."
                 )
+
+
+def _check_state_keys(state_dict: Mapping[str, Any]) -> None:
+    """Refuses per-param state under keys that are no slot of FusedSGD (``_abi.SLOTS``): another optimizer's
+    (Adam's ``exp_avg``, say), which torch's loader would keep beside FusedSGD's without a word. A ``step``
+    (other optimizers' count) is left to torch's loader, as ``torch.optim.SGD`` leaves it."""
+    slots = set(_abi.slot_keys())
+    foreign = sorted({key for entry in state_dict["state"].values() for key in entry} - slots - {"step"})
+    if foreign:
+        found, kept = ", ".join(map(repr, foreign)), ", ".join(sorted(slots))
+        raise InvalidOptimizerStateError(
+            f"the optimizer state dict holds per-parameter state {found}, which is no state of FusedSGD (it "
+            f"keeps {kept}): it is another optimizer's. Load it into the optimizer that saved it, or start "
+            "this one without optimizer state (weights only)."
+        )
 
 
 def _group_state_problem(start: Any, value: Any) -> str | None:
