@@ -53,7 +53,7 @@ __device__ inline double block_sum(double value, double* scratch) {
 
 // lars_sq_sums, pass 1: each chunk of a LARS tensor writes its sums of w^2, t^2 and w t (lars_norm_term before
 // the norm clip, sgd_math.h), in double; other chunks leave their zeros. The CPU kernel sums a chunk in fp32 and
-// falls back to double out of fp32's exact range (chunk_lars_sums in fused_sgd.cpp: its pass runs from cache at
+// falls back to double out of fp32's exact range (chunk_lars_sums in cpu_sums.h: its pass runs from cache at
 // the vector width); here the pass is memory-bound, and double costs nothing.
 template <typename P, Weight kWeight>
 __global__ void __launch_bounds__(kThreads)
