@@ -2,17 +2,17 @@
 
 ``clip_coef``, ``make_coeffs``, ``clipped_grad``, ``sgd_element``, ``lars_norm_term``, ``trust_ratio``,
 ``lars_adapts``, ``lars_trust``, ``apply_lars``, ``clipped_term_sq_sum``, ``synced_master``,
-``kahan_compensation``, ``mix32``, ``rounding_key``, ``element_random_bits``, ``stochastic_bf16``,
 ``apply_schedule_free`` and ``schedule_free_element`` mirror ``csrc/sgd_math.h`` function for function,
-``advance_schedule_free`` and ``switch_weight`` ``csrc/schedule_free.h``, with ATen's ops where the kernel
-rounds as they do (``x.add(y, alpha=a)`` is the kernel's ``mul_add``, ``x.lerp(y, w)`` its ``lerp``);
-``sgd_step``, ``grad_sq_sum``, ``lars_sq_sums``, ``schedule_lrs``, ``schedule_free_scalars`` and
+``kahan_compensation``, ``mix32``, ``rounding_key``, ``element_random_bits`` and ``stochastic_bf16``
+``csrc/rounding.h``, ``advance_schedule_free`` and ``switch_weight`` ``csrc/schedule_free.h``, with ATen's ops
+where the kernel rounds as they do (``x.add(y, alpha=a)`` is the kernel's ``mul_add``, ``x.lerp(y, w)`` its
+``lerp``); ``sgd_step``, ``grad_sq_sum``, ``lars_sq_sums``, ``schedule_lrs``, ``schedule_free_scalars`` and
 ``schedule_free_switch`` implement the contract documented with the ops' schemas in ``ops/__init__.py``, so
 either implementation can run a bucket. Unlike the kernels, these read device values on the host
 (``found_inf``, the lrs, the schedule position and the schedule-free scalars): they are not capturable.
 
-Longer than 400 lines because it mirrors two C++ headers function for function, in their order, so that
-the mirror is checked by reading the two side by side."""
+Longer than 400 lines because it mirrors three C++ headers function for function, so that the mirror is
+checked by reading them side by side."""
 
 from __future__ import annotations
 
@@ -151,7 +151,7 @@ def store_weight(
 
 def kahan_compensation(weight: Tensor, rounded: Tensor) -> Tensor:
     """What rounding the fp32 ``weight`` to the bf16 ``rounded`` dropped, 0 where that is not finite (where
-    ``rounded`` is inf or NaN) (``kahan_compensation`` in sgd_math.h); rounded to bf16 by the caller."""
+    ``rounded`` is inf or NaN) (``kahan_compensation`` in rounding.h); rounded to bf16 by the caller."""
     dropped = weight - rounded.float()
     return torch.where(dropped.isfinite(), dropped, 0.0)
 
@@ -376,7 +376,7 @@ def _mul32(x: Tensor | int, constant: int) -> Tensor | int:
 
 
 def mix32(x: Tensor | int) -> Tensor | int:
-    """murmur3's 32-bit finalizer (``mix32`` in sgd_math.h)."""
+    """murmur3's 32-bit finalizer (``mix32`` in rounding.h)."""
     x = x ^ (x >> 16)
     x = _mul32(x, 0x85EBCA6B)
     x = x ^ (x >> 13)
@@ -385,7 +385,7 @@ def mix32(x: Tensor | int) -> Tensor | int:
 
 
 def rounding_key(h: dict[str, float], rounding_step: Tensor, tensor: int) -> int:
-    """The key of one tensor's draws at its step (``rounding_key`` in sgd_math.h)."""
+    """The key of one tensor's draws at its step (``rounding_key`` in rounding.h)."""
     seed, step = int(h["rounding_seed"]), int(rounding_step)
     key = mix32((seed & _MASK32) ^ 0x9E3779B9)
     for word in (seed >> 32, step & _MASK32, step >> 32, tensor & _MASK32):
@@ -395,7 +395,7 @@ def rounding_key(h: dict[str, float], rounding_step: Tensor, tensor: int) -> int
 
 def element_random_bits(key: int, param: Tensor) -> Tensor:
     """32 random bits per element of a dense ``param``, element i of its memory order taking index i
-    (``element_random_bits`` in sgd_math.h); shaped and strided as ``param``, int64."""
+    (``element_random_bits`` in rounding.h); shaped and strided as ``param``, int64."""
     index = torch.arange(param.numel(), dtype=torch.int64, device=param.device)
     bits = mix32((key + _mul32(index & _MASK32, 0x9E3779B9) + (index >> 32)) & _MASK32)
     return bits.as_strided(param.shape, param.stride())
@@ -403,7 +403,7 @@ def element_random_bits(key: int, param: Tensor) -> Tensor:
 
 def stochastic_bf16(value: Tensor, random16: Tensor) -> Tensor:
     """fp32 ``value`` rounded to bf16 with 16 random bits per element (``stochastic_bf16_bits`` in
-    sgd_math.h): rounded up with probability (dropped bits) / 2^16, so unbiased; a NaN as ``kBf16NanBits``."""
+    rounding.h): rounded up with probability (dropped bits) / 2^16, so unbiased; a NaN as ``kBf16NanBits``."""
     bits = value.view(torch.int32).to(torch.int64) & _MASK32
     nan = (bits & 0x7FFFFFFF) > 0x7F800000
     rounded = torch.where(nan, 0xFFFF, (bits + random16) >> 16)

@@ -19,6 +19,7 @@
 #include "bucket.h"
 #include "cpu_sums.h"
 #include "elements.h"
+#include "rounding.h"
 #include "sgd_math.h"
 #include "slots.h"
 #include "work_list.h"

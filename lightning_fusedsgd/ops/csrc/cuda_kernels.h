@@ -11,6 +11,7 @@
 
 #include "bucket.h"
 #include "elements.h"
+#include "rounding.h"
 #include "schedule.h"
 #include "schedule_free.h"
 #include "sgd_math.h"

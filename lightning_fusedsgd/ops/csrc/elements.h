@@ -9,39 +9,13 @@
 #include <c10/util/Half.h>
 
 #include <cstdint>
-#include <cstring>
 #include <type_traits>
 
+#include "rounding.h"
 #include "sgd_math.h"
 #include "slots.h"
 
 namespace lfsgd {
-
-// A float's bits and back (memcpy: the defined way, compiled to nothing).
-LFSGD_ELEMENT uint32_t float_bits(float v) {
-  uint32_t bits;
-  std::memcpy(&bits, &v, sizeof(bits));
-  return bits;
-}
-LFSGD_ELEMENT float bits_float(uint32_t bits) {
-  float value;
-  std::memcpy(&value, &bits, sizeof(value));
-  return value;
-}
-
-// fp32 bits rounded to nearest even bf16, in their high half (the low half is what rounding drops), NaN not
-// treated apart (the callers keep it). `U`: uint32_t, or int32 lanes (vec_elements.h).
-template <typename U>
-LFSGD_ELEMENT U nearest_even_high_bits(U bits) {
-  return bits + U(0x7FFFu) + (shift_right_logical<16>(bits) & U(1u));
-}
-
-// The bits of v rounded to nearest even bf16, a NaN as kBf16NanBits. Integer operations only (the NaN test too),
-// which the compiler vectorizes where the CPU kernel has no vector code.
-LFSGD_ELEMENT uint16_t rounded_bits(float v) {
-  const uint32_t bits = float_bits(v);
-  return nan_bits(bits) ? kBf16NanBits : static_cast<uint16_t>(nearest_even_high_bits(bits) >> 16);
-}
 
 // The bits of v rounded to nearest in the 16-bit type P.
 template <typename P>
