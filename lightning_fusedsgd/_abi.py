@@ -86,6 +86,7 @@ __all__ = [
     "defaults",
     "flag_problem",
     "hparam_names",
+    "keeps_momentum_buffer",
     "kernel_tables",
     "masters_by_default",
     "number_problem",
@@ -589,8 +590,16 @@ def _rounds(rounding: str) -> Callable[[Mapping[str, Any], torch.dtype], bool]:
     )
 
 
-def _buffer_dtype(group: Mapping[str, Any], dtype: torch.dtype) -> torch.dtype:
-    """The dtype of a buffer the update reads and writes beside the weight: fp32 beside fp32 masters."""
+def keeps_momentum_buffer(group: Mapping[str, Any]) -> bool:
+    """Whether a group's update keeps a momentum buffer: SGD's momentum is on. A schedule-free group's
+    ``momentum`` is its interpolation, and it keeps z instead. Decided here alone: the ``momentum_buffer``
+    slot's held rule and the reference's coefficients read it (``keeps_momentum_buffer`` in sgd_math.h)."""
+    return group["momentum"] != 0 and not group["schedule_free"]
+
+
+def _stream_dtype(group: Mapping[str, Any], dtype: torch.dtype) -> torch.dtype:
+    """The dtype of a stream the update reads and writes beside the weight (SGD's momentum buffer,
+    schedule-free SGD's z): fp32 beside fp32 masters."""
     return torch.float32 if _masters(group, dtype) else dtype
 
 
@@ -619,8 +628,8 @@ SLOTS: tuple[Slot, ...] = (
     # As torch.optim.SGD keeps it (none when momentum is 0, or schedule-free, whose momentum interpolates).
     Slot(
         key="momentum_buffer",
-        held=lambda group, dtype: group["momentum"] != 0 and not group["schedule_free"],
-        dtype=_buffer_dtype,
+        held=lambda group, dtype: keeps_momentum_buffer(group),
+        dtype=_stream_dtype,
         seed="gradient",
         option="momentum",
         torch_sgd=True,
@@ -660,7 +669,7 @@ SLOTS: tuple[Slot, ...] = (
     Slot(
         key="z",
         held=lambda group, dtype: bool(group["schedule_free"]),
-        dtype=_buffer_dtype,
+        dtype=_stream_dtype,
         seed="weight",
         option="schedule_free",
         stale_unheld=True,

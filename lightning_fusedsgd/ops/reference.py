@@ -28,6 +28,7 @@ from lightning_fusedsgd._abi import (
     SCHEDULE_FREE_SCALARS,
     SCHEDULE_HEADER,
     hparam_names,
+    keeps_momentum_buffer,
     slot_keys,
     slots_in,
     step_row_names,
@@ -48,7 +49,7 @@ class Coeffs:
     one_minus_dampening: float
     wd_after: float
     lr: float
-    has_momentum: bool
+    has_momentum_buffer: bool
     first: bool
     nesterov: bool
     ckp1: float = 0.0
@@ -69,7 +70,7 @@ def sgd_element(w: Tensor, g: Tensor, b: Tensor | None, c: Coeffs) -> tuple[Tens
     if c.wd_coupled != 0:
         g = g.add(w, alpha=c.wd_coupled)
     g = g * c.trust
-    if c.has_momentum:
+    if c.has_momentum_buffer:
         b = g.clone() if c.first else b.mul(c.momentum).add_(g, alpha=c.one_minus_dampening)
         g = g.add(b, alpha=c.momentum) if c.nesterov else b
     if c.wd_after != 0:
@@ -77,11 +78,17 @@ def sgd_element(w: Tensor, g: Tensor, b: Tensor | None, c: Coeffs) -> tuple[Tens
     return w.add(g, alpha=-c.lr), b
 
 
+def interpolation(h: dict[str, float]) -> float:
+    """Schedule-free SGD's interpolation between the average x and the SGD sequence z, which its groups hold
+    in the momentum column (``interpolation`` in sgd_math.h)."""
+    return h["momentum"]
+
+
 def apply_schedule_free(c: Coeffs, h: dict[str, float], ckp1: float) -> None:
     """A schedule-free tensor's coefficients from the step's lr (after warmup) and ckp1
     (``apply_schedule_free`` in sgd_math.h)."""
     c.ckp1 = ckp1
-    c.y_grad = h["lr"] * (h["momentum"] * (1.0 - ckp1) - 1.0)
+    c.y_grad = h["lr"] * (interpolation(h) * (1.0 - ckp1) - 1.0)
 
 
 def schedule_free_element(y: Tensor, g: Tensor, z: Tensor, c: Coeffs) -> tuple[Tensor, Tensor]:
@@ -185,7 +192,7 @@ def make_coeffs(h: dict[str, float], inv_scale: float | Tensor, clip: float | Te
         one_minus_dampening=1.0 - h["dampening"],
         wd_after=h["weight_decay"] if wd_after else 0.0,
         lr=h["lr"],
-        has_momentum=h["momentum"] != 0,
+        has_momentum_buffer=keeps_momentum_buffer(h),
         first=first,
         nesterov=bool(h["nesterov"]),
     )
@@ -274,9 +281,9 @@ def clipped_term_sq_sum(sum_w: Tensor, sum_t: Tensor, sum_wt: Tensor, c: float |
     return torch.clamp(c * c * sum_t + 2.0 * c * d * sum_wt + d * d * sum_w, min=0.0)
 
 
-def buffer(slots: dict[str, Tensor | None]) -> Tensor | None:
-    """The stream the update reads and writes beside the weight: the momentum buffer, or a schedule-free
-    tensor's z (``SlotPointers::buffer`` in slots.h)."""
+def aux(slots: dict[str, Tensor | None]) -> Tensor | None:
+    """The update's aux stream, which it reads and writes beside the weight: SGD's momentum buffer, or
+    schedule-free SGD's z (``SlotPointers::aux`` in slots.h)."""
     return slots["z"] if slots["z"] is not None else slots["momentum_buffer"]
 
 
@@ -329,7 +336,7 @@ def sgd_step(
         opmath = _opmath(param.dtype)
         w = load_weight(param, slots)
         g = grads[i].to(opmath)
-        b = buffer(slots)
+        aux_stream = aux(slots)
         coeffs = make_coeffs(h, inv_scale, clip, slots["first_step"])
         if isinstance(coeffs.clip_coef, Tensor):
             coeffs.clip_coef = coeffs.clip_coef.to(opmath)
@@ -340,9 +347,10 @@ def sgd_step(
             apply_lars(coeffs, sum_w, clipped_term_sq_sum(sum_w, sum_t, sum_wt, clip, h), h, opmath)
         if h["schedule_free"]:
             apply_schedule_free(coeffs, h, ckp1s[tensor_group[i]])
-            w_new, b_new = schedule_free_element(w, g, b.to(opmath), coeffs)
+            w_new, aux_new = schedule_free_element(w, g, aux_stream.to(opmath), coeffs)
         else:
-            w_new, b_new = sgd_element(w, g, None if b is None or coeffs.first else b.to(opmath), coeffs)
+            momentum_buffer = None if aux_stream is None or coeffs.first else aux_stream.to(opmath)
+            w_new, aux_new = sgd_element(w, g, momentum_buffer, coeffs)
         if slots["ema"] is not None:  # of the step's result in opmath, before it is rounded to the param
             steps, updates = slots["ema_step"], slots["ema_updates"]
             a = average_coeffs(h, int(steps), int(updates))
@@ -355,11 +363,11 @@ def sgd_step(
             counts.append(slots["rounding_step"])
             random = element_random_bits(rounding_key(h, slots["rounding_step"], i), param)
             weight_bits = random >> 16
-            if b is not None:
-                b_new = stochastic_bf16(b_new, random & 0xFFFF)  # the buffer has the param's layout
+            if aux_stream is not None:
+                aux_new = stochastic_bf16(aux_new, random & 0xFFFF)  # the aux stream has the param's layout
         store_weight(param, slots, w_new, weight_bits)
-        if b is not None:
-            b.copy_(b_new)
+        if aux_stream is not None:
+            aux_stream.copy_(aux_new)
     for count in counts:  # after every tensor read its count
         count += 1
 
@@ -460,7 +468,7 @@ def advance_schedule_free(scalars: dict[str, float], lr: float, h: dict[str, flo
 def switch_weight(h: dict[str, float], train: bool) -> float:
     """The weight of z that moves a param from x to y (``train``) or from y to x (``switch_weight`` in
     schedule_free.h)."""
-    return 1.0 - h["momentum"] if train else 1.0 - 1.0 / h["momentum"]
+    return 1.0 - interpolation(h) if train else 1.0 - 1.0 / interpolation(h)
 
 
 def schedule_free_scalars(scalars: Tensor, group_hparams: Tensor, step: list[Tensor | None]) -> None:

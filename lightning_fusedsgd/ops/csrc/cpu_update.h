@@ -50,7 +50,7 @@ constexpr int64_t block_elems() {
 
 // One bucket's step on the CPU: each tensor's pointers and coefficients, the work list, and the LARS partial
 // sums that the norm pass writes and the update reads.
-template <typename P, typename B, Weight kWeight>
+template <typename P, typename A, Weight kWeight>
 class CpuUpdate {
  public:
   using O = typename OpMath<P>::type;
@@ -164,8 +164,8 @@ class CpuUpdate {
     }
   }
 
-  // One chunk's elements. The switches of the momentum step (a buffer at all, the first step) become constants
-  // of the loop, so the compiler sees a loop without branches and vectorizes it. `c` by value: the loop's stores
+  // One chunk's elements. The switches of the momentum step (a momentum buffer at all, the first step) become
+  // constants of the loop, so the compiler sees a loop without branches and vectorizes it. `c` by value: the loop's stores
   // could alias a referenced Coeffs, which stops vectorization too.
   // Rounding the update stochastically is a switch of bf16 buckets without masters only (the others round in
   // fp32 or fp64, or to fp16, which the plan refuses): the tensors with a rounding step (rounds_stochastically).
@@ -194,9 +194,11 @@ class CpuUpdate {
   // bf16 loops.
   template <bool kClipValue, bool kStochastic, Averaging kAverage>
   void update_cases(const Chunk& chunk, int32_t t, const Coeffs<O> c) const {
-    // Schedule-free: z is the buffer the loop reads and writes beside the weight (Bucket::buffer).
+    // Schedule-free: z is the aux stream, which the loop reads and writes beside the weight.
     if (schedule_free_) return update_loop<kClipValue, true, false, false, kStochastic, kAverage, true>(chunk, t, c);
-    if (!c.has_momentum) return update_loop<kClipValue, false, false, false, kStochastic, kAverage>(chunk, t, c);
+    if (!c.has_momentum_buffer) {
+      return update_loop<kClipValue, false, false, false, kStochastic, kAverage>(chunk, t, c);
+    }
     if (c.nesterov) {
       return c.first ? update_loop<kClipValue, true, true, true, kStochastic, kAverage>(chunk, t, c)
                      : update_loop<kClipValue, true, false, true, kStochastic, kAverage>(chunk, t, c);
@@ -205,13 +207,16 @@ class CpuUpdate {
                    : update_loop<kClipValue, true, false, false, kStochastic, kAverage>(chunk, t, c);
   }
 
-  template <bool kClipValue, bool kMomentum, bool kFirst, bool kNesterov, bool kStochastic, Averaging kAverage,
+  // kAux: the loop reads and writes an aux stream, SGD's momentum buffer (Coeffs::has_momentum_buffer) or, stepping
+  // schedule-free, z. A template constant: derived in a constexpr local that the lambda below reads, it cost the
+  // vectorizer 24 of its loops.
+  template <bool kClipValue, bool kAux, bool kFirst, bool kNesterov, bool kStochastic, Averaging kAverage,
             bool kScheduleFree = false>
   void update_loop(const Chunk& chunk, int32_t t, Coeffs<O> c) const {
-    c.has_momentum = kMomentum;
+    c.has_momentum_buffer = kAux && !kScheduleFree;
     c.first = kFirst;
     c.nesterov = kNesterov;
-    const Streams<P, B, kWeight> s = streams_of<P, B, kWeight>(w_ptr_[t], g_ptr_[t], slots_[t], schedule_free_);
+    const Streams<P, A, kWeight> s = streams_of<P, A, kWeight>(w_ptr_[t], g_ptr_[t], slots_[t], schedule_free_);
     AverageCoeffs<O> a = average_[t];
     a.copy = kAverage == Averaging::kFirstUpdate;
     constexpr bool kAverages = kAverage != Averaging::kNone;
@@ -220,8 +225,8 @@ class CpuUpdate {
     // An element (V: O) or a block of 16-bit params on ATen's vectors (V: FloatPair, vec_elements.h), which the
     // compiler vectorizes neither for c10::Half's conversions nor for the bf16 roundings' selects.
     const auto update = [&](int64_t i, const auto& like) __attribute__((always_inline)) {
-      auto operands = load_operands(s, i, kMomentum && !kFirst, like);
-      update_at<kScheduleFree, kClipValue>(s, i, operands, c, kMomentum, kStochastic, key, kAverages, a);
+      auto operands = load_operands(s, i, kAux && !kFirst, like);
+      update_at<kScheduleFree, kClipValue>(s, i, operands, c, kAux, kStochastic, key, kAverages, a);
     };
     // Blocks, each asking for the lines of the block kPrefetchElems ahead in every stream, then the tail element
     // by element.
@@ -230,7 +235,7 @@ class CpuUpdate {
     const int64_t end = chunk.end;
     int64_t begin = chunk.begin;
     for (; begin + kBlock <= end; begin += kBlock) {
-      s.template each<kMomentum, kAverages>(
+      s.template each<kAux, kAverages>(
           [&](const auto* stream, auto written) { prefetch_ahead<decltype(written)::value>(stream, begin, kBlock); });
 #ifdef LFSGD_CPU_VECTORS
       if constexpr (kVectorBlocks<P>) {

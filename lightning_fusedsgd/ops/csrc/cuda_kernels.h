@@ -103,8 +103,8 @@ __global__ void __launch_bounds__(kThreads)
 
 // The update: each block steps one chunk. A LARS tensor's trust ratio comes from its row of sums (the same for
 // every chunk of the tensor), clipped_term_sq_sum applying the norm clip to them. A schedule-free bucket
-// (kScheduleFree) steps schedule_free_element, each tensor's z where SGD's buffer is, with its group's ckp1.
-template <typename P, typename B, Weight kWeight, bool kScheduleFree>
+// (kScheduleFree) steps schedule_free_element, each tensor's z as its aux stream, with its group's ckp1.
+template <typename P, typename A, Weight kWeight, bool kScheduleFree>
 __global__ void __launch_bounds__(kThreads)
     update_kernel(const TensorArgs* tensors, const ChunkArgs* chunks, const GroupHParams* groups, StepRow row) {
   using O = typename OpMath<P>::type;
@@ -112,16 +112,16 @@ __global__ void __launch_bounds__(kThreads)
   const ChunkArgs chunk = chunks[blockIdx.x];
   const TensorArgs t = tensors[chunk.tensor];
   const GroupHParams h = group_of(groups, t.group, row);
-  const bool has_momentum = kScheduleFree || h.momentum != 0.0;
   const double inv_scale = row_inverse_scale(row);
   const double clip = row_clip(row, inv_scale);
   Coeffs<O> c = make_coeffs<O>(h, inv_scale, clip, t.first != 0);
+  const bool has_aux = kScheduleFree || c.has_momentum_buffer;  // z, or SGD's momentum buffer
   if constexpr (kScheduleFree) apply_schedule_free(c, h, row.ckp1[t.group]);
   if (t.lars) {
     const double* sums = row.lars_sq_sums + kNumLarsSums * chunk.tensor;
     apply_lars(c, sums[0], clipped_term_sq_sum(sums[0], sums[1], sums[2], clip, h), h);
   }
-  const Streams<P, B, kWeight> s = streams_of<P, B, kWeight>(t.param, t.grad, t.slots, kScheduleFree);
+  const Streams<P, A, kWeight> s = streams_of<P, A, kWeight>(t.param, t.grad, t.slots, kScheduleFree);
   // Stochastic rounding of the update: bf16 params without masters only (rounds_stochastically), those with a count.
   int64_t* rounding_step = t.slots.count(kRoundingStep);
   const bool stochastic = rounding_step != nullptr;
@@ -134,12 +134,12 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t i = base + u * kThreads;
-      if (i < chunk.end) operands[u] = load_operands(s, i, has_momentum && !c.first, O{});
+      if (i < chunk.end) operands[u] = load_operands(s, i, has_aux && !c.first, O{});
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t i = base + u * kThreads;
-      if (i < chunk.end) update_at<kScheduleFree, true>(s, i, operands[u], c, has_momentum, stochastic, key, a.update,
+      if (i < chunk.end) update_at<kScheduleFree, true>(s, i, operands[u], c, has_aux, stochastic, key, a.update,
                                                         a);
     }
   }
@@ -147,7 +147,7 @@ __global__ void __launch_bounds__(kThreads)
 
 // schedule_free_switch: each weight moved on its line through z (switch_weight), rounded to nearest into the
 // param (and its master or compensation).
-template <typename P, typename B, Weight kWeight>
+template <typename P, typename A, Weight kWeight>
 __global__ void __launch_bounds__(kThreads)
     schedule_free_switch_kernel(const TensorArgs* tensors, const ChunkArgs* chunks, const GroupHParams* groups,
                                 bool train) {
@@ -157,11 +157,11 @@ __global__ void __launch_bounds__(kThreads)
   const TensorArgs t = tensors[chunk.tensor];
   const O to = static_cast<O>(switch_weight(groups[t.group], train));
   P* w = static_cast<P*>(t.param);
-  const B* z = static_cast<const B*>(t.slots.buffer(true));
+  const A* z = static_cast<const A*>(t.slots.aux(true));
   M* m = static_cast<M*>(t.slots.companion(kWeight));
   for (int64_t i = chunk.begin + threadIdx.x; i < chunk.end; i += kThreads) {
     const O moved = lerp(load_weight<kWeight>(w, m, i), static_cast<O>(load(z, i)), to);
-    store_update<kWeight>(w, static_cast<B*>(nullptr), m, i, moved, moved, false, false, 0);
+    store_update<kWeight>(w, static_cast<A*>(nullptr), m, i, moved, moved, false, false, 0);
   }
 }
 

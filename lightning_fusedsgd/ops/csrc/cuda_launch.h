@@ -41,7 +41,7 @@ struct TensorArgs {
   const void* grad;
   SlotPointers slots;  // its state, by slot (slots.h)
   int64_t group;
-  int32_t first;  // first step: the kernel seeds its kGradient slots (the buffer) with the gradient
+  int32_t first;  // first step: the kernel seeds its kGradient slots (the momentum buffer) with the gradient
   int32_t lars;
   int64_t first_chunk;  // its chunks are first_chunk .. first_chunk + num_chunks - 1 of the work list
   int64_t num_chunks;

@@ -46,8 +46,8 @@ void run_cpu(const Bucket& bucket) {
   }
   const double inv_scale = row_inverse_scale(row);
   const double clip = row_clip(row, inv_scale);
-  dispatch_bucket_types(bucket.params[0].scalar_type(), bucket.weight, [&](auto param, auto buffer, auto weight) {
-    CpuUpdate<decltype(param), decltype(buffer), decltype(weight)::value>(bucket, groups, inv_scale, clip).run();
+  dispatch_bucket_types(bucket.params[0].scalar_type(), bucket.weight, [&](auto param, auto aux, auto weight) {
+    CpuUpdate<decltype(param), decltype(aux), decltype(weight)::value>(bucket, groups, inv_scale, clip).run();
   });
 }
 
@@ -136,9 +136,9 @@ void schedule_free_switch_cpu(const Bucket& bucket, bool train) {
   const at::TensorList params = bucket.params;
   if (params.empty()) return;
   const WorkList work = make_work_list(params, std::vector<bool>(params.size(), false));
-  dispatch_bucket_types(params[0].scalar_type(), bucket.weight, [&](auto param, auto buffer, auto weight) {
+  dispatch_bucket_types(params[0].scalar_type(), bucket.weight, [&](auto param, auto aux, auto weight) {
     using P = decltype(param);
-    using B = decltype(buffer);
+    using A = decltype(aux);
     using O = typename OpMath<P>::type;
     constexpr Weight kWeight = decltype(weight)::value;
     using M = Companion<kWeight>;
@@ -150,12 +150,12 @@ void schedule_free_switch_cpu(const Bucket& bucket, bool train) {
       const Chunk& chunk = work.chunks[c];
       const int32_t t = chunk.tensor;
       P* w = params[t].data_ptr<P>();
-      const B* z = static_cast<const B*>(bucket.buffer(t));
+      const A* z = static_cast<const A*>(bucket.aux(t));  // a schedule-free tensor's aux stream
       M* m = static_cast<M*>(bucket.companion(t));
       const O to = static_cast<O>(switch_weight(bucket.groups[bucket.tensor_group[t]], train));
       const auto element = [&](int64_t e) __attribute__((always_inline)) {
         const O wi = lerp(load_weight<kWeight>(w, m, e), static_cast<O>(load(z, e)), to);
-        store_update<kWeight>(w, static_cast<B*>(nullptr), m, e, wi, wi, false, false, 0);
+        store_update<kWeight>(w, static_cast<A*>(nullptr), m, e, wi, wi, false, false, 0);
       };
       int64_t i = chunk.begin;
       for (; i + kBlock <= chunk.end; i += kBlock) {
@@ -167,7 +167,7 @@ void schedule_free_switch_cpu(const Bucket& bucket, bool train) {
           FloatPair wi = load_weight_block<kWeight>(w, m, i);
           const FloatPair zi = load_block<P>(z, i);
           wi = {lerp(wi.low, zi.low, to), lerp(wi.high, zi.high, to)};
-          store_update<kWeight>(w, static_cast<B*>(nullptr), m, i, wi, wi, false, false, 0);
+          store_update<kWeight>(w, static_cast<A*>(nullptr), m, i, wi, wi, false, false, 0);
           continue;
         }
 #endif

@@ -76,12 +76,12 @@ void run_device(const Bucket& bucket) {
                               : at::Tensor();
   if (rows.defined()) row.lars_sq_sums = rows.data_ptr<double>();
   if (num_chunks > 0) {
-    dispatch_bucket_types(params[0].scalar_type(), bucket.weight, [&](auto param, auto buffer, auto weight) {
+    dispatch_bucket_types(params[0].scalar_type(), bucket.weight, [&](auto param, auto aux, auto weight) {
       using P = decltype(param);
-      using B = decltype(buffer);
+      using A = decltype(aux);
       constexpr Weight kWeight = decltype(weight)::value;
       const auto kernel =
-          bucket.schedule_free ? &update_kernel<P, B, kWeight, true> : &update_kernel<P, B, kWeight, false>;
+          bucket.schedule_free ? &update_kernel<P, A, kWeight, true> : &update_kernel<P, A, kWeight, false>;
       device::launch(kernel, num_chunks, kThreads, stream, tables.table<TensorArgs>(0), tables.table<ChunkArgs>(1),
                      tables.table<GroupHParams>(2), row);
     });
@@ -171,8 +171,8 @@ void schedule_free_switch_device(const Bucket& bucket, bool train) {
   const device::Guard guard(params[0].device());
   const device::Stream stream = device::current_stream();
   const DeviceTables tables = upload_work(params[0].device(), stream, work, bucket.groups);
-  dispatch_bucket_types(params[0].scalar_type(), bucket.weight, [&](auto param, auto buffer, auto weight) {
-    device::launch(&schedule_free_switch_kernel<decltype(param), decltype(buffer), decltype(weight)::value>,
+  dispatch_bucket_types(params[0].scalar_type(), bucket.weight, [&](auto param, auto aux, auto weight) {
+    device::launch(&schedule_free_switch_kernel<decltype(param), decltype(aux), decltype(weight)::value>,
                    num_chunks, kThreads, stream, tables.table<TensorArgs>(0), tables.table<ChunkArgs>(1),
                    tables.table<GroupHParams>(2), train);
   });

@@ -76,9 +76,9 @@ LFSGD_ELEMENT V kahan_compensation(V weight, V rounded) {
 // fp32 result rounds up with probability (the dropped 16 bits) / 2^16, so E[rounded] is the fp32 value and small
 // updates are not lost. Each element draws 32 random bits, a pure function of (seed, the param's count of
 // stochastic steps, tensor, element index), the same on any thread count and device: the high 16 round the
-// weight, the low 16 the momentum buffer. The draw is murmur3's 32-bit finalizer over a per-tensor key plus the
-// index times the golden ratio (one finalizer an element, which keeps the step near the memory floor: its two
-// integer multiplies, and the index's, which the vector loops replace by an addition: draw_counter).
+// weight, the low 16 the aux stream (momentum buffer, z). The draw is murmur3's 32-bit finalizer over a per-tensor
+// key plus the index times the golden ratio (one finalizer an element, which keeps the step near the memory floor:
+// its two integer multiplies, and the index's, which the vector loops replace by an addition: draw_counter).
 template <typename U>
 LFSGD_ELEMENT U mix32(U x) {
   x = x ^ shift_right_logical<16>(x);

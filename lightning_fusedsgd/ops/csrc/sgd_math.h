@@ -132,23 +132,30 @@ LFSGD_ELEMENT T mul_add(T a, T b, T c) {
 }
 #endif
 
+// Whether a group's update keeps a momentum buffer: SGD's momentum is on. A schedule-free group's momentum column
+// is its interpolation (interpolation below), and it keeps z instead. Decided here alone: make_coeffs gives it to
+// the loops (Coeffs::has_momentum_buffer), and the momentum_buffer slot's held rule reads it (slots.h).
+LFSGD_HOST_DEVICE inline bool keeps_momentum_buffer(const GroupHParams& h) {
+  return h.momentum != 0.0 && !h.schedule_free;
+}
+
 // Everything the element update needs, resolved once per tensor. `T` is the opmath type.
 template <typename T>
 struct Coeffs {
-  T grad_mul;             // sign / grad_scale: unscale and maximize in one exact multiply
-  T clip_value;           // clip_grad_value_'s bound, inf when off
-  T clip_coef;            // clip_grad_norm_'s coefficient, 1 when off
-  T wd_coupled;           // lambda, or 0 when weight decay is applied after momentum
-  T trust;                // LARS trust ratio r, 1 for plain SGD
-  T momentum;             // mu
-  T one_minus_dampening;  // 1 - tau
-  T wd_after;             // lambda when wd_after_momentum, else 0
-  T lr;                   // gamma
-  bool has_momentum;      // mu != 0: a buffer exists
-  bool first;             // this parameter's first step: seed the buffer with g
+  T grad_mul;                // sign / grad_scale: unscale and maximize in one exact multiply
+  T clip_value;              // clip_grad_value_'s bound, inf when off
+  T clip_coef;               // clip_grad_norm_'s coefficient, 1 when off
+  T wd_coupled;              // lambda, or 0 when weight decay is applied after momentum
+  T trust;                   // LARS trust ratio r, 1 for plain SGD
+  T momentum;                // mu
+  T one_minus_dampening;     // 1 - tau
+  T wd_after;                // lambda when wd_after_momentum, else 0
+  T lr;                      // gamma
+  bool has_momentum_buffer;  // keeps_momentum_buffer
+  bool first;                // this parameter's first step: seed the momentum buffer with g
   bool nesterov;
-  T ckp1;                 // schedule-free: the weight of z in this step's average (apply_schedule_free)
-  T y_grad;               // schedule-free: the gradient's coefficient in y's step
+  T ckp1;                    // schedule-free: the weight of z in this step's average (apply_schedule_free)
+  T y_grad;                  // schedule-free: the gradient's coefficient in y's step
 };
 
 // `clip`: the step's clip_grad_norm_ coefficient (clip_coef), 1 where it does not clip by norm.
@@ -164,7 +171,7 @@ LFSGD_HOST_DEVICE inline Coeffs<T> make_coeffs(const GroupHParams& h, double inv
                    static_cast<T>(1.0 - h.dampening),
                    static_cast<T>(h.wd_after_momentum ? weight_decay : 0.0),
                    static_cast<T>(h.lr),
-                   h.momentum != 0.0,
+                   keeps_momentum_buffer(h),
                    first,
                    h.nesterov,
                    T(0),
@@ -212,8 +219,8 @@ LFSGD_ELEMENT void sgd_element(V& w, V g, V& b, const Coeffs<S>& c) {
   const V buffer = c.first ? g : averaged;
   const V looked_ahead = mul_add(buffer, V(c.momentum), g);
   const V direction = c.nesterov ? looked_ahead : buffer;
-  b = c.has_momentum ? buffer : b;
-  g = c.has_momentum ? direction : g;
+  b = c.has_momentum_buffer ? buffer : b;
+  g = c.has_momentum_buffer ? direction : g;
   const V decayed_after = mul_add(w, V(c.wd_after), g);
   g = pick(c.wd_after != S(0), decayed_after, g);
   w = mul_add(g, V(-c.lr), w);
@@ -261,6 +268,10 @@ LFSGD_ELEMENT V lerp(V self, V end, S weight) {
   return pick(small, mul_add(V(weight), difference, self), mul_add(V(weight - S(1)), difference, end));
 }
 
+// Schedule-free SGD's interpolation beta between the average x and the SGD sequence z: a schedule-free group holds it
+// in the momentum column (schedulefree's argument name), which means SGD's momentum elsewhere.
+LFSGD_HOST_DEVICE inline double interpolation(const GroupHParams& h) { return h.momentum; }
+
 // Schedule-free SGD (Defazio et al. 2024), as schedulefree.SGDScheduleFree steps it: the param holds
 // y = (1 - beta) z + beta x, z takes plain SGD steps and x is the average of the z's, with weight c_{k+1}
 // (ckp1) on the newest. Its step in y and z alone (x is never formed): y <- lerp(y, z, ckp1) + lr (beta (1 - ckp1)
@@ -269,10 +280,10 @@ LFSGD_ELEMENT V lerp(V self, V end, S weight) {
 template <typename T>
 LFSGD_HOST_DEVICE inline void apply_schedule_free(Coeffs<T>& c, const GroupHParams& h, double ckp1) {
   c.ckp1 = static_cast<T>(ckp1);
-  c.y_grad = static_cast<T>(h.lr * (h.momentum * (1.0 - ckp1) - 1.0));
+  c.y_grad = static_cast<T>(h.lr * (interpolation(h) * (1.0 - ckp1) - 1.0));
 }
 
-// One element's schedule-free step (`z` the update's second stream, where SGD has its buffer), in the peer's
+// One element's schedule-free step (`z`: the update's aux stream, where SGD has its momentum buffer), in the peer's
 // foreach operations and their roundings: grad.add_(y, alpha=wd), y.lerp_(z, ckp1), y.add_(grad, alpha=y_grad),
 // z.sub_(grad, alpha=lr).
 template <bool kClipValue = true, typename V, typename S>
@@ -284,13 +295,13 @@ LFSGD_ELEMENT void schedule_free_element(V& y, V g, V& z, const Coeffs<S>& c) {
   z = mul_add(g, V(-c.lr), z);
 }
 
-// What an element's update reads, in opmath (V: a value, or a vector block): its weight, its gradient and its
-// buffer (the momentum buffer, or z). The kernels load and store them in elements.h (load_operands, update_at).
+// What an element's update reads, in opmath (V: a value, or a vector block): its weight, its gradient and its aux
+// stream (the momentum buffer, or z). The kernels load and store them in elements.h (load_operands, update_at).
 template <typename V>
 struct Operands {
   V w;
   V g;
-  V b;
+  V aux;
 };
 
 // Calls f(a's, b's, c's) for each operand of three Operands, in order (a block's halves are taken so).
@@ -298,16 +309,16 @@ template <typename F, typename A, typename B, typename C>
 LFSGD_ELEMENT void zip_operands(F&& f, A& a, B& b, C& c) {
   f(a.w, b.w, c.w);
   f(a.g, b.g, c.g);
-  f(a.b, b.b, c.b);
+  f(a.aux, b.aux, c.aux);
 }
 
-// One element's update: SGD's, or (kScheduleFree) schedule-free SGD's, whose z is where SGD's buffer is.
+// One element's update: SGD's, with the momentum buffer, or (kScheduleFree) schedule-free SGD's, with z.
 template <bool kScheduleFree, bool kClipValue = true, typename V, typename S>
 LFSGD_ELEMENT void update_element(Operands<V>& o, const Coeffs<S>& c) {
   if constexpr (kScheduleFree) {
-    schedule_free_element<kClipValue>(o.w, o.g, o.b, c);
+    schedule_free_element<kClipValue>(o.w, o.g, o.aux, c);
   } else {
-    sgd_element<kClipValue>(o.w, o.g, o.b, c);
+    sgd_element<kClipValue>(o.w, o.g, o.aux, c);
   }
 }
 
