@@ -20,11 +20,12 @@ decays numbered as ``DECAYS``); ``lars_sq_sums`` returns ``LARS_SUM_NAMES`` sums
 optimizer keeps its per-group scalars as ``SCHEDULE_FREE_SCALARS`` rows on the device. The C++ side exports
 its order of every table (``kernel_tables``), compared when the library loads.
 
-Each option declares the values the kernels accept (its ``check``); ``lightning_fusedsgd._checks`` checks a
-group's values against them, and the rules that relate two keys, before anything is written.
+Each option declares the values the kernels accept (its ``check``) and the rules that relate its value to
+the group's other keys or to a param (its ``rule`` and ``param_rule``); ``lightning_fusedsgd._checks``
+applies them before anything is written.
 
-Adding a hyperparameter: its column here, its argument on ``FusedSGD``, its field and math in ``sgd_math.h``,
-its math in ``ops/reference.py``, and a row of the test table.
+Adding a hyperparameter: its column here (with its check and rules), its argument on ``FusedSGD``, its field
+and math in ``sgd_math.h``, its math in ``ops/reference.py``, and a row of the test table.
 
 Adding a kind of state that the update reads and writes takes six library files at most (docs/design.md walks
 through a second moment):
@@ -43,8 +44,9 @@ checkpoints follow from these declarations. A state the update does not read (a 
 
 Imports nothing of this package: every layer may use it. It is longer than 400 lines because each of its
 tables is the Python half of one C++ table (``LFSGD_HPARAMS``, ``LFSGD_SLOTS``, ``LFSGD_STEP_ROW``, the
-schedule, LARS and schedule-free rows), compared with it when the library loads, and a change to the ABI is
-read and reviewed as one file; what users hand the optimizer is checked in ``lightning_fusedsgd._checks``.
+schedule, LARS and schedule-free rows), compared with it when the library loads, and each option's rules stand
+beside it, so that a change to the ABI is read and reviewed as one file; ``lightning_fusedsgd._checks``
+applies the checks and rules to what users hand the optimizer.
 """
 
 from __future__ import annotations
@@ -84,6 +86,7 @@ __all__ = [
     "defaults",
     "flag_problem",
     "hparam_names",
+    "keeps_momentum_buffer",
     "kernel_tables",
     "masters_by_default",
     "number_problem",
@@ -92,6 +95,7 @@ __all__ = [
     "options_on",
     "plan_key",
     "seeded",
+    "shown",
     "slot",
     "slot_keys",
     "slot_rule_cases",
@@ -180,6 +184,108 @@ def _is_set(value: Any) -> bool:
     return value is not None
 
 
+def shown(value: Any) -> str:
+    """A value as a refusal names it: a one-element tensor's number, a str quoted."""
+    if isinstance(value, Tensor):
+        return str(value.item()) if value.numel() == 1 else f"a tensor of shape {tuple(value.shape)}"
+    return repr(value) if isinstance(value, str) else str(value)
+
+
+# The options' rules (Option.rule, Option.param_rule): each returns why a group, or a param of it, is refused.
+
+
+def _one_element_lr(group: Mapping[str, Any]) -> str | None:
+    lr = group["lr"]
+    if isinstance(lr, Tensor) and lr.numel() != 1:
+        return f"Tensor lr must be 1-element, got shape {tuple(lr.shape)}: set a float or a 0-d tensor."
+    return None
+
+
+def _nesterov_needs_momentum(group: Mapping[str, Any]) -> str | None:
+    if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
+        return (
+            "Nesterov momentum requires a momentum and zero dampening "
+            f"(got momentum={group['momentum']}, dampening={group['dampening']}): "
+            "set nesterov=False or choose a momentum > 0 with dampening = 0."
+        )
+    return None
+
+
+def _one_clip(group: Mapping[str, Any]) -> str | None:
+    if group["max_grad_norm"] is not None and group["max_grad_value"] is not None:
+        return (
+            "max_grad_norm and max_grad_value are alternatives (as Lightning's gradient_clip_algorithm "
+            "'norm' and 'value'): set one of them, and None for the other."
+        )
+    return None
+
+
+def _not_differentiable(group: Mapping[str, Any]) -> str | None:
+    if group["differentiable"]:
+        return (
+            "FusedSGD(differentiable=True): the fused step is not differentiable (it writes the params in "
+            "place, outside autograd). Use torch.optim.SGD(differentiable=True) to differentiate through "
+            "optimizer steps."
+        )
+    return None
+
+
+def _schedule_free_rules(group: Mapping[str, Any]) -> str | None:
+    """A schedule-free group's rules (schedulefree.SGDScheduleFree's words where it refuses the same): its
+    momentum interpolates, so it lies in (0, 1), and the options of SGD's momentum and of LARS are off."""
+    if not group.get("schedule_free"):
+        return None
+    momentum = group["momentum"]
+    if number_problem(momentum) is None and not 0 < momentum < 1:
+        return (
+            f"Momentum must be between 0 and 1 exclusive: {shown(momentum)}. Schedule-free SGD's momentum "
+            "interpolates between the average x and the SGD sequence z: choose one in (0, 1), e.g. 0.9."
+        )
+    sgd_only = [key for key in ("nesterov", "wd_after_momentum", "lars") if group.get(key) is True]
+    sgd_only += ["dampening"] if group.get("dampening", 0) != 0 else []
+    sgd_only += ["ema_decay"] if group.get("ema_decay") is not None else []
+    if sgd_only:
+        return (
+            f"A schedule-free group steps without {', '.join(sgd_only)} (options of SGD's momentum buffer, "
+            "of LARS and of an average of the weights, which schedule-free SGD has not: its x is an "
+            "average already): leave them out of the group, or step it with FusedSGD."
+        )
+    return None
+
+
+def _value_clip_of_real(group: Mapping[str, Any], param: Tensor, label: Callable[[], str]) -> str | None:
+    if param.is_complex() and group["max_grad_value"] is not None:
+        return (
+            f"max_grad_value clips each gradient element, and {label()} is complex ({param.dtype}), which "
+            "torch.nn.utils.clip_grad_value_ refuses too (clamp is not defined for complex numbers): use "
+            "max_grad_norm for this group, or leave it unclipped."
+        )
+    return None
+
+
+def _rounded_to_bf16(group: Mapping[str, Any], param: Tensor, label: Callable[[], str]) -> str | None:
+    rounding = group["update_rounding"]
+    if rounding != "nearest" and param.dtype == torch.float16 and not group["master_weights"]:
+        return (
+            f"update_rounding={rounding!r} rounds updates to bfloat16, and {label()} is float16 without "
+            "master weights: set master_weights=True for it, make it bfloat16, or put it in a group with "
+            "update_rounding='nearest'."
+        )
+    return None
+
+
+def _average_of_dense_real(group: Mapping[str, Any], param: Tensor, label: Callable[[], str]) -> str | None:
+    """The kernel keeps averages of dense real params."""
+    decay = group["ema_decay"]
+    if decay is not None and (param.is_complex() or param.layout != torch.strided):
+        kind = param.dtype if param.is_complex() else param.layout
+        return (
+            f"ema_decay={decay}: an average of the weights is kept of dense real params, and {label()} "
+            f"(shape {tuple(param.shape)}) is {kind}: put it in a group with ema_decay=None."
+        )
+    return None
+
+
 ARGUMENT: Any = type("Argument", (), {"__repr__": lambda self: "ARGUMENT"})()
 """An :class:`Option`'s default where every optimizer takes it as an argument (it has no other default)."""
 
@@ -203,10 +309,16 @@ class Option:
 
     Attributes:
         key: The group key.
-        check: Why a value is refused (a sentence naming the valid ones), or None where it is valid. Checks
-            that relate two keys live in :func:`check_group`.
+        check: Why a value is refused (a sentence naming the valid ones), or None where it is valid.
         refused: How a refusal starts, where ``torch.optim.SGD`` words it (its ``{}`` is the value), so that
             code matching torch's messages keeps working; else ``Invalid <key>: <value>``.
+        rule: Why the group's value cannot go with its other keys (a sentence naming the values and the fix),
+            or None where it can. ``_checks.check_group`` runs the rules after every option's ``check``, so
+            that a rule reads valid values, and those declared ``rule_first`` before them.
+        rule_first: The rule's refusal comes before the options' checks (schedule-free SGD's, in
+            schedulefree's words).
+        param_rule: Why the group's value cannot step this param (its dtype, its layout; ``label()`` names it,
+            built only for a refusal), or None where it can: ``_checks.check_param``, for every param planned.
         plan: What of the value decides a step's plan (which state its params hold, what it refuses), or None
             where the value only enters the math: a kept plan is made anew when this changes.
         step_wide: One value for the whole step (every group must hold the same): a value of the step row of
@@ -225,6 +337,9 @@ class Option:
     key: str
     check: Callable[[Any], str | None] | None = None
     refused: str | None = None
+    rule: Callable[[Mapping[str, Any]], str | None] | None = None
+    rule_first: bool = False
+    param_rule: Callable[[Mapping[str, Any], Tensor, Callable[[], str]], str | None] | None = None
     plan: Callable[[Any], Hashable] | None = None
     step_wide: bool = False
     needs_norms: bool = False
@@ -244,7 +359,13 @@ class Column(Option):
 
 HPARAMS: tuple[Column, ...] = (
     # lr: NaN where the op reads the lrs from the step row instead
-    Column(key="lr", check=_non_negative, refused="Invalid learning rate: {}"),
+    Column(
+        key="lr",
+        check=_non_negative,
+        refused="Invalid learning rate: {}",
+        rule=_one_element_lr,
+        rule_first=True,
+    ),
     Column(
         key="momentum",
         check=_non_negative,
@@ -254,7 +375,7 @@ HPARAMS: tuple[Column, ...] = (
     ),
     Column(key="dampening", check=_finite),
     Column(key="weight_decay", check=_non_negative, refused="Invalid weight_decay value: {}"),
-    Column(key="nesterov", encode=_flag, check=flag_problem),
+    Column(key="nesterov", encode=_flag, check=flag_problem, rule=_nesterov_needs_momentum),
     Column(key="maximize", encode=_flag, check=flag_problem),
     Column(key="wd_after_momentum", encode=_flag, check=flag_problem, fused_only=True),
     Column(
@@ -274,6 +395,7 @@ HPARAMS: tuple[Column, ...] = (
         key="max_grad_value",
         encode=lambda v: math.inf if v is None else float(v),
         check=_threshold,
+        param_rule=_value_clip_of_real,
         plan=_is_set,
         fused_only=True,
         clips="value",
@@ -285,6 +407,7 @@ HPARAMS: tuple[Column, ...] = (
         key="update_rounding",
         encode=UPDATE_ROUNDINGS.index,
         check=_one_of(UPDATE_ROUNDINGS),
+        param_rule=_rounded_to_bf16,
         plan=lambda v: v,
         examples=UPDATE_ROUNDINGS,
     ),
@@ -294,6 +417,7 @@ HPARAMS: tuple[Column, ...] = (
         key="ema_decay",
         encode=lambda v: math.nan if v is None else float(v),
         check=_decay,
+        param_rule=_average_of_dense_real,
         plan=_is_set,
         fused_only=True,
         examples=(None, 0.999),
@@ -308,6 +432,8 @@ HPARAMS: tuple[Column, ...] = (
         key="schedule_free",
         encode=_flag,
         check=flag_problem,
+        rule=_schedule_free_rules,
+        rule_first=True,
         plan=bool,
         fused_only=True,
         default=False,
@@ -331,6 +457,7 @@ GROUP_OPTIONS: tuple[Option, ...] = (
     Option(
         key="max_grad_norm",
         check=_threshold,
+        rule=_one_clip,
         plan=_is_set,
         step_wide=True,
         needs_norms=True,
@@ -339,10 +466,10 @@ GROUP_OPTIONS: tuple[Option, ...] = (
         examples=(None, 1.0),
     ),
     # torch.optim.SGD's implementation switches: accepted, so configs written for it work, and choosing
-    # nothing (every step runs the fused kernel); differentiable=True is refused (check_group).
+    # nothing (every step runs the fused kernel); differentiable=True is refused (its rule).
     Option(key="foreach", check=_switch),
     Option(key="fused", check=_switch),
-    Option(key="differentiable", check=_switch),
+    Option(key="differentiable", check=_switch, rule=_not_differentiable),
 )
 """The group keys the kernels do not read as columns."""
 
@@ -464,8 +591,16 @@ def _rounds(rounding: str) -> Callable[[Mapping[str, Any], torch.dtype], bool]:
     )
 
 
-def _buffer_dtype(group: Mapping[str, Any], dtype: torch.dtype) -> torch.dtype:
-    """The dtype of a buffer the update reads and writes beside the weight: fp32 beside fp32 masters."""
+def keeps_momentum_buffer(group: Mapping[str, Any]) -> bool:
+    """Whether a group's update keeps a momentum buffer: SGD's momentum is on. A schedule-free group's
+    ``momentum`` is its interpolation, and it keeps z instead. Decided here alone: the ``momentum_buffer``
+    slot's held rule and the reference's coefficients read it (``keeps_momentum_buffer`` in sgd_math.h)."""
+    return group["momentum"] != 0 and not group["schedule_free"]
+
+
+def _stream_dtype(group: Mapping[str, Any], dtype: torch.dtype) -> torch.dtype:
+    """The dtype of a stream the update reads and writes beside the weight (SGD's momentum buffer,
+    schedule-free SGD's z): fp32 beside fp32 masters."""
     return torch.float32 if _masters(group, dtype) else dtype
 
 
@@ -493,8 +628,8 @@ SLOTS: tuple[Slot, ...] = (
     # As torch.optim.SGD keeps it (none when momentum is 0, or schedule-free, whose momentum interpolates).
     Slot(
         key="momentum_buffer",
-        held=lambda group, dtype: group["momentum"] != 0 and not group["schedule_free"],
-        dtype=_buffer_dtype,
+        held=lambda group, dtype: keeps_momentum_buffer(group),
+        dtype=_stream_dtype,
         seed="gradient",
         option="momentum",
         torch_sgd=True,
@@ -537,7 +672,7 @@ SLOTS: tuple[Slot, ...] = (
     Slot(
         key="z",
         held=lambda group, dtype: bool(group["schedule_free"]),
-        dtype=_buffer_dtype,
+        dtype=_stream_dtype,
         seed="weight",
         option="schedule_free",
         missing_said=True,

@@ -1,7 +1,8 @@
-"""Mutation check of the emulated CUDA tests: bugs injected into the CUDA kernels and their host code
-(``csrc/fused_sgd_cuda.cu``), one at a time, each of which ``pytest -m cuda_emulated`` must catch. A bug in
-what both kernels share (the update's loads and stores, ``csrc/elements.h``) is in the CPU kernel too, which
-the emulated tests compare with: the CPU tests that hold it against an independent oracle must catch it.
+"""Mutation check of the emulated CUDA tests: bugs injected into the CUDA kernels (``csrc/cuda_kernels.h``),
+their launch machinery (``csrc/cuda_launch.h``) and the ops' host code (``csrc/fused_sgd_cuda.cu``), one at a
+time, each of which ``pytest -m cuda_emulated`` must catch. A bug in what both kernels share (the update's
+loads and stores, ``csrc/elements.h``) is in the CPU kernel too, which the emulated tests compare with: the
+CPU tests that hold it against an independent oracle must catch it.
 
 ``make mutants`` runs it; CI does not (each mutant rebuilds the emulated library and runs the tests until
 one fails: 15-60 s a mutant on 2 cores, 12-22 minutes for all). Run it after changing the kernels or the
@@ -41,7 +42,7 @@ class Mutant:
     name: str
     original: str
     replacement: str
-    file: str = "fused_sgd_cuda.cu"
+    file: str = "cuda_kernels.h"
     tests: tuple[str, ...] = ()  # for a file both kernels include: the tests that judge it against an oracle
 
 
@@ -146,16 +147,19 @@ MUTANTS = [
         "rounding-steps-grid-rounded-down",
         "&advance_counts_kernel, (n + 255) / 256, 256,",
         "&advance_counts_kernel, n / 256, 256,",
+        file="fused_sgd_cuda.cu",
     ),
     Mutant(
         "lars-rows-grid-of-chunks",
         "&lars_rows_kernel, n, kThreads,",
         "&lars_rows_kernel, num_chunks, kThreads,",
+        file="fused_sgd_cuda.cu",
     ),
     Mutant(
         "write-bytes-every-other-pass",
         "i < count; i += blockDim.x) out[i] = in.bytes[i];",
         "i < count; i += 2 * blockDim.x) out[i] = in.bytes[i];",
+        file="cuda_launch.h",
     ),
     # A launch past a kernel's declared bounds (a GPU refuses it).
     Mutant(
@@ -183,6 +187,7 @@ MUTANTS = [
         "table-piece-one-byte-short",
         "const size_t count = std::min(kParamBytes, total - begin);",
         "const size_t count = std::min(kParamBytes, total - begin) - 1;",
+        file="cuda_launch.h",
     ),
     # What is computed where, and when.
     Mutant(
@@ -200,6 +205,7 @@ MUTANTS = [
         "lars-partials-left-unwritten",
         "at::Tensor partials = at::zeros({num_chunks, kNumLarsSums}, options);",
         "at::Tensor partials = at::empty({num_chunks, kNumLarsSums}, options);",
+        file="fused_sgd_cuda.cu",
     ),
     Mutant(
         "lars-sums-ignore-the-grad-scale",
@@ -254,22 +260,26 @@ MUTANTS = [
         "schedule-on-the-host",
         "device::launch(&schedule_kernel, 1, 1, device::current_stream(), lrs.data_ptr<double>(),",
         "schedule_step(lrs.data_ptr<double>(),",
+        file="fused_sgd_cuda.cu",
     ),
     Mutant(
         "found-inf-read-on-the-host",
         "  StepRow row = bucket.row;\n",
         "  StepRow row = bucket.row;\n  if (row.found_inf != nullptr && *row.found_inf != 0.0f) return;\n",
+        file="fused_sgd_cuda.cu",
     ),
     Mutant(
         "found-inf-synchronized",
         "  StepRow row = bucket.row;\n",
         "  StepRow row = bucket.row;\n  if (bucket.grads[0].abs().max().item<float>() > 1e30f) return;\n",
+        file="fused_sgd_cuda.cu",
     ),
     Mutant(
         "grad-sq-sum-added-on-the-host",
         "  return partials.sum();\n",
         "  const double* sums = partials.data_ptr<double>();\n"
         "  return at::scalar_tensor(std::accumulate(sums, sums + num_chunks, 0.0), options);\n",
+        file="fused_sgd_cuda.cu",
     ),
 ]
 

@@ -1,12 +1,14 @@
 """A kind of optimizer state and a plan-deciding option are each one declaration (lightning_fusedsgd._abi):
 this test declares a slot and a column of its own, and shows that planning, the kept plan, state dicts and
-checkpoints follow with no other edit. The reference backend runs the steps (it reads the declarations; the
+checkpoints follow with no other edit; and that an option's rules, declared beside it, are enforced with no
+other edit either. The reference backend runs the steps (it reads the declarations; the
 compiled kernels know the slots and columns they were built with, which the library compares when it loads),
 and its math ignores the test's slot."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -138,3 +140,33 @@ def test_a_checkpoint_seeds_the_slot_from_its_fp32_weights():
         if held:
             assert torch.equal(optimizer.state[p]["start_weight"], weights[name])
             assert torch.equal(optimizer.state[p]["master_param"], weights[name])
+
+
+def test_an_options_rules_are_declared_beside_it_and_refuse_before_anything_is_written(monkeypatch):
+    # keep_start with a rule of each kind: only beside a momentum (the group's other keys), and for no float64
+    # params. (FusedSGD takes no keep_start argument, so its defaults hold none.)
+    ruled = dataclasses.replace(
+        KEEP_START,
+        rule=lambda group: (
+            "keep_start needs a momentum" if group.get("keep_start") and group["momentum"] == 0 else None
+        ),
+        param_rule=lambda group, param, label: (
+            f"keep_start keeps no {param.dtype} weights: {label()}"
+            if group["keep_start"] and param.dtype == torch.float64
+            else None
+        ),
+    )
+    monkeypatch.setattr(_abi, "HPARAMS", (*_abi.HPARAMS[:-1], ruled))
+    model = _model()
+    with pytest.raises(ValueError, match="param_groups\\[0\\]: keep_start needs a momentum"):
+        FusedSGD([{"params": list(model.parameters()), "keep_start": True}], lr=0.1, backend="reference")
+    weight = nn.Parameter(torch.randn(3, dtype=torch.float64))
+    optimizer = FusedSGD(
+        [{"params": [weight], "keep_start": False}], lr=0.1, momentum=0.9, backend="reference"
+    )
+    weight.grad = torch.randn(3, dtype=torch.float64)
+    optimizer.param_groups[0]["keep_start"] = True
+    before = weight.detach().clone()
+    with pytest.raises(ValueError, match="keep_start keeps no torch.float64 weights: parameter 0 of group 0"):
+        optimizer.step()
+    assert torch.equal(weight, before) and not optimizer.state[weight]

@@ -2,17 +2,17 @@
 
 ``clip_coef``, ``make_coeffs``, ``clipped_grad``, ``sgd_element``, ``lars_norm_term``, ``trust_ratio``,
 ``lars_adapts``, ``lars_trust``, ``apply_lars``, ``clipped_term_sq_sum``, ``synced_master``,
-``kahan_compensation``, ``mix32``, ``rounding_key``, ``element_random_bits``, ``stochastic_bf16``,
 ``apply_schedule_free`` and ``schedule_free_element`` mirror ``csrc/sgd_math.h`` function for function,
-``advance_schedule_free`` and ``switch_weight`` ``csrc/schedule_free.h``, with ATen's ops where the kernel
-rounds as they do (``x.add(y, alpha=a)`` is the kernel's ``mul_add``, ``x.lerp(y, w)`` its ``lerp``);
-``sgd_step``, ``grad_sq_sum``, ``lars_sq_sums``, ``schedule_lrs``, ``schedule_free_scalars`` and
+``kahan_compensation``, ``mix32``, ``rounding_key``, ``element_random_bits`` and ``stochastic_bf16``
+``csrc/rounding.h``, ``advance_schedule_free`` and ``switch_weight`` ``csrc/schedule_free.h``, with ATen's ops
+where the kernel rounds as they do (``x.add(y, alpha=a)`` is the kernel's ``mul_add``, ``x.lerp(y, w)`` its
+``lerp``); ``sgd_step``, ``grad_sq_sum``, ``lars_sq_sums``, ``schedule_lrs``, ``schedule_free_scalars`` and
 ``schedule_free_switch`` implement the contract documented with the ops' schemas in ``ops/__init__.py``, so
 either implementation can run a bucket. Unlike the kernels, these read device values on the host
 (``found_inf``, the lrs, the schedule position and the schedule-free scalars): they are not capturable.
 
-Longer than 400 lines because it mirrors two C++ headers function for function, in their order, so that
-the mirror is checked by reading the two side by side."""
+Longer than 400 lines because it mirrors three C++ headers function for function, so that the mirror is
+checked by reading them side by side."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from lightning_fusedsgd._abi import (
     SCHEDULE_FREE_SCALARS,
     SCHEDULE_HEADER,
     hparam_names,
+    keeps_momentum_buffer,
     slot_keys,
     slots_in,
     step_row_names,
@@ -48,7 +49,7 @@ class Coeffs:
     one_minus_dampening: float
     wd_after: float
     lr: float
-    has_momentum: bool
+    has_momentum_buffer: bool
     first: bool
     nesterov: bool
     ckp1: float = 0.0
@@ -69,7 +70,7 @@ def sgd_element(w: Tensor, g: Tensor, b: Tensor | None, c: Coeffs) -> tuple[Tens
     if c.wd_coupled != 0:
         g = g.add(w, alpha=c.wd_coupled)
     g = g * c.trust
-    if c.has_momentum:
+    if c.has_momentum_buffer:
         b = g.clone() if c.first else b.mul(c.momentum).add_(g, alpha=c.one_minus_dampening)
         g = g.add(b, alpha=c.momentum) if c.nesterov else b
     if c.wd_after != 0:
@@ -77,11 +78,17 @@ def sgd_element(w: Tensor, g: Tensor, b: Tensor | None, c: Coeffs) -> tuple[Tens
     return w.add(g, alpha=-c.lr), b
 
 
+def interpolation(h: dict[str, float]) -> float:
+    """Schedule-free SGD's interpolation between the average x and the SGD sequence z, which its groups hold
+    in the momentum column (``interpolation`` in sgd_math.h)."""
+    return h["momentum"]
+
+
 def apply_schedule_free(c: Coeffs, h: dict[str, float], ckp1: float) -> None:
     """A schedule-free tensor's coefficients from the step's lr (after warmup) and ckp1
     (``apply_schedule_free`` in sgd_math.h)."""
     c.ckp1 = ckp1
-    c.y_grad = h["lr"] * (h["momentum"] * (1.0 - ckp1) - 1.0)
+    c.y_grad = h["lr"] * (interpolation(h) * (1.0 - ckp1) - 1.0)
 
 
 def schedule_free_element(y: Tensor, g: Tensor, z: Tensor, c: Coeffs) -> tuple[Tensor, Tensor]:
@@ -151,7 +158,7 @@ def store_weight(
 
 def kahan_compensation(weight: Tensor, rounded: Tensor) -> Tensor:
     """What rounding the fp32 ``weight`` to the bf16 ``rounded`` dropped, 0 where that is not finite (where
-    ``rounded`` is inf or NaN) (``kahan_compensation`` in sgd_math.h); rounded to bf16 by the caller."""
+    ``rounded`` is inf or NaN) (``kahan_compensation`` in rounding.h); rounded to bf16 by the caller."""
     dropped = weight - rounded.float()
     return torch.where(dropped.isfinite(), dropped, 0.0)
 
@@ -185,7 +192,7 @@ def make_coeffs(h: dict[str, float], inv_scale: float | Tensor, clip: float | Te
         one_minus_dampening=1.0 - h["dampening"],
         wd_after=h["weight_decay"] if wd_after else 0.0,
         lr=h["lr"],
-        has_momentum=h["momentum"] != 0,
+        has_momentum_buffer=keeps_momentum_buffer(h),
         first=first,
         nesterov=bool(h["nesterov"]),
     )
@@ -274,9 +281,9 @@ def clipped_term_sq_sum(sum_w: Tensor, sum_t: Tensor, sum_wt: Tensor, c: float |
     return torch.clamp(c * c * sum_t + 2.0 * c * d * sum_wt + d * d * sum_w, min=0.0)
 
 
-def buffer(slots: dict[str, Tensor | None]) -> Tensor | None:
-    """The stream the update reads and writes beside the weight: the momentum buffer, or a schedule-free
-    tensor's z (``SlotPointers::buffer`` in slots.h)."""
+def aux(slots: dict[str, Tensor | None]) -> Tensor | None:
+    """The update's aux stream, which it reads and writes beside the weight: SGD's momentum buffer, or
+    schedule-free SGD's z (``SlotPointers::aux`` in slots.h)."""
     return slots["z"] if slots["z"] is not None else slots["momentum_buffer"]
 
 
@@ -329,7 +336,7 @@ def sgd_step(
         opmath = _opmath(param.dtype)
         w = load_weight(param, slots)
         g = grads[i].to(opmath)
-        b = buffer(slots)
+        aux_stream = aux(slots)
         coeffs = make_coeffs(h, inv_scale, clip, slots["first_step"])
         if isinstance(coeffs.clip_coef, Tensor):
             coeffs.clip_coef = coeffs.clip_coef.to(opmath)
@@ -340,9 +347,10 @@ def sgd_step(
             apply_lars(coeffs, sum_w, clipped_term_sq_sum(sum_w, sum_t, sum_wt, clip, h), h, opmath)
         if h["schedule_free"]:
             apply_schedule_free(coeffs, h, ckp1s[tensor_group[i]])
-            w_new, b_new = schedule_free_element(w, g, b.to(opmath), coeffs)
+            w_new, aux_new = schedule_free_element(w, g, aux_stream.to(opmath), coeffs)
         else:
-            w_new, b_new = sgd_element(w, g, None if b is None or coeffs.first else b.to(opmath), coeffs)
+            momentum_buffer = None if aux_stream is None or coeffs.first else aux_stream.to(opmath)
+            w_new, aux_new = sgd_element(w, g, momentum_buffer, coeffs)
         if slots["ema"] is not None:  # of the step's result in opmath, before it is rounded to the param
             steps, updates = slots["ema_step"], slots["ema_updates"]
             a = average_coeffs(h, int(steps), int(updates))
@@ -355,11 +363,11 @@ def sgd_step(
             counts.append(slots["rounding_step"])
             random = element_random_bits(rounding_key(h, slots["rounding_step"], i), param)
             weight_bits = random >> 16
-            if b is not None:
-                b_new = stochastic_bf16(b_new, random & 0xFFFF)  # the buffer has the param's layout
+            if aux_stream is not None:
+                aux_new = stochastic_bf16(aux_new, random & 0xFFFF)  # the aux stream has the param's layout
         store_weight(param, slots, w_new, weight_bits)
-        if b is not None:
-            b.copy_(b_new)
+        if aux_stream is not None:
+            aux_stream.copy_(aux_new)
     for count in counts:  # after every tensor read its count
         count += 1
 
@@ -376,7 +384,7 @@ def _mul32(x: Tensor | int, constant: int) -> Tensor | int:
 
 
 def mix32(x: Tensor | int) -> Tensor | int:
-    """murmur3's 32-bit finalizer (``mix32`` in sgd_math.h)."""
+    """murmur3's 32-bit finalizer (``mix32`` in rounding.h)."""
     x = x ^ (x >> 16)
     x = _mul32(x, 0x85EBCA6B)
     x = x ^ (x >> 13)
@@ -385,7 +393,7 @@ def mix32(x: Tensor | int) -> Tensor | int:
 
 
 def rounding_key(h: dict[str, float], rounding_step: Tensor, tensor: int) -> int:
-    """The key of one tensor's draws at its step (``rounding_key`` in sgd_math.h)."""
+    """The key of one tensor's draws at its step (``rounding_key`` in rounding.h)."""
     seed, step = int(h["rounding_seed"]), int(rounding_step)
     key = mix32((seed & _MASK32) ^ 0x9E3779B9)
     for word in (seed >> 32, step & _MASK32, step >> 32, tensor & _MASK32):
@@ -395,7 +403,7 @@ def rounding_key(h: dict[str, float], rounding_step: Tensor, tensor: int) -> int
 
 def element_random_bits(key: int, param: Tensor) -> Tensor:
     """32 random bits per element of a dense ``param``, element i of its memory order taking index i
-    (``element_random_bits`` in sgd_math.h); shaped and strided as ``param``, int64."""
+    (``element_random_bits`` in rounding.h); shaped and strided as ``param``, int64."""
     index = torch.arange(param.numel(), dtype=torch.int64, device=param.device)
     bits = mix32((key + _mul32(index & _MASK32, 0x9E3779B9) + (index >> 32)) & _MASK32)
     return bits.as_strided(param.shape, param.stride())
@@ -403,7 +411,7 @@ def element_random_bits(key: int, param: Tensor) -> Tensor:
 
 def stochastic_bf16(value: Tensor, random16: Tensor) -> Tensor:
     """fp32 ``value`` rounded to bf16 with 16 random bits per element (``stochastic_bf16_bits`` in
-    sgd_math.h): rounded up with probability (dropped bits) / 2^16, so unbiased; a NaN as ``kBf16NanBits``."""
+    rounding.h): rounded up with probability (dropped bits) / 2^16, so unbiased; a NaN as ``kBf16NanBits``."""
     bits = value.view(torch.int32).to(torch.int64) & _MASK32
     nan = (bits & 0x7FFFFFFF) > 0x7F800000
     rounded = torch.where(nan, 0xFFFF, (bits + random16) >> 16)
@@ -460,7 +468,7 @@ def advance_schedule_free(scalars: dict[str, float], lr: float, h: dict[str, flo
 def switch_weight(h: dict[str, float], train: bool) -> float:
     """The weight of z that moves a param from x to y (``train``) or from y to x (``switch_weight`` in
     schedule_free.h)."""
-    return 1.0 - h["momentum"] if train else 1.0 - 1.0 / h["momentum"]
+    return 1.0 - interpolation(h) if train else 1.0 - 1.0 / interpolation(h)
 
 
 def schedule_free_scalars(scalars: Tensor, group_hparams: Tensor, step: list[Tensor | None]) -> None:

@@ -10,6 +10,8 @@ from typing import Any
 from torch import Tensor
 from torch.optim.sgd import sgd
 
+from lightning_fusedsgd import _abi
+
 # torch.optim.SGD's momentum buffer, which its sparse path reads and writes (FusedSGD's slot of that key).
 _BUFFER = "momentum_buffer"
 
@@ -41,6 +43,6 @@ def step_sparse(
             nesterov=group["nesterov"],
             maximize=group["maximize"],
         )
-        if group["momentum"] != 0:
+        if _abi.keeps_momentum_buffer(group):
             for param, buffer in zip(params, buffers):
                 state[param][_BUFFER] = buffer

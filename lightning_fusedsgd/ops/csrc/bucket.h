@@ -56,7 +56,7 @@ struct Bucket {
   bool any_lars = false;
   bool schedule_free = false;
 
-  void* buffer(size_t t) const { return slots[t].buffer(schedule_free); }
+  void* aux(size_t t) const { return slots[t].aux(schedule_free); }
   void* companion(size_t t) const { return slots[t].companion(weight); }
 };
 
@@ -299,8 +299,9 @@ void schedule_free_switch_op(at::TensorList params, at::TensorList state, at::In
 template <Weight kWeight>
 using WeightTag = std::integral_constant<Weight, kWeight>;
 
-// Calls run(param, buffer, weight) with value tags of the bucket's types: the param type P, the momentum buffer
-// type B (fp32 beside fp32 masters) and WeightTag<weight> (check_bucket allows the combinations below).
+// Calls run(param, aux, weight) with value tags of the bucket's types: the param type P, the aux stream's type A
+// (the momentum buffer's or z's: fp32 beside fp32 masters) and WeightTag<weight> (check_bucket allows the
+// combinations below).
 template <typename Run>
 void dispatch_bucket_types(at::ScalarType dtype, Weight weight, Run&& run) {
   using Param = WeightTag<Weight::kParam>;

@@ -1,6 +1,6 @@
 // One element's memory, written once for the CPU kernel and (under nvcc) the CUDA kernel: loads into opmath and
-// stores back, the weight an element steps from (load_weight), the rounding of its update into the param, buffer,
-// master or compensation (store_update), and a tensor's streams (Streams, from its slots) with the update's loads
+// stores back, the weight an element steps from (load_weight), the rounding of its update into the param, aux
+// stream, master or compensation (store_update), and a tensor's streams (Streams, from its slots) with the update's loads
 // (load_operands) and its math and stores (update_at), which both kernels' loops call. The CPU kernel's AVX2 and
 // AVX-512 builds run the same on ATen's vectors for 16-bit params (vec_elements.h), which give the same bits.
 #pragma once
@@ -9,39 +9,13 @@
 #include <c10/util/Half.h>
 
 #include <cstdint>
-#include <cstring>
 #include <type_traits>
 
+#include "rounding.h"
 #include "sgd_math.h"
 #include "slots.h"
 
 namespace lfsgd {
-
-// A float's bits and back (memcpy: the defined way, compiled to nothing).
-LFSGD_ELEMENT uint32_t float_bits(float v) {
-  uint32_t bits;
-  std::memcpy(&bits, &v, sizeof(bits));
-  return bits;
-}
-LFSGD_ELEMENT float bits_float(uint32_t bits) {
-  float value;
-  std::memcpy(&value, &bits, sizeof(value));
-  return value;
-}
-
-// fp32 bits rounded to nearest even bf16, in their high half (the low half is what rounding drops), NaN not
-// treated apart (the callers keep it). `U`: uint32_t, or int32 lanes (vec_elements.h).
-template <typename U>
-LFSGD_ELEMENT U nearest_even_high_bits(U bits) {
-  return bits + U(0x7FFFu) + (shift_right_logical<16>(bits) & U(1u));
-}
-
-// The bits of v rounded to nearest even bf16, a NaN as kBf16NanBits. Integer operations only (the NaN test too),
-// which the compiler vectorizes where the CPU kernel has no vector code.
-LFSGD_ELEMENT uint16_t rounded_bits(float v) {
-  const uint32_t bits = float_bits(v);
-  return nan_bits(bits) ? kBf16NanBits : static_cast<uint16_t>(nearest_even_high_bits(bits) >> 16);
-}
 
 // The bits of v rounded to nearest in the 16-bit type P.
 template <typename P>
@@ -106,29 +80,29 @@ LFSGD_ELEMENT V load_value(const T* p, int64_t i, const V& /*like*/) {
 // Stores an update at i, an element (V: the opmath type) or a vector block of 16-bit params (V: FloatPair,
 // vec_elements.h): the weight `wi` into the fp32 master and its rounding into the param, or rounded to nearest into
 // the param and what that dropped into the Kahan compensation (`m`: the companion), or rounded stochastically with
-// the element's random bits (`key`: rounding_key; bf16 params alone only), or rounded to nearest; and the momentum
-// buffer `bi` where there is one, rounded the same way as the param.
-template <Weight kWeight, typename P, typename B, typename M, typename V>
-LFSGD_ELEMENT void store_update(P* w, B* b, M* m, int64_t i, const V& wi, const V& bi, bool momentum, bool stochastic,
-                                uint32_t key) {
+// the element's random bits (`key`: rounding_key; bf16 params alone only), or rounded to nearest; and the aux
+// stream's `ai` where it stores one (`stores_aux`), rounded the same way as the param.
+template <Weight kWeight, typename P, typename A, typename M, typename V>
+LFSGD_ELEMENT void store_update(P* w, A* aux, M* m, int64_t i, const V& wi, const V& ai, bool stores_aux,
+                                bool stochastic, uint32_t key) {
   if constexpr (kWeight == Weight::kMaster) store_value<P>(m, i, wi);
   if constexpr (kWeight == Weight::kKahan) {
     const auto rounded = nearest_bf16(wi);
     store_bf16(w, i, rounded);
     store_value<P>(m, i, kahan_compensation(wi, bf16_value(rounded)));
-    if (momentum) store_value<P>(b, i, bi);
+    if (stores_aux) store_value<P>(aux, i, ai);
     return;
   }
   if constexpr (std::is_same_v<P, c10::BFloat16> && kWeight == Weight::kParam) {
     if (stochastic) {
       const auto random = random_bits(key, i, wi);
       store_bf16(w, i, stochastic_bf16(wi, high_half(random)));
-      if (momentum) store_bf16(b, i, stochastic_bf16(bi, low_half(random)));
+      if (stores_aux) store_bf16(aux, i, stochastic_bf16(ai, low_half(random)));
       return;
     }
   }
   store_value<P>(w, i, wi);
-  if (momentum) store_value<P>(b, i, bi);
+  if (stores_aux) store_value<P>(aux, i, ai);
 }
 
 // Updates the average of the weights at i (an element or a block, as store_update) from the new weight `wi`.
@@ -147,59 +121,59 @@ LFSGD_ELEMENT V zero_like(const V& /*like*/) {
   return V(0);
 }
 
-// One tensor's streams as the update reads and writes them, typed for its bucket (params of P, buffers of B, weights
-// stored as kWeight): the param, its gradient, the buffer (momentum buffer or z), the companion (master or
-// compensation) and the average of the weights, each null where it has none.
-template <typename P, typename B, Weight kWeight>
+// One tensor's streams as the update reads and writes them, typed for its bucket (params of P, an aux stream of A,
+// weights stored as kWeight): the param, its gradient, the aux stream (momentum buffer or z), the companion (master
+// or compensation) and the average of the weights, each null where it has none.
+template <typename P, typename A, Weight kWeight>
 struct Streams {
   using O = typename OpMath<P>::type;
   P* w;
   const P* g;
-  B* b;
+  A* aux;
   Companion<kWeight>* m;
   O* e;
 
   // Calls f(stream, written) for each stream an update reads (`written`: std::integral_constant<int, 1> where it
-  // writes it too), with a buffer (kBuffer) and an average (kAverage) or without: the CPU loop asks for their
+  // writes it too), with an aux stream (kAux) and an average (kAverage) or without: the CPU loop asks for their
   // lines ahead.
-  template <bool kBuffer, bool kAverage, typename F>
+  template <bool kAux, bool kAverage, typename F>
   void each(F&& f) const {
     using Read = std::integral_constant<int, 0>;
     using Written = std::integral_constant<int, 1>;
     f(w, Written{});
     f(g, Read{});
-    if constexpr (kBuffer) f(b, Written{});
+    if constexpr (kAux) f(aux, Written{});
     if constexpr (kWeight != Weight::kParam) f(m, Written{});
     if constexpr (kAverage) f(e, Written{});
   }
 };
 
 // A tensor's streams from its param, gradient and slots.
-template <typename P, typename B, Weight kWeight>
-LFSGD_HOST_DEVICE inline Streams<P, B, kWeight> streams_of(void* param, const void* grad, const SlotPointers& slots,
+template <typename P, typename A, Weight kWeight>
+LFSGD_HOST_DEVICE inline Streams<P, A, kWeight> streams_of(void* param, const void* grad, const SlotPointers& slots,
                                                            bool schedule_free) {
   using O = typename OpMath<P>::type;
-  return {static_cast<P*>(param), static_cast<const P*>(grad), static_cast<B*>(slots.buffer(schedule_free)),
+  return {static_cast<P*>(param), static_cast<const P*>(grad), static_cast<A*>(slots.aux(schedule_free)),
           static_cast<Companion<kWeight>*>(slots.companion(kWeight)), static_cast<O*>(slots.of[kEma])};
 }
 
 // The operands at i (Operands, sgd_math.h; V: the opmath type for an element, FloatPair for a block; `like` picks
-// it). `read_buffer`: the buffer holds a value (it exists, and the kernel does not seed it this step), else it
+// it). `reads_aux`: the aux stream holds a value (it exists, and the kernel does not seed it this step), else it
 // reads as 0.
-template <typename P, typename B, Weight kWeight, typename V>
-LFSGD_ELEMENT Operands<V> load_operands(const Streams<P, B, kWeight>& s, int64_t i, bool read_buffer, const V& like) {
+template <typename P, typename A, Weight kWeight, typename V>
+LFSGD_ELEMENT Operands<V> load_operands(const Streams<P, A, kWeight>& s, int64_t i, bool reads_aux, const V& like) {
   return {load_weight_value<kWeight>(s.w, s.m, i, like), load_value<P>(s.g, i, like),
-          read_buffer ? load_value<P>(s.b, i, like) : zero_like(like)};
+          reads_aux ? load_value<P>(s.aux, i, like) : zero_like(like)};
 }
 
-// The update of the operands at i (update_element) and its stores: the weight and the buffer (`buffer`: there is
-// one), rounded stochastically with `key` (`stochastic`) or to nearest (store_update), and where `average`, the
+// The update of the operands at i (update_element) and its stores: the weight and the aux stream (`stores_aux`:
+// there is one), rounded stochastically with `key` (`stochastic`) or to nearest (store_update), and where `average`, the
 // average of the weights (store_average, with `a`).
-template <bool kScheduleFree, bool kClipValue, typename P, typename B, Weight kWeight, typename V, typename S>
-LFSGD_ELEMENT void update_at(const Streams<P, B, kWeight>& s, int64_t i, Operands<V>& o, const Coeffs<S>& c,
-                             bool buffer, bool stochastic, uint32_t key, bool average, const AverageCoeffs<S>& a) {
+template <bool kScheduleFree, bool kClipValue, typename P, typename A, Weight kWeight, typename V, typename S>
+LFSGD_ELEMENT void update_at(const Streams<P, A, kWeight>& s, int64_t i, Operands<V>& o, const Coeffs<S>& c,
+                             bool stores_aux, bool stochastic, uint32_t key, bool average, const AverageCoeffs<S>& a) {
   update_element<kScheduleFree, kClipValue>(o, c);
-  store_update<kWeight>(s.w, s.b, s.m, i, o.w, o.b, buffer, stochastic, key);
+  store_update<kWeight>(s.w, s.aux, s.m, i, o.w, o.aux, stores_aux, stochastic, key);
   if (average) store_average<P>(s.e, i, o.w, a);
 }
 

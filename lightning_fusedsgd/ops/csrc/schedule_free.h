@@ -49,9 +49,10 @@ LFSGD_HOST_DEVICE inline void advance_schedule_free(double* scalars, int64_t gro
 }
 
 // The switch of a schedule-free param between its training point y and its average x (optimizer.train() and
-// .eval()), both on the line through z: x = lerp(y, z, 1 - 1 / beta), y = lerp(x, z, 1 - beta).
+// .eval()), both on the line through z: x = lerp(y, z, 1 - 1 / beta), y = lerp(x, z, 1 - beta), beta its
+// interpolation.
 LFSGD_HOST_DEVICE inline double switch_weight(const GroupHParams& h, bool train) {
-  return train ? 1.0 - h.momentum : 1.0 - 1.0 / h.momentum;
+  return train ? 1.0 - interpolation(h) : 1.0 - 1.0 / interpolation(h);
 }
 
 }  // namespace lfsgd

@@ -1,6 +1,9 @@
-// The per-group hyperparameters and the per-element SGD/LARS math, written once for the CPU kernel and
-// (under nvcc) the CUDA kernel. lightning_fusedsgd/ops/reference.py mirrors every function here, and
-// lightning_fusedsgd/_abi.py lists LFSGD_HPARAMS's columns in order (checked when the library loads).
+// The per-group hyperparameters (LFSGD_HPARAMS: the columns of the table the ops take) and the per-element math that
+// reads them: SGD's and LARS's update, the average of the weights and schedule-free SGD's step, written once for
+// the CPU kernel and (under nvcc) the CUDA kernel; how a result is rounded into bf16 is rounding.h's.
+// lightning_fusedsgd/ops/reference.py mirrors every function here, and lightning_fusedsgd/_abi.py lists
+// LFSGD_HPARAMS's columns in order (checked when the library loads). The table and its math share this file so that
+// an option's field and its use sit side by side: an option touches one C++ file (docs/design.md).
 #pragma once
 
 #include <cmath>
@@ -129,23 +132,30 @@ LFSGD_ELEMENT T mul_add(T a, T b, T c) {
 }
 #endif
 
+// Whether a group's update keeps a momentum buffer: SGD's momentum is on. A schedule-free group's momentum column
+// is its interpolation (interpolation below), and it keeps z instead. Decided here alone: make_coeffs gives it to
+// the loops (Coeffs::has_momentum_buffer), and the momentum_buffer slot's held rule reads it (slots.h).
+LFSGD_HOST_DEVICE inline bool keeps_momentum_buffer(const GroupHParams& h) {
+  return h.momentum != 0.0 && !h.schedule_free;
+}
+
 // Everything the element update needs, resolved once per tensor. `T` is the opmath type.
 template <typename T>
 struct Coeffs {
-  T grad_mul;             // sign / grad_scale: unscale and maximize in one exact multiply
-  T clip_value;           // clip_grad_value_'s bound, inf when off
-  T clip_coef;            // clip_grad_norm_'s coefficient, 1 when off
-  T wd_coupled;           // lambda, or 0 when weight decay is applied after momentum
-  T trust;                // LARS trust ratio r, 1 for plain SGD
-  T momentum;             // mu
-  T one_minus_dampening;  // 1 - tau
-  T wd_after;             // lambda when wd_after_momentum, else 0
-  T lr;                   // gamma
-  bool has_momentum;      // mu != 0: a buffer exists
-  bool first;             // this parameter's first step: seed the buffer with g
+  T grad_mul;                // sign / grad_scale: unscale and maximize in one exact multiply
+  T clip_value;              // clip_grad_value_'s bound, inf when off
+  T clip_coef;               // clip_grad_norm_'s coefficient, 1 when off
+  T wd_coupled;              // lambda, or 0 when weight decay is applied after momentum
+  T trust;                   // LARS trust ratio r, 1 for plain SGD
+  T momentum;                // mu
+  T one_minus_dampening;     // 1 - tau
+  T wd_after;                // lambda when wd_after_momentum, else 0
+  T lr;                      // gamma
+  bool has_momentum_buffer;  // keeps_momentum_buffer
+  bool first;                // this parameter's first step: seed the momentum buffer with g
   bool nesterov;
-  T ckp1;                 // schedule-free: the weight of z in this step's average (apply_schedule_free)
-  T y_grad;               // schedule-free: the gradient's coefficient in y's step
+  T ckp1;                    // schedule-free: the weight of z in this step's average (apply_schedule_free)
+  T y_grad;                  // schedule-free: the gradient's coefficient in y's step
 };
 
 // `clip`: the step's clip_grad_norm_ coefficient (clip_coef), 1 where it does not clip by norm.
@@ -161,7 +171,7 @@ LFSGD_HOST_DEVICE inline Coeffs<T> make_coeffs(const GroupHParams& h, double inv
                    static_cast<T>(1.0 - h.dampening),
                    static_cast<T>(h.wd_after_momentum ? weight_decay : 0.0),
                    static_cast<T>(h.lr),
-                   h.momentum != 0.0,
+                   keeps_momentum_buffer(h),
                    first,
                    h.nesterov,
                    T(0),
@@ -209,8 +219,8 @@ LFSGD_ELEMENT void sgd_element(V& w, V g, V& b, const Coeffs<S>& c) {
   const V buffer = c.first ? g : averaged;
   const V looked_ahead = mul_add(buffer, V(c.momentum), g);
   const V direction = c.nesterov ? looked_ahead : buffer;
-  b = c.has_momentum ? buffer : b;
-  g = c.has_momentum ? direction : g;
+  b = c.has_momentum_buffer ? buffer : b;
+  g = c.has_momentum_buffer ? direction : g;
   const V decayed_after = mul_add(w, V(c.wd_after), g);
   g = pick(c.wd_after != S(0), decayed_after, g);
   w = mul_add(g, V(-c.lr), w);
@@ -258,6 +268,10 @@ LFSGD_ELEMENT V lerp(V self, V end, S weight) {
   return pick(small, mul_add(V(weight), difference, self), mul_add(V(weight - S(1)), difference, end));
 }
 
+// Schedule-free SGD's interpolation beta between the average x and the SGD sequence z: a schedule-free group holds it
+// in the momentum column (schedulefree's argument name), which means SGD's momentum elsewhere.
+LFSGD_HOST_DEVICE inline double interpolation(const GroupHParams& h) { return h.momentum; }
+
 // Schedule-free SGD (Defazio et al. 2024), as schedulefree.SGDScheduleFree steps it: the param holds
 // y = (1 - beta) z + beta x, z takes plain SGD steps and x is the average of the z's, with weight c_{k+1}
 // (ckp1) on the newest. Its step in y and z alone (x is never formed): y <- lerp(y, z, ckp1) + lr (beta (1 - ckp1)
@@ -266,10 +280,10 @@ LFSGD_ELEMENT V lerp(V self, V end, S weight) {
 template <typename T>
 LFSGD_HOST_DEVICE inline void apply_schedule_free(Coeffs<T>& c, const GroupHParams& h, double ckp1) {
   c.ckp1 = static_cast<T>(ckp1);
-  c.y_grad = static_cast<T>(h.lr * (h.momentum * (1.0 - ckp1) - 1.0));
+  c.y_grad = static_cast<T>(h.lr * (interpolation(h) * (1.0 - ckp1) - 1.0));
 }
 
-// One element's schedule-free step (`z` the update's second stream, where SGD has its buffer), in the peer's
+// One element's schedule-free step (`z`: the update's aux stream, where SGD has its momentum buffer), in the peer's
 // foreach operations and their roundings: grad.add_(y, alpha=wd), y.lerp_(z, ckp1), y.add_(grad, alpha=y_grad),
 // z.sub_(grad, alpha=lr).
 template <bool kClipValue = true, typename V, typename S>
@@ -281,13 +295,13 @@ LFSGD_ELEMENT void schedule_free_element(V& y, V g, V& z, const Coeffs<S>& c) {
   z = mul_add(g, V(-c.lr), z);
 }
 
-// What an element's update reads, in opmath (V: a value, or a vector block): its weight, its gradient and its
-// buffer (the momentum buffer, or z). The kernels load and store them in elements.h (load_operands, update_at).
+// What an element's update reads, in opmath (V: a value, or a vector block): its weight, its gradient and its aux
+// stream (the momentum buffer, or z). The kernels load and store them in elements.h (load_operands, update_at).
 template <typename V>
 struct Operands {
   V w;
   V g;
-  V b;
+  V aux;
 };
 
 // Calls f(a's, b's, c's) for each operand of three Operands, in order (a block's halves are taken so).
@@ -295,16 +309,16 @@ template <typename F, typename A, typename B, typename C>
 LFSGD_ELEMENT void zip_operands(F&& f, A& a, B& b, C& c) {
   f(a.w, b.w, c.w);
   f(a.g, b.g, c.g);
-  f(a.b, b.b, c.b);
+  f(a.aux, b.aux, c.aux);
 }
 
-// One element's update: SGD's, or (kScheduleFree) schedule-free SGD's, whose z is where SGD's buffer is.
+// One element's update: SGD's, with the momentum buffer, or (kScheduleFree) schedule-free SGD's, with z.
 template <bool kScheduleFree, bool kClipValue = true, typename V, typename S>
 LFSGD_ELEMENT void update_element(Operands<V>& o, const Coeffs<S>& c) {
   if constexpr (kScheduleFree) {
-    schedule_free_element<kClipValue>(o.w, o.g, o.b, c);
+    schedule_free_element<kClipValue>(o.w, o.g, o.aux, c);
   } else {
-    sgd_element<kClipValue>(o.w, o.g, o.b, c);
+    sgd_element<kClipValue>(o.w, o.g, o.aux, c);
   }
 }
 
@@ -377,93 +391,6 @@ template <typename T>
 LFSGD_HOST_DEVICE inline void apply_lars(Coeffs<T>& c, double sum_w, double sum_g, const GroupHParams& h) {
   c.trust = static_cast<T>(lars_trust(sum_w, sum_g, h));
   if (h.lars_zero_norm == kPlainGrad && (sum_w == 0.0 || sum_g == 0.0)) c.wd_coupled = T(0);
-}
-
-// x where it is finite, else 0, in float operations: x - x is 0 exactly where x is finite.
-template <typename V>
-LFSGD_ELEMENT V finite_or_zero(V x) {
-  return x - x == V(0) ? x : V(0);
-}
-
-// Kahan-compensated bf16 weights (update_rounding="kahan", bf16 params without masters): the weight is param +
-// compensation, added in fp32. After the update the param takes the fp32 result rounded to nearest, and the
-// compensation what that rounding dropped (the difference is exact in fp32), itself rounded to nearest bf16:
-// an update below half an ulp of the param accumulates there until it moves the param. The compensation of a
-// param rounded to inf or NaN is 0 (inf - inf would make the next weight NaN).
-template <typename V>
-LFSGD_ELEMENT V kahan_compensation(V weight, V rounded) {
-  return finite_or_zero(weight - rounded);
-}
-
-// Stochastic rounding of the update to bf16 (update_rounding="stochastic", bf16 params without masters): the
-// fp32 result rounds up with probability (the dropped 16 bits) / 2^16, so E[rounded] is the fp32 value and small
-// updates are not lost. Each element draws 32 random bits, a pure function of (seed, the param's count of
-// stochastic steps, tensor, element index), the same on any thread count and device: the high 16 round the
-// weight, the low 16 the momentum buffer. The draw is murmur3's 32-bit finalizer over a per-tensor key plus the
-// index times the golden ratio (one finalizer an element, which keeps the step near the memory floor: its two
-// integer multiplies, and the index's, which the vector loops replace by an addition: draw_counter).
-//
-// `U` is uint32_t, or a vector of int32 lanes (vec_math.h), whose multiplies wrap alike.
-template <int kBits, typename U>
-LFSGD_ELEMENT U shift_right_logical(U x) {
-  return x >> kBits;
-}
-
-template <typename U>
-LFSGD_ELEMENT U mix32(U x) {
-  x = x ^ shift_right_logical<16>(x);
-  x = x * U(0x85EBCA6Bu);
-  x = x ^ shift_right_logical<13>(x);
-  x = x * U(0xC2B2AE35u);
-  return x ^ shift_right_logical<16>(x);
-}
-
-// The key of one tensor's draws at its count of stochastic steps: tensor is its index in the bucket.
-LFSGD_HOST_DEVICE inline uint32_t rounding_key(double rounding_seed, int64_t count, int64_t tensor) {
-  const uint64_t seed = static_cast<uint64_t>(rounding_seed);
-  const uint64_t step = static_cast<uint64_t>(count);
-  uint32_t key = mix32(static_cast<uint32_t>(seed) ^ 0x9E3779B9u);
-  key = mix32(key ^ static_cast<uint32_t>(seed >> 32));
-  key = mix32(key ^ static_cast<uint32_t>(step));
-  key = mix32(key ^ static_cast<uint32_t>(step >> 32));
-  return mix32(key ^ static_cast<uint32_t>(tensor));
-}
-
-// 2^32 over the golden ratio: consecutive indices times it spread over the 32 bits before the finalizer.
-constexpr uint32_t kGoldenStep = 0x9E3779B9u;
-
-// What the finalizer mixes into the 32 random bits of the element with index (index_high << 32) + index_low of
-// the tensor with this key. It wraps, so the element n places on has this plus n * kGoldenStep: the vector loops
-// add that to one element's counter instead of multiplying each lane's index.
-LFSGD_ELEMENT uint32_t draw_counter(uint32_t key, uint32_t index_low, uint32_t index_high) {
-  return key + index_low * kGoldenStep + index_high;
-}
-
-LFSGD_ELEMENT uint32_t element_random_bits(uint32_t key, int64_t i) {
-  const uint64_t index = static_cast<uint64_t>(i);
-  return mix32(draw_counter(key, static_cast<uint32_t>(index), static_cast<uint32_t>(index >> 32)));
-}
-
-// The bits a bf16 NaN is stored as, whatever the NaN: ATen's vector conversions' (all ones), which the CPU
-// kernel's vector loops take, so its scalar tail, and the CUDA kernel, take them too.
-constexpr uint16_t kBf16NanBits = 0xFFFFu;
-
-// Whether fp32 bits are a NaN, in integer operations.
-LFSGD_ELEMENT bool nan_bits(uint32_t bits) { return (bits & 0x7FFFFFFFu) > 0x7F800000u; }
-
-// The high half of fp32 bits: where a bf16 value's bits sit.
-constexpr uint32_t kHighHalf = 0xFFFF0000u;
-
-// The fp32 bits rounded stochastically to their high half with 16 random bits: added below the kept bits, then
-// the sum is truncated (+-inf stays +-inf; a NaN's sum means nothing, the callers keep the NaN).
-template <typename U>
-LFSGD_ELEMENT U stochastic_high_bits(U bits, U random16) {
-  return (bits + random16) & U(kHighHalf);
-}
-
-// The bf16 bits of the fp32 value with these bits, rounded stochastically (stochastic_high_bits).
-LFSGD_ELEMENT uint16_t stochastic_bf16_bits(uint32_t bits, uint32_t random16) {
-  return nan_bits(bits) ? kBf16NanBits : static_cast<uint16_t>(stochastic_high_bits(bits, random16) >> 16);
 }
 
 }  // namespace lfsgd

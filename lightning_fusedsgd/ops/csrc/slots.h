@@ -38,7 +38,7 @@ struct SlotFacts {
 inline bool low_precision(at::ScalarType dtype) { return dtype == at::kBFloat16 || dtype == at::kHalf; }
 
 // The slots' held rules (_abi.Slot.held): each reads the dtype, the master weights and plan options only.
-inline bool has_momentum_buffer(const SlotFacts& f) { return f.h.momentum != 0.0 && !f.h.schedule_free; }
+inline bool has_momentum_buffer(const SlotFacts& f) { return keeps_momentum_buffer(f.h); }
 inline bool has_masters(const SlotFacts& f) { return f.master_weights && low_precision(f.dtype); }
 inline bool rounds_bf16(const SlotFacts& f, UpdateRounding rounding) {
   return f.dtype == at::kBFloat16 && !has_masters(f) && f.h.update_rounding == rounding;
@@ -49,9 +49,9 @@ inline bool rounds_stochastically(const SlotFacts& f) { return rounds_bf16(f, kS
 inline bool has_average(const SlotFacts& f) { return averages(f.h); }
 inline bool steps_schedule_free(const SlotFacts& f) { return f.h.schedule_free; }
 
-// The slots' dtype rules (_abi.Slot.dtype). A buffer the update reads and writes beside the weight is fp32 beside
-// fp32 masters, else the param's dtype; the average is in opmath; a count is one int64.
-inline at::ScalarType buffer_dtype(const SlotFacts& f) { return has_masters(f) ? at::kFloat : f.dtype; }
+// The slots' dtype rules (_abi.Slot.dtype). A stream the update reads and writes beside the weight (its aux stream,
+// below) is fp32 beside fp32 masters, else in the param's dtype; the average is in opmath; a count is one int64.
+inline at::ScalarType stream_dtype(const SlotFacts& f) { return has_masters(f) ? at::kFloat : f.dtype; }
 inline at::ScalarType fp32_dtype(const SlotFacts&) { return at::kFloat; }
 inline at::ScalarType bf16_dtype(const SlotFacts&) { return at::kBFloat16; }
 inline at::ScalarType opmath_dtype(const SlotFacts& f) { return f.dtype == at::kDouble ? at::kDouble : at::kFloat; }
@@ -63,14 +63,14 @@ inline at::ScalarType count_dtype(const SlotFacts&) { return at::kLong; }
 // Loading the library compares the names, the seeds and, over every combination of the plan options and dtypes,
 // the held and dtype rules with _abi.SLOTS.
 #define LFSGD_SLOTS(X)                                                                    \
-  X(kMomentumBuffer, momentum_buffer, has_momentum_buffer, buffer_dtype, Seed::kGradient) \
+  X(kMomentumBuffer, momentum_buffer, has_momentum_buffer, stream_dtype, Seed::kGradient) \
   X(kMasterParam, master_param, has_masters, fp32_dtype, Seed::kWeight)                   \
   X(kKahanCompensation, kahan_compensation, rounds_kahan, bf16_dtype, Seed::kResidual)    \
   X(kRoundingStep, rounding_step, rounds_stochastically, count_dtype, Seed::kZeros)       \
   X(kEma, ema, has_average, opmath_dtype, Seed::kWeight)                                  \
   X(kEmaStep, ema_step, has_average, count_dtype, Seed::kZeros)                           \
   X(kEmaUpdates, ema_updates, has_average, count_dtype, Seed::kZeros)                     \
-  X(kZ, z, steps_schedule_free, buffer_dtype, Seed::kWeight)
+  X(kZ, z, steps_schedule_free, stream_dtype, Seed::kWeight)
 
 #define LFSGD_SLOT_ENUM(constant, name, held, dtype, seed) constant,
 enum Slot : int { LFSGD_SLOTS(LFSGD_SLOT_ENUM) kNumSlots };
@@ -107,8 +107,9 @@ inline SlotRules slot_rules(const SlotFacts& f) {
 struct SlotPointers {
   void* of[kNumSlots];
 
-  // The stream the update reads and writes beside the weight: its momentum buffer, or a schedule-free tensor's z.
-  LFSGD_HOST_DEVICE void* buffer(bool schedule_free) const { return of[schedule_free ? kZ : kMomentumBuffer]; }
+  // The update's aux stream, which it reads and writes beside the weight: SGD's momentum buffer, or schedule-free
+  // SGD's z.
+  LFSGD_HOST_DEVICE void* aux(bool schedule_free) const { return of[schedule_free ? kZ : kMomentumBuffer]; }
   // The slot beside the param that holds part of its weight (Weight): its master or its compensation.
   LFSGD_HOST_DEVICE void* companion(Weight weight) const {
     return of[weight == Weight::kKahan ? kKahanCompensation : kMasterParam];

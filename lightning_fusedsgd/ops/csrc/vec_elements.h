@@ -16,6 +16,7 @@
 #include <type_traits>
 
 #include "elements.h"
+#include "rounding.h"
 #include "sgd_math.h"
 
 namespace lfsgd {

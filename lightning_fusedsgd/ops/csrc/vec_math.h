@@ -1,8 +1,8 @@
 // The element functions' operations that a vector of floats (ATen's at::vec::Vectorized<float>) does otherwise
 // than a float: for the CPU library's AVX2 and AVX-512 builds, whose 16-bit loops run on vectors (sgd_math.h
-// includes this file ahead of its templates, whose lookup needs these overloads declared first). Where at::vec
-// has no single instruction for one (a logical shift by a constant, a select by a comparison, which it takes
-// through a mask vector), the capability's intrinsic.
+// includes this file ahead of its templates and rounding.h's, whose lookup needs these overloads declared first).
+// Where at::vec has no single instruction for one (a logical shift by a constant, a select by a comparison, which
+// it takes through a mask vector), the capability's intrinsic.
 #pragma once
 
 #include <ATen/cpu/vec/vec.h>

@@ -1,8 +1,10 @@
-// The device interface (device.h) emulated on the CPU: CUDA's execution model, for exactly what the kernels of
-// fused_sgd_cuda.cu use, so that a host compiler builds that file as it is and it runs on CPU tensors (tests only).
+// The device interface (device.h) emulated on the CPU: CUDA's execution model, for exactly what the CUDA library
+// (fused_sgd_cuda.cu, its kernels and launches) uses, so that a host compiler builds it as it is and it runs on CPU
+// tensors (tests only).
 //
-// - A launch runs its blocks one after another, and each block's threads as fibers (stackful coroutines) on the
-//   calling OS thread: a thread runs until it reaches __syncthreads, a warp shuffle or its end, then another runs.
+// - A launch runs its blocks one after another, and each block's threads as fibers (stackful coroutines, fibers.h)
+//   on the calling OS thread: a thread runs until it reaches __syncthreads, a warp shuffle or its end, then
+//   another runs.
 // - __syncthreads is a real barrier among the block's threads, and __shfl_down_sync one among the 32 lanes of a
 //   warp, each lane reading what its source lane passed to the same call (warp-synchronous).
 // - Blocks, and the threads between two barriers, run in an order a seed chooses (set_schedule): in order (0),
@@ -42,11 +44,8 @@
 #include <utility>
 #include <vector>
 
-#if !defined(__x86_64__)
-#include <ucontext.h>
-#endif
-
 #include "emulated_memory.h"
+#include "fibers.h"
 
 #define LFSGD_DEVICE_LIBRARY lightning_fusedsgd_cuda_emulated
 // The emulated device's key: the ops' CPU kernels are the runtime's side of a call (call_on_device), which runs
@@ -84,13 +83,10 @@ inline thread_local Dim3 thread_idx, block_idx, block_dim, grid_dim;
 constexpr size_t kStackBytes = 64 * 1024;  // a kernel's frames: a few KB (write_bytes_kernel's 4 KB parameter)
 constexpr unsigned kWarp = 32;
 
+// A CUDA thread of the running block.
 struct Fiber {
   enum State { kReady, kAtBarrier, kAtShuffle, kDone };
-#if defined(__x86_64__)
-  void* sp = nullptr;
-#else
-  ucontext_t context;
-#endif
+  Context context;
   unsigned tid = 0;
   State state = kReady;
   unsigned shuffles = 0;  // shuffles this lane made: their parity picks the warp's slot buffer
@@ -127,11 +123,7 @@ struct Launch {
   unsigned fault_thread = 0;
   void (*invoke)(void*) = nullptr;  // runs the kernel with the launch's arguments
   void* body = nullptr;
-#if defined(__x86_64__)
-  void* scheduler_sp = nullptr;
-#else
-  ucontext_t scheduler;
-#endif
+  Context scheduler;  // where a fiber that waits or ends switches to
   std::mt19937_64 random;
 };
 inline thread_local Launch* current = nullptr;
@@ -139,67 +131,10 @@ inline thread_local Launch* current = nullptr;
 // Fiber stacks, kept for the next launches of this OS thread.
 inline thread_local std::vector<std::unique_ptr<char[]>> stacks;
 
-}  // namespace lfsgd::emulation
-
-#if defined(__x86_64__)
-// Saves the callee-saved registers, MXCSR and the x87 control word on the current stack, stores the stack pointer in
-// *save and continues on the stack `load` (whose top holds the same). lfsgd_emulation_entry starts a fiber: it calls
-// the function in r12 with the fiber in rbx.
-extern "C" void lfsgd_emulation_switch(void** save, void* load);
-extern "C" void lfsgd_emulation_entry();
-asm(R"(
-  .pushsection .text
-  .p2align 4
-  .globl lfsgd_emulation_switch
-  .hidden lfsgd_emulation_switch
-  .type lfsgd_emulation_switch, @function
-lfsgd_emulation_switch:
-  pushq %rbp
-  pushq %rbx
-  pushq %r12
-  pushq %r13
-  pushq %r14
-  pushq %r15
-  subq $8, %rsp
-  stmxcsr (%rsp)
-  fnstcw 4(%rsp)
-  movq %rsp, (%rdi)
-  movq %rsi, %rsp
-  ldmxcsr (%rsp)
-  fldcw 4(%rsp)
-  addq $8, %rsp
-  popq %r15
-  popq %r14
-  popq %r13
-  popq %r12
-  popq %rbx
-  popq %rbp
-  ret
-  .size lfsgd_emulation_switch, .-lfsgd_emulation_switch
-  .p2align 4
-  .globl lfsgd_emulation_entry
-  .hidden lfsgd_emulation_entry
-  .type lfsgd_emulation_entry, @function
-lfsgd_emulation_entry:
-  movq %rbx, %rdi
-  callq *%r12
-  ud2
-  .size lfsgd_emulation_entry, .-lfsgd_emulation_entry
-  .popsection
-)");
-#endif
-
-namespace lfsgd::emulation {
-
 // Back to the scheduler, from the running fiber.
 inline void yield() {
   Launch& launch = *current;
-  Fiber& fiber = *launch.running;
-#if defined(__x86_64__)
-  lfsgd_emulation_switch(&fiber.sp, launch.scheduler_sp);
-#else
-  swapcontext(&fiber.context, &launch.scheduler);
-#endif
+  switch_context(launch.running->context, launch.scheduler);
 }
 
 // Ends the running fiber with an error the launch reports once the block stops.
@@ -211,55 +146,19 @@ inline void yield() {
   __builtin_unreachable();
 }
 
-// A fiber's life: the kernel, then back to the scheduler for good.
-extern "C" [[noreturn]] inline void lfsgd_emulation_fiber_main(Fiber* fiber) {
+// A fiber's life (`fiber`: its Fiber): the kernel, then back to the scheduler for good.
+[[noreturn]] inline void run_fiber(void* fiber) {
   current->invoke(current->body);
-  fiber->state = Fiber::kDone;
+  static_cast<Fiber*>(fiber)->state = Fiber::kDone;
   yield();
   __builtin_unreachable();
 }
 
-#if !defined(__x86_64__)
-inline void fiber_start_trampoline(unsigned high, unsigned low) {
-  lfsgd_emulation_fiber_main(reinterpret_cast<Fiber*>((static_cast<uintptr_t>(high) << 32) | low));
-}
-#endif
-
-// Makes `fiber` start at lfsgd_emulation_fiber_main on `stack` when resumed.
-inline void prepare(Fiber& fiber, char* stack) {
-#if defined(__x86_64__)
-  const uintptr_t top = (reinterpret_cast<uintptr_t>(stack) + kStackBytes) & ~uintptr_t{15};
-  auto* frame = reinterpret_cast<uintptr_t*>(top - 80);  // what lfsgd_emulation_switch pops, in its order
-  uint32_t mxcsr;
-  uint16_t control;
-  asm volatile("stmxcsr %0" : "=m"(mxcsr));
-  asm volatile("fnstcw %0" : "=m"(control));
-  frame[0] = mxcsr | (static_cast<uintptr_t>(control) << 32);
-  frame[1] = frame[2] = frame[3] = 0;                                         // r15, r14, r13
-  frame[4] = reinterpret_cast<uintptr_t>(&lfsgd_emulation_fiber_main);        // r12
-  frame[5] = reinterpret_cast<uintptr_t>(&fiber);                             // rbx
-  frame[6] = 0;                                                               // rbp
-  frame[7] = reinterpret_cast<uintptr_t>(&lfsgd_emulation_entry);             // return address
-  fiber.sp = frame;
-#else
-  getcontext(&fiber.context);
-  fiber.context.uc_stack.ss_sp = stack;
-  fiber.context.uc_stack.ss_size = kStackBytes;
-  fiber.context.uc_link = nullptr;
-  const auto address = reinterpret_cast<uintptr_t>(&fiber);
-  makecontext(&fiber.context, reinterpret_cast<void (*)()>(&fiber_start_trampoline), 2,
-              static_cast<unsigned>(address >> 32), static_cast<unsigned>(address));
-#endif
-}
-
+// Runs `fiber` until it waits or ends.
 inline void resume(Launch& launch, Fiber& fiber) {
   launch.running = &fiber;
   thread_idx = Dim3{fiber.tid, 0, 0};
-#if defined(__x86_64__)
-  lfsgd_emulation_switch(&launch.scheduler_sp, fiber.sp);
-#else
-  swapcontext(&launch.scheduler, &fiber.context);
-#endif
+  switch_context(launch.scheduler, fiber.context);
   launch.running = nullptr;
 }
 
@@ -319,7 +218,7 @@ inline void run_block(Launch& launch, unsigned threads) {
   for (unsigned t = 0; t < threads; ++t) {
     launch.fibers[t] = Fiber{};
     launch.fibers[t].tid = t;
-    prepare(launch.fibers[t], stacks[t].get());
+    start(launch.fibers[t].context, stacks[t].get(), kStackBytes, &run_fiber, &launch.fibers[t]);
   }
   launch.warps.assign((threads + kWarp - 1) / kWarp, Launch::Warp{});
   launch.at_barrier = 0;
