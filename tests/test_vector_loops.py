@@ -58,7 +58,7 @@ def test_vectors_and_tail_give_the_reference_bits(name):
         nan = expected.isnan()
         assert torch.equal(actual.isnan(), nan)
         assert torch.equal(_bits(actual)[~nan], _bits(expected)[~nan])
-        if actual.dtype == torch.bfloat16:  # the kernels' one bf16 NaN (kBf16NanBits in sgd_math.h)
+        if actual.dtype == torch.bfloat16:  # the kernels' one bf16 NaN (kBf16NanBits in rounding.h)
             assert torch.all(_bits(actual)[nan] == -1)
         if "stochastic" not in name:  # each element draws its own bits
             # Alike, NaN bits too, except NaN payloads in fp32 state: those are the arithmetic's (which the
