@@ -8,7 +8,6 @@ import io
 import logging
 import math
 import shutil
-import struct
 import sys
 import warnings
 from collections.abc import Callable
@@ -17,13 +16,13 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-import torchvision.transforms.functional as TF
+from image_helpers import SIZE, first_batch, oriented_copy, pil_reference
 from lightly.transforms import SimCLRTransform
 from lightning_utilities.core.rank_zero import rank_zero_only
 from PIL import Image
 from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import pil_loader
-from torchvision.transforms import InterpolationMode, RandomResizedCrop, v2
+from torchvision.transforms import RandomResizedCrop, v2
 
 import runner.decode
 from lightning_fusedsgd.lightning import ConfigError
@@ -40,24 +39,10 @@ from runner.decode import JpegDecoder, decode_on_cpu, jpeg_decoder
 from runner.files import EncodedFolder, EncodedImage, UnreadableImage, jpeg_size
 from runner.jpeg_folder import make_jpeg_folder
 
-SIZE = 64  # the tests' training size: small, so that resizing stays cheap
-
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     return make_jpeg_folder(tmp_path_factory.mktemp("jpegs"), classes=3, train=6, val=2)
-
-
-def _pil_reference(path: str, box: tuple[int, int, int, int] | None, flip: bool, size: int) -> torch.Tensor:
-    """torchvision's reference pipeline on one file: PIL decode, the crop resized (bilinear, PIL's antialias)
-    and flipped, or validation's Resize(size / 0.875) + CenterCrop(size); as a uint8 tensor."""
-    image = Image.open(path).convert("RGB")
-    if box is None:
-        image = TF.center_crop(TF.resize(image, round(size / 0.875)), size)
-    else:
-        image = TF.resized_crop(image, *box, [size, size], InterpolationMode.BILINEAR)
-        image = TF.hflip(image) if flip else image
-    return torch.from_numpy(np.array(image)).permute(2, 0, 1)
 
 
 def test_crop_boxes_are_torchvisions_random_resized_crop_draws():
@@ -110,7 +95,7 @@ def test_training_pixels_equal_torchvisions_reference_for_the_same_box(folder):
         crop = draw_crop(*pixels.shape[-2:], seed=index)
         ours = resized_crop(pixels, crop, SIZE)
         box = (crop.top, crop.left, crop.height, crop.width)
-        difference = (ours.int() - _pil_reference(image.path, box, crop.flip, SIZE).int()).abs()
+        difference = (ours.int() - pil_reference(image.path, box, crop.flip, SIZE).int()).abs()
         assert difference.max() <= 1 and difference.float().mean() <= 0.3, image.path
         tensor_reference = v2.functional.resized_crop(pixels, *box, [SIZE, SIZE], antialias=True)
         tensor_reference = tensor_reference.flip(-1) if crop.flip else tensor_reference
@@ -122,7 +107,7 @@ def test_validation_pixels_equal_torchvisions_resize_and_center_crop(folder):
     for index in range(len(files)):
         image = files[index]
         ours = center_crop(decode_on_cpu(image), SIZE, round(SIZE / 0.875))
-        difference = (ours.int() - _pil_reference(image.path, None, False, SIZE).int()).abs()
+        difference = (ours.int() - pil_reference(image.path, None, False, SIZE).int()).abs()
         assert ours.shape == (3, SIZE, SIZE) and difference.max() <= 1 and difference.float().mean() <= 0.3
 
 
@@ -140,11 +125,6 @@ def test_the_batch_is_normalized_as_torchvisions_normalize_channels_last_on_cuda
     torch.testing.assert_close(ours, reference, atol=1e-6, rtol=0)
 
 
-def _first_batch(module: ImageFolderDataModule, *, validation: bool = False):
-    loader = module.val_dataloader() if validation else module.train_dataloader()
-    return module.on_after_batch_transfer(next(iter(loader)), 0)
-
-
 def test_decoding_on_the_device_gives_the_workers_batches(folder):
     """data.decode=gpu's path (bytes to the device, decoded and augmented there) run on CPU tensors: the same
     boxes from the same sample seeds, the same pixels, labels and order as the workers' path (decode=cpu)."""
@@ -156,84 +136,22 @@ def test_decoding_on_the_device_gives_the_workers_batches(folder):
         module.setup()
         for dataset in (module.train_set, module.val_set):
             dataset.decode_on_device = on_device
-        batches[on_device] = (_first_batch(module), _first_batch(module, validation=True))
+        batches[on_device] = (first_batch(module), first_batch(module, validation=True))
     for (images, labels), (device_images, device_labels) in zip(batches[False], batches[True]):
         assert images.shape == (5, 3, SIZE, SIZE)
         assert torch.equal(images, device_images) and torch.equal(labels, device_labels)
 
 
-def _with_orientation(jpeg: bytes, orientation: int, byteorder: str) -> bytes:
-    """``jpeg`` with an EXIF block holding an orientation tag (as a camera writes it, in either byte order)
-    inserted after its start marker: the compressed image is the same bytes."""
-    order = "<" if byteorder == "little" else ">"
-    tiff = (b"II" if byteorder == "little" else b"MM") + struct.pack(order + "HI", 42, 8)
-    tiff += struct.pack(order + "H", 1) + struct.pack(order + "HHIHH", 0x0112, 3, 1, orientation, 0)
-    payload = b"Exif\x00\x00" + tiff + struct.pack(order + "I", 0)
-    return jpeg[:2] + b"\xff\xe1" + struct.pack(">H", len(payload) + 2) + payload + jpeg[2:]
-
-
-def _pil_pixels(path) -> torch.Tensor:
-    return torch.from_numpy(np.array(Image.open(path).convert("RGB"))).permute(2, 0, 1)
-
-
 @pytest.fixture
 def oriented(folder, tmp_path):
-    """The generated folder, each image given an EXIF orientation (2-8 in turn: flips, rotations by 90, 180
-    and 270 degrees), little-endian in train/, big-endian in val/."""
-    root = tmp_path / "oriented"
-    shutil.copytree(folder, root)
-    for split, byteorder in (("train", "little"), ("val", "big")):
-        for number, path in enumerate(sorted((root / split).rglob("*.JPEG"))):
-            orientation = 2 + number % 7
-            path.write_bytes(_with_orientation(path.read_bytes(), orientation, byteorder))
-            assert Image.open(path).getexif()[0x0112] == orientation  # what a camera's file says
-    return root
-
-
-def test_a_jpegs_exif_orientation_is_not_applied_as_pil_reads_it(oriented):
-    """Pixels as stored, PIL's (torchvision's ImageFolder loader): TorchCodec alone would turn each image."""
-    for split in ("train", "val"):
-        files = EncodedFolder(oriented / split)
-        for index in range(len(files)):
-            image = files[index]
-            ours, reference = decode_on_cpu(image), _pil_pixels(image.path)
-            assert ours.shape == reference.shape, image.path
-            assert (ours.int() - reference.int()).abs().float().mean() < 0.5, image.path
-
-
-def test_both_decode_paths_crop_an_oriented_jpeg_as_torchvisions_reference(oriented):
-    """decode=cpu and the device path (on CPU tensors) give the same batches of oriented JPEGs, and each
-    training crop is the reference pipeline's on PIL's unrotated image, for the box drawn from the stored
-    size."""
-    batches = {}
-    for on_device in (False, True):
-        module = ImageFolderDataModule(
-            str(oriented), batch_size=18, image_size=SIZE, num_workers=0, num_classes=3
-        )
-        module.setup()
-        for dataset in (module.train_set, module.val_set):
-            dataset.decode_on_device = on_device
-        batches[on_device] = (_first_batch(module), _first_batch(module, validation=True))
-    for (images, labels), (device_images, device_labels) in zip(batches[False], batches[True]):
-        assert torch.equal(images, device_images) and torch.equal(labels, device_labels)
-    module.train_set.decode_on_device = False
-    sampler_keys = list(module.train_dataloader().sampler)
-    std = torch.tensor(IMAGENET_STD).view(3, 1, 1)
-    mean = torch.tensor(IMAGENET_MEAN).view(3, 1, 1)
-    for (index, seed), image in zip(sampler_keys, batches[False][0][0]):
-        path = module.train_set.files.samples[index][0]
-        height, width = _pil_pixels(path).shape[-2:]
-        crop = draw_crop(height, width, seed)
-        reference = _pil_reference(path, (crop.top, crop.left, crop.height, crop.width), crop.flip, SIZE)
-        levels = ((image * std + mean) * 255 - reference).abs()
-        assert levels.max() <= 1.01 and levels.mean() <= 0.3, path
+    return oriented_copy(folder, tmp_path / "oriented")
 
 
 def test_labels_are_imagefolders(folder):
     module = ImageFolderDataModule(str(folder), batch_size=4, image_size=SIZE, num_workers=0, num_classes=3)
     module.setup()
     reference = ImageFolder(str(folder / "val"))
-    _, labels = _first_batch(module, validation=True)
+    _, labels = first_batch(module, validation=True)
     assert labels.tolist() == [target for _, target in reference.samples[:4]]
 
 
@@ -377,7 +295,7 @@ def test_a_run_trains_on_every_format_the_scan_lists(formats, on_device):
     module = ImageFolderDataModule(str(formats), batch_size=64, image_size=SIZE, num_workers=0, num_classes=3)
     module.setup()
     module.train_set.decode_on_device = on_device
-    images, labels = _first_batch(module)
+    images, labels = first_batch(module)
     assert len(images) == len(module.train_set) == 18 + len(FORMATS)
     assert torch.bincount(labels).tolist() == [6, 6 + len(FORMATS), 6] and torch.isfinite(images).all()
 
@@ -388,7 +306,7 @@ def test_unreadable_files_stop_the_run_naming_each(damaged, on_device):
     module.setup()
     module.train_set.decode_on_device = on_device
     with pytest.raises(UnreadableImagesError) as refused:
-        _first_batch(module)
+        first_batch(module)
     message = str(refused.value)
     assert (
         "2 file(s)" in message
@@ -406,7 +324,7 @@ def test_skipped_unreadable_files_are_counted_and_leave_the_other_labels_right(d
     module.setup()
     module.train_set.decode_on_device = on_device
     with pytest.warns(UserWarning, match=r"left out .*(truncated|empty)\.JPEG"):
-        images, labels = _first_batch(module)
+        images, labels = first_batch(module)
     assert sorted(path.rsplit("/", 1)[1] for path in module.unreadable) == ["empty.JPEG", "truncated.JPEG"]
     assert len(images) == len(labels) == len(module.train_set) - 2
     # Every kept image carries its folder's label: the counts per class are the folder's.
@@ -425,7 +343,7 @@ def test_a_batch_whose_every_file_is_unreadable_is_empty_not_a_crash(folder, tmp
     module.setup()
     module.val_set.decode_on_device = on_device
     with pytest.warns(UserWarning, match="left out"):
-        images, labels = _first_batch(module, validation=True)
+        images, labels = first_batch(module, validation=True)
     assert images.shape == (0, 3, SIZE, SIZE) and labels.shape == (0,) and len(module.unreadable) == 2
 
 
@@ -439,7 +357,7 @@ def test_a_file_met_again_is_counted_and_warned_once_on_any_rank(damaged, monkey
     module.setup()
     with pytest.warns(UserWarning, match="left out") as warned:
         for _ in range(2):  # two epochs
-            _first_batch(module)
+            first_batch(module)
     assert len([w for w in warned if "left out" in str(w.message)]) == 2
     assert sorted(module.unreadable) == sorted(
         str(p) for p in (damaged / "train" / "class_002").glob("[et]*")
@@ -455,7 +373,7 @@ def test_an_unreadable_file_in_a_loader_worker_is_named_not_a_worker_traceback(d
     module = ImageFolderDataModule(str(damaged), batch_size=64, image_size=SIZE, num_workers=1, num_classes=3)
     module.setup()
     with pytest.raises(UnreadableImagesError, match="truncated.JPEG"):
-        _first_batch(module)
+        first_batch(module)
 
 
 @pytest.mark.parametrize(("num_workers", "on_device"), [(0, False), (0, True), (1, False), (1, True)])
@@ -479,10 +397,10 @@ def test_a_file_that_cannot_be_opened_travels_as_the_other_unreadable_files(
             with pytest.raises(
                 UnreadableImagesError, match=f"{link}: a link to {tmp_path / 'moved.JPEG'}, which"
             ):
-                _first_batch(module)
+                first_batch(module)
             continue
         with pytest.warns(UserWarning, match="left out .*link.JPEG"):
-            images, labels = _first_batch(module)
+            images, labels = first_batch(module)
         assert list(module.unreadable) == [str(link)]
         assert len(images) == 18 and torch.bincount(labels).tolist() == [6, 6, 6]
 
@@ -579,7 +497,7 @@ def test_simclrs_views_stop_at_a_file_that_cannot_be_read_naming_it(damaged, tmp
     )  # fmt: skip
     module.setup()
     with pytest.raises(UnreadableImagesError) as refused:
-        _first_batch(module)
+        first_batch(module)
     message = str(refused.value)
     assert message.startswith("3 file(s) of the data cannot be read or decoded")
     assert f"{link}: a link to" in message and "empty.JPEG: the file is empty" in message
@@ -629,7 +547,7 @@ def _batches(root, on_device: bool) -> tuple:
     module.setup()
     for dataset in (module.train_set, module.val_set):
         dataset.decode_on_device = on_device
-    return _first_batch(module), _first_batch(module, validation=True)
+    return first_batch(module), first_batch(module, validation=True)
 
 
 @pytest.mark.parametrize("on_device", [False, True])
@@ -735,7 +653,7 @@ def test_a_jpeg_the_device_refuses_in_training_is_decoded_on_the_cpu_counted_and
         module.train_set.decode_on_device = on_device
         with warnings.catch_warnings(record=True) as warned:
             warnings.simplefilter("always")
-            batches[on_device] = [_first_batch(module) for _ in range(2)]  # two epochs
+            batches[on_device] = [first_batch(module) for _ in range(2)]  # two epochs
         notes = [str(w.message) for w in warned if "decoded on the CPU" in str(w.message)]
         if on_device:
             path = str(damaged / "train" / "class_001" / "cmyk.JPEG")
