@@ -180,6 +180,11 @@ class ImageFolderDataModule(SeededDataModule):
             rank = self.trainer.global_rank if self.trainer is not None else None
             warnings.warn(rank_prefixed_message(message, rank), stacklevel=3)
 
+    def unreadable_in(self, split: str) -> dict[str, str]:
+        """This rank's files of ``split`` (``"train"`` or ``"val"``) left out so far: path -> why."""
+        folder = os.path.join(self.root, split, "")
+        return {path: reason for path, reason in self.unreadable.items() if path.startswith(folder)}
+
     def files_report(self) -> dict[str, dict[str, str]]:
         """This rank's files that the run did not read as planned, by kind (path -> why), for the summary."""
         return {"unreadable_files": dict(self.unreadable), "host_decoded_files": dict(self.decoded_on_host)}

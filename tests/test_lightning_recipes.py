@@ -8,7 +8,6 @@ import importlib.metadata
 import itertools
 import json
 import re
-from pathlib import Path
 from types import SimpleNamespace
 
 import lightning.pytorch as pl
@@ -29,12 +28,10 @@ from lightning_fusedsgd.lightning import (
     ScheduleFreeModes,
 )
 from runner.data import DigitsDataModule
-from runner.files import EncodedFolder
 from runner.jpeg_folder import make_jpeg_folder
 from runner.model import ImageClassifier
 from runner.resume import ResumeInCutEpoch
 from runner.run import train
-from runner.sampling import EpochSampler
 from runner.simclr import SimCLR
 
 RECIPES = sorted(path.stem for path in (ROOT / "recipes").glob("*.yaml"))
@@ -372,41 +369,6 @@ def test_resnet50_trains_tiny_on_a_generated_jpeg_folder(tmp_path):
     overrides = ["recipe=resnet50", "debug=tiny", f"data.root={root}", "data.num_classes=3"]
     summary = train(compose_train(overrides, tmp_path / "run"))
     assert summary["global_step"] == 4 and 0.0 <= summary["val/acc"] <= 1.0  # 24 images: 2 batches of 16
-
-
-@pytest.mark.slow
-def test_a_run_goes_on_past_a_batch_whose_every_file_is_unreadable(tmp_path, capsys):
-    """data.skip_unreadable: epoch 0's second batch (8 of the 24 images) made of unreadable files only trains
-    nothing, and the run goes on; the summary counts the files."""
-    root = make_jpeg_folder(tmp_path / "data", classes=3, train=8, val=2)
-    files = EncodedFolder(root / "train")
-    sampler = EpochSampler(files, seed=0)  # the run's order of epoch 0 (seed=0)
-    for index, _ in list(sampler)[16:]:
-        Path(files.samples[index][0]).write_bytes(b"")
-    overrides = ["recipe=resnet50", "model.arch=resnet18", "debug=tiny", f"data.root={root}"]
-    overrides += ["data.num_classes=3", "data.skip_unreadable=true"]
-    with pytest.warns(UserWarning, match="left out"):
-        summary = train(compose_train(overrides, tmp_path / "run"))
-    assert summary["global_step"] == 4 and summary["epochs"] == 2
-    # Met in both epochs, counted once each, in the summary line and metrics.json with their reasons.
-    assert summary["unreadable_files"] == 8
-    written = json.loads((tmp_path / "run" / "metrics.json").read_text())
-    assert written["unreadable_files"] == 8 and set(written["files"]["unreadable_files"].values()) == {
-        "the file is empty (0 bytes)"
-    }
-    assert " unreadable_files=8" in capsys.readouterr().out.strip().splitlines()[-1]
-
-
-def test_an_empty_batch_skips_the_step_on_one_device_and_gives_zero_gradients_under_ddp(monkeypatch):
-    model = _set_up_on("cpu")
-    images, targets = torch.empty(0, 3, 32, 32), torch.empty(0, dtype=torch.long)
-    assert model.training_step((images, targets), 0) is None  # Lightning steps no gradient
-    assert model.validation_step((images, targets), 0) is None
-    monkeypatch.setattr(pl.Trainer, "world_size", property(lambda trainer: 2))
-    loss = model.training_step((images, targets), 0)  # DDP refuses None: every rank must reduce
-    loss.backward()
-    assert loss.item() == 0.0
-    assert all(p.grad is not None and not p.grad.any() for p in model.parameters() if p.requires_grad)
 
 
 @pytest.mark.slow
