@@ -9,6 +9,8 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 import torchvision
+from lightning.pytorch.strategies import DeepSpeedStrategy
+from lightning.pytorch.utilities.types import LRSchedulerTypeUnion
 from torch import nn
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
@@ -112,6 +114,7 @@ class ImageClassifier(pl.LightningModule):
         self.memory_format = torch.contiguous_format  # setup() decides, once the device is known
         self.label_smoothing = label_smoothing
         self.optimizer_factory = optimizer
+        self._step_skipped = False  # the last training batch was empty and stepped nothing
         # Validation's metrics, each rank's batches gathered (a rank may score no image: see
         # on_validation_epoch_end), and this rank's images scored in the pass.
         self._scored_images = 0
@@ -137,15 +140,41 @@ class ImageClassifier(pl.LightningModule):
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor | None:
         images, targets = batch
+        self._step_skipped = not len(targets) and self._skips_empty_steps()
         if not len(targets):  # every file of the batch unreadable (data.skip_unreadable): nothing to learn
-            # One device skips the step (Lightning steps no gradient); under DDP every rank must reduce its
-            # gradients, and this one's are zero.
-            return None if self.trainer.world_size == 1 else self(images).sum()
+            return None if self._step_skipped else self(images).sum()  # zero gradients
         logits = self(images)
         loss = F.cross_entropy(logits, targets, label_smoothing=self.label_smoothing)
         self.log("train/loss", loss, prog_bar=True)
         self.log("train/acc", (logits.argmax(dim=1) == targets).float().mean())
         return loss
+
+    def _skips_empty_steps(self) -> bool:
+        """Whether a batch left with no image skips its optimizer step (``training_step`` returns None, and
+        Lightning steps no gradient): on one device, without gradient accumulation. Under DDP every rank must
+        reduce its gradients; with accumulation the gradients of the window's other batches must still be
+        applied (under a GradScaler Lightning skips the whole step after a None); DeepSpeed refuses None.
+        There the empty batch's gradients are zero, and its step is taken."""
+        trainer = self.trainer
+        return (
+            trainer.world_size == 1
+            and trainer.accumulate_grad_batches == 1
+            and not isinstance(trainer.strategy, DeepSpeedStrategy)
+        )
+
+    def lr_scheduler_step(self, scheduler: LRSchedulerTypeUnion, metric: Any | None) -> None:
+        """Steps a per-step lr scheduler after each optimizer step taken, not after one an empty batch skipped
+        (Lightning steps it after every batch): the schedule's position counts the steps taken, so warmup and
+        milestones are not used up by steps that never happened."""
+        if self._step_skipped and self._is_per_step(scheduler):
+            return
+        super().lr_scheduler_step(scheduler, metric)
+
+    def _is_per_step(self, scheduler: LRSchedulerTypeUnion) -> bool:
+        return any(
+            config.scheduler is scheduler and config.interval == "step"
+            for config in self.trainer.lr_scheduler_configs
+        )
 
     def on_validation_epoch_start(self) -> None:
         self._scored_images = 0

@@ -9,8 +9,11 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning_helpers import compose_train, run_train_py
+from lightning.pytorch.core.optimizer import LRSchedulerConfig
+from lightning.pytorch.strategies import DeepSpeedStrategy
+from lightning_helpers import compose_train, last_checkpoint, run_train_py
 
+from lightning_fusedsgd.checkpoint import read_checkpoint_file
 from lightning_fusedsgd.lightning import ConfigError
 from runner.files import EncodedFolder
 from runner.jpeg_folder import make_jpeg_folder
@@ -29,11 +32,13 @@ def _emptied(paths) -> None:
 @pytest.mark.slow
 def test_a_run_goes_on_past_a_batch_whose_every_file_is_unreadable(tmp_path, capsys):
     """data.skip_unreadable: epoch 0's second batch (8 of the 24 images) made of unreadable files only trains
-    nothing, and the run goes on; the summary counts the files."""
+    nothing, and the run goes on; the summary counts the files. The lr schedule counts the steps taken: a
+    skipped one does not use up warmup and milestones."""
     root = make_jpeg_folder(tmp_path / "data", classes=3, train=8, val=2)
     files = EncodedFolder(root / "train")
-    sampler = EpochSampler(files, seed=0)  # the run's order of epoch 0 (seed=0)
-    _emptied(files.samples[index][0] for index, _ in list(sampler)[16:])
+    sampler = EpochSampler(files, seed=0)  # the run's order (seed=0)
+    emptied = {files.samples[index][0] for index, _ in list(sampler)[16:]}
+    _emptied(emptied)
     overrides = [*SKIPPING, f"data.root={root}", "data.num_classes=3"]
     with pytest.warns(UserWarning, match="left out"):
         summary = train(compose_train(overrides, tmp_path / "run"))
@@ -45,19 +50,61 @@ def test_a_run_goes_on_past_a_batch_whose_every_file_is_unreadable(tmp_path, cap
         "the file is empty (0 bytes)"
     }
     assert " unreadable_files=8" in capsys.readouterr().out.strip().splitlines()[-1]
+    # The steps taken: the batches (16 images, then 8) with a readable file, in each epoch's order.
+    taken = 0
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        order = [files.samples[index][0] for index, _ in sampler]
+        taken += sum(not set(batch) <= emptied for batch in (order[:16], order[16:]))
+    scheduler = read_checkpoint_file(last_checkpoint(tmp_path / "run"))["lr_schedulers"][0]
+    assert scheduler["last_epoch"] == taken < summary["global_step"] and scheduler["skipped_steps"] == 0
 
 
-def test_an_empty_batch_skips_the_step_on_one_device_and_gives_zero_gradients_under_ddp(monkeypatch):
+def _classifier_on(**trainer_options) -> ImageClassifier:
     model = ImageClassifier(arch="resnet18", num_classes=3)
-    model.trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
-    images, targets = torch.empty(0, 3, 32, 32), torch.empty(0, dtype=torch.long)
-    assert model.training_step((images, targets), 0) is None  # Lightning steps no gradient
-    assert model.validation_step((images, targets), 0) is None
-    monkeypatch.setattr(pl.Trainer, "world_size", property(lambda trainer: 2))
-    loss = model.training_step((images, targets), 0)  # DDP refuses None: every rank must reduce
+    model.trainer = pl.Trainer(
+        accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, **trainer_options
+    )
+    return model
+
+
+EMPTY = (torch.empty(0, 3, 32, 32), torch.empty(0, dtype=torch.long))
+
+
+def test_an_empty_batch_skips_the_step_on_one_device():
+    model = _classifier_on()
+    assert model.training_step(EMPTY, 0) is None  # Lightning steps no gradient
+    assert model.validation_step(EMPTY, 0) is None
+
+
+@pytest.mark.parametrize("where", ["ddp", "accumulating", "deepspeed"])
+def test_an_empty_batch_gives_zero_gradients_where_its_step_cannot_be_skipped(where, monkeypatch):
+    """Under DDP every rank must reduce its gradients; with accumulation the window's other batches must still
+    be applied (a GradScaler would skip the whole step); DeepSpeed refuses a None. The empty batch's gradients
+    are zero, and its step is not counted as skipped."""
+    model = _classifier_on(accumulate_grad_batches=2 if where == "accumulating" else 1)
+    if where == "ddp":
+        monkeypatch.setattr(pl.Trainer, "world_size", property(lambda trainer: 2))
+    if where == "deepspeed":
+        monkeypatch.setattr(pl.Trainer, "strategy", property(lambda trainer: DeepSpeedStrategy()))
+    loss = model.training_step(EMPTY, 0)
     loss.backward()
-    assert loss.item() == 0.0
+    assert loss.item() == 0.0 and not model._step_skipped
     assert all(p.grad is not None and not p.grad.any() for p in model.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("interval", ["step", "epoch"])
+def test_a_skipped_step_holds_a_per_step_schedule_only(interval):
+    """After a batch that stepped nothing, a per-step scheduler stays where it is; one stepped per epoch still
+    steps at the end of an epoch whose last batch was empty."""
+    model = _classifier_on()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    optimizer.step()  # a step taken before, as Lightning's order has it
+    model.trainer.strategy.lr_scheduler_configs = [LRSchedulerConfig(scheduler, interval=interval)]
+    assert model.training_step(EMPTY, 0) is None
+    model.lr_scheduler_step(scheduler, None)
+    assert scheduler.last_epoch == (0 if interval == "step" else 1)
 
 
 def test_a_validation_pass_that_would_score_no_image_stops_the_run_before_training(tmp_path):
