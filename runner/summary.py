@@ -93,7 +93,8 @@ class RunSummary(pl.Callback):
         # Lightning steps the scheduler before on_train_batch_end: only here is this step's lr visible.
         self.lr.append((trainer.global_step + 1, float(optimizer.param_groups[0]["lr"])))
 
-    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # After the pass's epoch-end hooks, the module's among them, have logged its metrics.
         if trainer.sanity_checking:
             return
         for series, key in ((self.val_acc, self.monitor), (self.val_acc_raw, f"{self.monitor}_raw")):

@@ -227,6 +227,18 @@ def test_the_summary_says_when_no_validation_ran(tmp_path, capsys):
     assert json.loads((tmp_path / "metrics.json").read_text())["best_val/acc"] is None
 
 
+def test_the_summary_records_each_validation_as_the_log_has_it(tmp_path):
+    """The curves of the summary (its checkpointed record, curves.png, best_val/acc) hold each pass's val/acc
+    and, with an average of the weights, val/acc_raw, at its step: the values the CSV log has."""
+    summary = train(compose_train(["debug=tiny", "trainer.max_epochs=3", "ema.decay=0.5"], tmp_path))
+    record = read_checkpoint_file(tmp_path / "checkpoints" / "last.ckpt")["callbacks"]["RunSummary"]
+    rows = list(csv.DictReader(next(tmp_path.rglob("metrics.csv")).open()))
+    for key, series in (("val/acc", record["val_acc"]), ("val/acc_raw", record["val_acc_raw"])):
+        logged = [float(row[key]) for row in rows if row.get(key)]
+        assert series == list(zip((3, 6, 9), logged)), key
+    assert summary["best_val/acc"] == max(float(row["val/acc"]) for row in rows if row.get("val/acc"))
+
+
 def test_resume_from_last_checkpoint_continues_the_run(tmp_path):
     short = [
         "trainer.limit_train_batches=2",
