@@ -1,4 +1,5 @@
-"""Resuming in an epoch that a run's stop cut short.
+"""Resuming a run: the refusal of a checkpoint of a finished run (:class:`RefuseFinishedRun`), and resuming in
+an epoch that a run's stop cut short (:class:`ResumeInCutEpoch`).
 
 A run stopped by ``trainer.max_steps`` before its epoch's last batch is saved by Lightning at
 ``on_train_epoch_end``, with the epoch counted as processed, and resuming from that checkpoint starts the next
@@ -15,7 +16,48 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_warn
 
-__all__ = ["ResumeInCutEpoch"]
+from lightning_fusedsgd.lightning import ConfigError
+
+__all__ = ["RefuseFinishedRun", "ResumeInCutEpoch"]
+
+
+class RefuseFinishedRun(pl.Callback):
+    """Refuses, as the checkpoint is read, to resume a run that already reached ``trainer.max_epochs`` or
+    ``trainer.max_steps``: Lightning would train nothing, validate nothing and end with a summary of no
+    validation, without a word on why."""
+
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        steps = checkpoint.get("global_step", 0)
+        if trainer.max_steps != -1 and steps >= trainer.max_steps:
+            raise ConfigError(_finished(trainer, f"reached step {steps}", "max_steps", trainer.max_steps))
+        epochs = _epochs_trained(trainer, checkpoint)
+        if trainer.max_epochs not in (None, -1) and epochs is not None and epochs >= trainer.max_epochs:
+            raise ConfigError(
+                _finished(trainer, f"trained {epochs} epoch(s)", "max_epochs", trainer.max_epochs)
+            )
+
+
+def _epochs_trained(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> int | None:
+    """The epochs a checkpoint's run trained to their last batch: its DataModule's position (the epoch it
+    trains in or, at an epoch's end, the next), else Lightning's count of epochs processed; None where it
+    holds neither."""
+    datamodule = trainer.datamodule
+    position = checkpoint.get(type(datamodule).__qualname__) if datamodule is not None else None
+    if position:
+        return position["epoch"]
+    try:
+        return checkpoint["loops"]["fit_loop"]["epoch_progress"]["current"]["processed"]
+    except (KeyError, TypeError):
+        return None
+
+
+def _finished(trainer: pl.Trainer, done: str, key: str, limit: int) -> str:
+    return (
+        f"ckpt_path={trainer.ckpt_path} is of a finished run: it {done}, and trainer.{key}={limit} ends the "
+        f"resumed run there, before any step; raise trainer.{key} to train on"
+    )
 
 
 class ResumeInCutEpoch(pl.Callback):

@@ -111,9 +111,12 @@ class RunSummary(pl.Callback):
         metrics = {key: float(value) for key, value in trainer.callback_metrics.items() if value.numel() == 1}
         checkpoints = [cb for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint)]
         best = max((acc for _, acc in self.val_acc), default=None)  # None: no validation ran
+        # The run's last validation: this fit's, or where it ran none (resumed, then stopped by max_steps
+        # before the next), the last one recorded before it.
+        last = metrics.get(self.monitor, self.val_acc[-1][1] if self.val_acc else None)
         self.summary = {
             "name": self.name,
-            self.monitor: metrics.get(self.monitor),
+            self.monitor: last,
             f"best_{self.monitor}": best,
             "epochs": trainer.current_epoch,
             "global_step": trainer.global_step,
