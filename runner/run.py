@@ -20,7 +20,7 @@ from lightning_fusedsgd.lightning import ConfigError, EMAWeightAveraging, InitFr
 from lightning_fusedsgd.lightning.clipping import callbacks as package_callbacks
 from runner.cpu_bf16 import check_cpu_bf16_convolutions
 from runner.datamodule import DataNotFoundError
-from runner.resume import RefuseFinishedRun, ResumeInCutEpoch
+from runner.resume import RefuseFinishedRun, ResumeAfterEpochEnd, ResumeInCutEpoch
 from runner.summary import RunSummary
 
 __all__ = ["train"]
@@ -62,8 +62,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         # Lightning refuses a progress bar callback beside enable_progress_bar=false; the config adds one.
         callbacks = [cb for cb in callbacks if not isinstance(cb, ProgressBar)]
     callbacks += _missing_package_callbacks(callbacks)
-    callbacks.append(ResumeInCutEpoch())  # a run stopped by max_steps resumes in the epoch it stopped in
-    callbacks.append(RefuseFinishedRun())
+    # A run stopped by max_steps resumes in the epoch it stopped in, or at the next one's start.
+    callbacks += [ResumeInCutEpoch(), ResumeAfterEpochEnd(), RefuseFinishedRun()]
     if cfg.ema.decay is not None:
         if cfg.optim.get("schedule_free", False):
             raise ConfigError(

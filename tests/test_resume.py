@@ -132,6 +132,25 @@ def test_a_run_stopped_by_max_steps_mid_epoch_resumes_in_that_epoch(tmp_path: Pa
     assert_identical(final_state(tmp_path / "second"), expected)
 
 
+def test_a_run_resumed_from_an_epochs_end_under_max_steps_trains_the_next_epoch(tmp_path: Path) -> None:
+    """Under trainer.max_steps Lightning took an epoch-end checkpoint for a restart in the finished epoch and
+    skipped the next one without a word (the resumed run trained no step). The two halves must be the run made
+    in one go, bit for bit (no warmup, no milestone within the run: max_steps shapes no lr it uses)."""
+    steps = ["schedule.warmup=0", "trainer.max_epochs=2", f"trainer.max_steps={2 * STEPS_PER_EPOCH}"]
+    run(tmp_path / "straight", *steps)
+    expected = final_state(tmp_path / "straight")
+    run(tmp_path / "first", "schedule.warmup=0", "trainer.max_epochs=1")  # saved at epoch 0's end
+    summary = run(tmp_path / "second", *steps, f"ckpt_path={last_checkpoint(tmp_path / 'first')}")
+    assert summary["global_step"] == 2 * STEPS_PER_EPOCH and summary["epochs"] == 2
+    assert_identical(final_state(tmp_path / "second"), expected)
+    # The loggers' step too: the batches stepped, as the run made in one go counts them.
+    stepped = [
+        read_checkpoint_file(last_checkpoint(tmp_path / half))["loops"]["fit_loop"]["epoch_loop.state_dict"]
+        for half in ("straight", "second")
+    ]
+    assert stepped[0] == stepped[1] == {"_batches_that_stepped": 2 * STEPS_PER_EPOCH}
+
+
 def test_resuming_a_finished_run_is_refused_naming_the_limit_to_raise(tmp_path: Path) -> None:
     """A checkpoint of a run that reached trainer.max_epochs or max_steps would resume into a run that trains
     and validates nothing (its summary crashed on the missing val/acc): refused as the checkpoint is read,
