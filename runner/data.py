@@ -34,8 +34,9 @@ from runner.augment import (
     normalize,
     synthetic_view_transforms,
 )
-from runner.datamodule import DataNotFoundError, SeededDataModule, check_at_least
+from runner.datamodule import DataNotFoundError, SeededDataModule
 from runner.image_folder import ImageFolderDataModule, UnreadableImagesError
+from runner.options import check_at_least, check_flags
 from runner.sampling import EachView, EpochSampler, SeededDataset
 from runner.synthetic import SYNTHETIC_MEAN, SYNTHETIC_STD, Indices, SyntheticImages, SyntheticPool
 
@@ -80,6 +81,7 @@ class DigitsDataModule(SeededDataModule):
     def __init__(self, val_fraction: float = 0.2, augment: bool = True, **shared: Any) -> None:
         super().__init__(**shared)
         self._check_declared(num_classes=10, in_channels=1)
+        check_flags("data", augment=augment)
         if not 0 < val_fraction < 1:
             raise ConfigError(
                 f"data.val_fraction={val_fraction} must be between 0 and 1 (the share held out)"
@@ -132,6 +134,7 @@ class CIFAR10DataModule(SeededDataModule):
     def __init__(self, root: str = "data/cifar10", download: bool = False, **shared: Any) -> None:
         super().__init__(**shared)
         self._check_declared(num_classes=10, in_channels=3)
+        check_flags("data", download=download)
         self.root = root
         self.download = download
 

@@ -19,6 +19,7 @@ from runner.datamodule import DataNotFoundError, SeededDataModule
 from runner.decode import device_failure, jpeg_decoder
 from runner.files import EncodedFolder, EncodedImage, UnreadableImage, jpeg_size
 from runner.image_pipeline import FolderSamples, LoadedBatch, PilImages, SetAside, collate, collate_set_aside
+from runner.options import check_flags
 
 __all__ = ["ImageFolderDataModule", "UnreadableImagesError"]
 
@@ -76,6 +77,7 @@ class ImageFolderDataModule(SeededDataModule):
     ) -> None:
         super().__init__(**shared)
         self._check_declared(num_classes=self.num_classes, in_channels=3)
+        check_flags("data", skip_unreadable=skip_unreadable)
         if decode not in ("auto", "gpu", "cpu"):
             raise ConfigError(f"data.decode={decode!r}: choose auto, gpu or cpu")
         if skip_unreadable and self.views is not None:

@@ -16,6 +16,7 @@ from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_fusedsgd.lightning import ConfigError, EMAWeightAveraging, configure_fused_sgd
+from runner.options import check_flags
 
 __all__ = ["ImageClassifier", "build_resnet"]
 
@@ -98,6 +99,7 @@ class ImageClassifier(pl.LightningModule):
         optimizer: OptimizerFactory | None = None,
     ) -> None:
         super().__init__()
+        check_flags("model", small_input=small_input, zero_init_residual=zero_init_residual, compile=compile)
         if channels_last not in (True, False, "auto"):
             raise ConfigError(f"model.channels_last={channels_last!r}: choose true, false or auto")
         # The optimizer factory is code, not a hyperparameter; Hydra saves the full config anyway.

@@ -20,6 +20,7 @@ from lightning_fusedsgd.lightning import ConfigError, EMAWeightAveraging, InitFr
 from lightning_fusedsgd.lightning.clipping import callbacks as package_callbacks
 from runner.cpu_bf16 import check_cpu_bf16_convolutions
 from runner.datamodule import DataNotFoundError
+from runner.options import check_flags
 from runner.resume import RefuseFinishedRun, ResumeAfterEpochEnd, ResumeInCutEpoch
 from runner.summary import RunSummary
 
@@ -45,6 +46,10 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         CheckpointError: If the checkpoint is damaged, of another model or of the wrong kind; the
             message names the file and, for another model, the parameters.
     """
+    # The flags the runner reads itself, before any constructor that would check them sees them.
+    check_flags("init", weights_only=cfg.init.weights_only, trusted=cfg.init.trusted)
+    check_flags("optim", schedule_free=cfg.optim.get("schedule_free", False))
+    check_flags("trainer", enable_progress_bar=cfg.trainer.get("enable_progress_bar", True))
     pl.seed_everything(cfg.seed, workers=True)
     datamodule = instantiate(cfg.data)
     try:
