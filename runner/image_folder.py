@@ -26,14 +26,20 @@ __all__ = ["ImageFolderDataModule", "UnreadableImagesError"]
 
 class UnreadableImagesError(ConfigError):
     """Files of the data that cannot be read or decoded (empty, truncated, not an image, a link to a missing
-    file): each named with the reason."""
+    file): each named with the reason, and the fixes (``skippable``: whether ``data.skip_unreadable`` is one;
+    not with views, whose batches stay whole)."""
 
-    def __init__(self, unreadable: list[UnreadableImage]) -> None:
+    def __init__(self, unreadable: list[UnreadableImage], skippable: bool = True) -> None:
         files = "\n".join(f"  {image}" for image in unreadable)
-        super().__init__(
-            f"{len(unreadable)} file(s) of the data cannot be read or decoded:\n{files}\n"
-            "  remove or re-encode them, or add data.skip_unreadable=true to leave such files out of their "
+        fix = (
+            "remove or re-encode them, or add data.skip_unreadable=true to leave such files out of their "
             "batches (each is warned about and counted)"
+            if skippable
+            else "remove or re-encode them (with data.views they cannot be left out: SimCLR's batches stay "
+            "whole)"
+        )
+        super().__init__(
+            f"{len(unreadable)} file(s) of the data cannot be read or decoded:\n{files}\n  {fix}"
         )
 
 
@@ -160,7 +166,7 @@ class ImageFolderDataModule(SeededDataModule):
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         if isinstance(batch, SetAside):  # the views' batches: a file that cannot be read stops the run
             if batch.unreadable:
-                raise UnreadableImagesError(batch.unreadable)
+                raise UnreadableImagesError(batch.unreadable, skippable=False)
             return batch.batch
         if not isinstance(batch, LoadedBatch):
             return batch

@@ -502,6 +502,9 @@ def test_simclrs_views_stop_at_a_file_that_cannot_be_read_naming_it(damaged, tmp
     assert message.startswith("3 file(s) of the data cannot be read or decoded")
     assert f"{link}: a link to" in message and "empty.JPEG: the file is empty" in message
     assert "truncated.JPEG: image file is truncated" in message
+    # The fix offered is one that works with views: skipping the files is refused there.
+    assert message.endswith("remove or re-encode them (with data.views they cannot be left out: SimCLR's "
+                            "batches stay whole)") and "skip_unreadable" not in message  # fmt: skip
     with pytest.raises(ConfigError, match="data.skip_unreadable=true with data.views: SimCLR's batches stay"):
         ImageFolderDataModule(str(damaged), num_classes=3, skip_unreadable=True, views=SimCLRTransform())
 
