@@ -19,6 +19,7 @@ loaders, the un-augmented training images (a kNN memory bank) and the validation
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -116,7 +117,7 @@ class CIFAR10DataModule(SeededDataModule):
     """CIFAR-10 from a local folder (torchvision's python version), standard crop + flip augmentation.
 
     Args:
-        root: Folder holding ``cifar-10-batches-py/``.
+        root: Folder holding ``cifar-10-batches-py/`` (``~`` is the home folder).
         download: Let torchvision download the data into ``root`` if it is missing.
         shared: :class:`~runner.datamodule.SeededDataModule`'s arguments; ``image_size``: CIFAR's 32, or
             resized to it; ``num_classes``, ``in_channels``: must be 10 and 3.
@@ -135,11 +136,11 @@ class CIFAR10DataModule(SeededDataModule):
         super().__init__(**shared)
         self._check_declared(num_classes=10, in_channels=3)
         check_flags("data", download=download)
-        self.root = root
+        self.root = os.path.expanduser(root)
         self.download = download
 
     def check_data(self) -> None:
-        folder = Path(self.root).expanduser().resolve() / "cifar-10-batches-py"
+        folder = Path(self.root).resolve() / "cifar-10-batches-py"
         if self.download or all((folder / name).is_file() for name in self._FILES):
             return
         raise DataNotFoundError(

@@ -53,7 +53,7 @@ class ImageFolderDataModule(SeededDataModule):
     and run the view transform per image.
 
     Args:
-        root: Dataset folder with ``train/`` and ``val/``.
+        root: Dataset folder with ``train/`` and ``val/`` (``~`` is the home folder).
         decode: ``gpu``: the training GPU decodes each batch (nvJPEG) and crops, resizes and flips it;
             ``cpu``: the workers decode, crop and resize; ``auto``: ``gpu`` where training runs on a GPU and
             the decoder decodes there (tried once at setup), else ``cpu``. Setup says which decoder runs
@@ -92,7 +92,7 @@ class ImageFolderDataModule(SeededDataModule):
                 "gathered from every rank's batch, of one size), so a file that cannot be read stops the "
                 "run, named; remove or re-encode such files instead"
             )
-        self.root = root
+        self.root = os.path.expanduser(root)
         self.decode = decode
         self.skip_unreadable = skip_unreadable
         #: This rank's files left out of their batches in this fit (``skip_unreadable``): path -> why, each
@@ -102,7 +102,7 @@ class ImageFolderDataModule(SeededDataModule):
         self.decoded_on_host: dict[str, str] = {}
 
     def check_data(self) -> None:
-        root = Path(self.root).expanduser().resolve()
+        root = Path(self.root).resolve()
         classes = {}
         for split in ("train", "val"):
             classes[split] = _class_folders(root / split)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         CheckpointError: If the checkpoint is damaged, of another model or of the wrong kind; the
             message names the file and, for another model, the parameters.
     """
+    # The paths as every reader of them takes them (data.root is its DataModule's to expand).
+    cfg.ckpt_path, cfg.init.path = _expanded(cfg.ckpt_path), _expanded(cfg.init.path)
     # The flags the runner reads itself, before any constructor that would check them sees them.
     check_flags("init", weights_only=cfg.init.weights_only, trusted=cfg.init.trusted)
     check_flags("optim", schedule_free=cfg.optim.get("schedule_free", False))
@@ -169,6 +172,11 @@ def _check_resume_checkpoint(ckpt_path: str, model: pl.LightningModule, schedule
             f"init.path={ckpt_path} init.start_epoch=<the epoch to continue at>, which replays the schedule "
             "to that epoch"
         )
+
+
+def _expanded(path: str | None) -> str | None:
+    """``path`` with a leading ``~`` expanded to the home folder, as a shell would have."""
+    return None if path is None else os.path.expanduser(path)
 
 
 def _check_ckpt_path(ckpt_path: str | None) -> None:

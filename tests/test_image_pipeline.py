@@ -509,6 +509,17 @@ def test_simclrs_views_stop_at_a_file_that_cannot_be_read_naming_it(damaged, tmp
         ImageFolderDataModule(str(damaged), num_classes=3, skip_unreadable=True, views=SimCLRTransform())
 
 
+def test_a_root_under_the_home_folder_is_read_there(folder, tmp_path, monkeypatch):
+    """data.root='~/...': the checks expanded it, the scan did not (FileNotFoundError: '~/data/train')."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    shutil.copytree(folder, tmp_path / "data")
+    module = ImageFolderDataModule("~/data", batch_size=4, image_size=SIZE, num_workers=0, num_classes=3)
+    module.setup()
+    assert module.train_set.files.root == str(tmp_path / "data" / "train")
+    assert len(first_batch(module)[0]) == 4
+    assert CIFAR10DataModule(root="~/cifar").root == str(tmp_path / "cifar")
+
+
 def test_decode_gpu_on_a_cpu_run_is_refused_with_the_fix(folder):
     module = ImageFolderDataModule(str(folder), num_classes=3, decode="gpu")
     with pytest.raises(ConfigError, match="data.decode=gpu .* use data.decode=cpu"):

@@ -286,6 +286,21 @@ def test_recipes_are_a_config_group_of_files_and_debug_shrinks_a_run(tmp_path):
 
 
 @pytest.mark.slow
+def test_checkpoint_paths_under_the_home_folder_are_read_there(tmp_path, monkeypatch):
+    """ckpt_path and init.path given as '~/...' were looked up as written ("is not a file")."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    train(compose_train(["debug=tiny", "trainer.max_epochs=1"], tmp_path / "first"))
+    resumed = ["debug=tiny", "trainer.max_epochs=1", "ckpt_path='~/first/checkpoints/last.ckpt'"]
+    with pytest.raises(
+        ConfigError, match=f"ckpt_path={tmp_path}/first/checkpoints/last.ckpt is of a finished"
+    ):
+        train(compose_train(resumed, tmp_path / "resumed"))
+    started = ["init.path='~/first/checkpoints/last.ckpt'", "init.weights_only=true", "trainer.max_steps=1"]
+    with pytest.warns(UserWarning, match="momentum"):
+        assert train(compose_train(["debug=tiny", *started], tmp_path / "started"))["global_step"] == 1
+
+
+@pytest.mark.slow
 def test_an_averaged_run_validates_both_weights_and_ends_with_the_average(tmp_path):
     """ema.decay: validation runs on the average (val/acc) and on the training weights (val/acc_raw), both in
     the summary and the plot; the run ends with the average in the model, whose last.ckpt carries Lightning's
