@@ -199,19 +199,34 @@ def test_the_generated_folder_is_deterministic_and_imagenet_sized(folder, tmp_pa
         assert 300 <= min(width, height) <= 375 and 400 <= max(width, height) <= 500
 
 
-def test_the_folder_script_refuses_counts_below_one_and_says_what_it_wrote(tmp_path, capsys, monkeypatch):
+def test_the_folder_script_refuses_bad_arguments_before_writing_and_says_what_it_wrote(
+    tmp_path, capsys, monkeypatch
+):
     def script(*args: str) -> None:  # python -m runner.jpeg_folder ARGS
         monkeypatch.setattr(sys, "argv", ["jpeg_folder", *args])
         jpeg_folder.main()
 
-    for argv in (["--classes", "-2", "--train", "-3"], ["--train", "0"], ["--val", "0"]):
+    refusals = {
+        ("--classes", "-2", "--train", "-3"): "--classes: -2 must be >= 1",
+        ("--train", "0"): "--train: 0 must be >= 1",
+        ("--val", "0"): "--val: 0 must be >= 1",
+        ("--seed", "-1"): "--seed: -1 must be >= 0",  # numpy's traceback, after making train/class_000
+        ("--classes", "abc"): "--classes: 'abc' is not an integer",
+    }
+    for argv, reason in refusals.items():
         with pytest.raises(SystemExit) as stopped:
             script(str(tmp_path / "refused"), *argv)
-        assert stopped.value.code == 2 and "must be >= 1" in capsys.readouterr().err
+        assert stopped.value.code == 2 and f"error: argument {reason}" in capsys.readouterr().err
     assert not (tmp_path / "refused").exists()  # nothing written
-    for name, counts in (("classes", (0, 1, 1)), ("train", (1, -1, 1)), ("val", (1, 1, -1))):
+    for name, counts in (
+        ("classes", (0, 1, 1)),
+        ("train", (1, -1, 1)),
+        ("val", (1, 1, -1)),
+        ("seed", (1, 1, 1, -1)),
+    ):
         with pytest.raises(ValueError, match=f"^{name}=-?[01] must be >= "):
             make_jpeg_folder(tmp_path / "refused", *counts)
+    assert not (tmp_path / "refused").exists()
     script(str(tmp_path / "data"), "--classes", "2", "--train", "2", "--val", "1")
     assert len(list((tmp_path / "data").rglob("*.JPEG"))) == 6
     assert capsys.readouterr().out.startswith(
@@ -219,6 +234,10 @@ def test_the_folder_script_refuses_counts_below_one_and_says_what_it_wrote(tmp_p
     )
     script(str(tmp_path / "data"), "--classes", "1", "--train", "1", "--val", "1")  # over the last one
     assert "wrote 2 JPEGs" in (out := capsys.readouterr().out) and "holds 4 other file(s) from before" in out
+    # The class count to set is the one the runner finds: the earlier run's class folder too, named.
+    classes = len(ImageFolder(str(tmp_path / "data" / "train")).classes)
+    assert "train/ holds 1 class folder(s) it did not write (class_001), which the runner reads too" in out
+    assert out.strip().endswith(f"data.num_classes={classes})") and classes == 2
 
 
 @pytest.fixture
