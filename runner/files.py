@@ -24,6 +24,7 @@ __all__ = [
     "UnreadableImage",
     "as_stored",
     "jpeg_size",
+    "refuse_empty_classes",
 ]
 
 # Start-of-frame markers carry the size: baseline, extended, progressive, lossless and arithmetic-coded ones
@@ -144,7 +145,11 @@ class EncodedFolder(Dataset):
         self.classes = find_classes(self.root)[0] if classes is None else list(classes)
         class_to_idx = {name: label for label, name in enumerate(self.classes)}
         self.samples = make_dataset(self.root, class_to_idx, extensions=IMG_EXTENSIONS, allow_empty=True)
-        _refuse_empty_classes(self.root, self.classes, self.samples)
+        labelled = {label for _, label in self.samples}
+        #: The class folders that hold no file of an image extension (:func:`refuse_empty_classes`).
+        self.empty_classes = [
+            os.path.join(self.root, name) for label, name in enumerate(self.classes) if label not in labelled
+        ]
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -174,17 +179,16 @@ def _cannot_read(path: str, error: OSError) -> str:
     return f"cannot be read: {error.strerror or error}"
 
 
-def _refuse_empty_classes(root: str, classes: Sequence[str], samples: Sequence[tuple[str, int]]) -> None:
+def refuse_empty_classes(*folders: EncodedFolder) -> None:
     """A class folder without an image file is a label no image has (torchvision's scan stops at it with a
-    traceback): one message naming each.
+    traceback): one message naming each, of every split.
 
     Raises:
-        ConfigError: some class folder of ``root`` holds no file of an image extension.
+        ConfigError: some class folder of ``folders`` holds no file of an image extension.
     """
-    empty = sorted(set(range(len(classes))) - {label for _, label in samples})
+    empty = [path for folder in folders for path in folder.empty_classes]
     if empty:
-        folders = ", ".join(os.path.join(root, classes[label]) for label in empty)
         raise ConfigError(
-            f"{len(empty)} class folder(s) hold no image file ({', '.join(IMG_EXTENSIONS)}): {folders}; "
-            "add images to each or remove it from both splits (and set data.num_classes)"
+            f"{len(empty)} class folder(s) hold no image file ({', '.join(IMG_EXTENSIONS)}): "
+            f"{', '.join(empty)}; add images to each or remove it from both splits (and set data.num_classes)"
         )

@@ -17,7 +17,7 @@ from lightning_fusedsgd.lightning import ConfigError
 from runner.augment import IMAGENET_MEAN, IMAGENET_STD, folder_view_transforms
 from runner.datamodule import DataNotFoundError, SeededDataModule
 from runner.decode import device_failure, jpeg_decoder
-from runner.files import EncodedFolder, EncodedImage, UnreadableImage, jpeg_size
+from runner.files import EncodedFolder, EncodedImage, UnreadableImage, jpeg_size, refuse_empty_classes
 from runner.image_pipeline import FolderSamples, LoadedBatch, PilImages, SetAside, collate, collate_set_aside
 from runner.options import check_flags
 
@@ -150,16 +150,15 @@ class ImageFolderDataModule(SeededDataModule):
         if self.train_set is not None:
             return
         self.check_data()
-        train, val = os.path.join(self.root, "train"), os.path.join(self.root, "val")
+        train_files = EncodedFolder(os.path.join(self.root, "train"))
+        val_files = EncodedFolder(os.path.join(self.root, "val"), train_files.classes)
+        refuse_empty_classes(train_files, val_files)
         if self.views is None:
-            train_files = EncodedFolder(train)
             on_device = self._decode_on_device(train_files)
             self.train_set = FolderSamples(train_files, self.image_size, on_device)
-            self.val_set = FolderSamples(EncodedFolder(val, train_files.classes), self.image_size, on_device)
+            self.val_set = FolderSamples(val_files, self.image_size, on_device)
             self.collate_fn = collate
             return
-        train_files = EncodedFolder(train)
-        val_files = EncodedFolder(val, train_files.classes)
         self._build(PilImages(train_files), PilImages(val_files), folder_view_transforms(self.image_size))
         self.collate_fn = collate_set_aside
 

@@ -463,16 +463,22 @@ def _raises(message: str):
 
 
 @pytest.mark.parametrize("views", [None, "simclr"])
-def test_an_empty_class_folder_is_refused_in_one_message_naming_it(folder, tmp_path, views):
+@pytest.mark.parametrize("splits", [("val",), ("train", "val")])
+def test_an_empty_class_folder_is_refused_in_one_message_naming_it(folder, tmp_path, views, splits):
+    """Every empty class folder is named in the one message, those of both splits (the training split's
+    alone was named, and the validation's only once that was fixed)."""
     root = tmp_path / "data"
     shutil.copytree(folder, root)
-    empty = root / "val" / "class_001"
-    for path in empty.iterdir():
+    empty = [root / split / "class_001" for split in splits]
+    for path in (path for folder in empty for path in folder.iterdir()):
         path.rename(path.with_suffix(".txt"))  # a file of no image extension: the scan lists none
     module = ImageFolderDataModule(
         str(root), image_size=SIZE, num_workers=0, num_classes=3, views=SimCLRTransform() if views else None
     )
-    with pytest.raises(ConfigError, match=rf"1 class folder\(s\) hold no image file .*: {empty}; add images"):
+    named = ", ".join(map(str, empty))
+    with pytest.raises(
+        ConfigError, match=rf"^{len(empty)} class folder\(s\) hold no image file .*: {named}; add"
+    ):
         module.setup()
 
 
