@@ -174,9 +174,10 @@ class EncodedFolder(Dataset):
 
 
 def _cannot_read(path: str, error: OSError) -> str:
-    if os.path.islink(path) and not os.path.exists(path):
-        return f"a link to {os.readlink(path)}, which does not exist"
-    return f"cannot be read: {error.strerror or error}"
+    """Why ``path`` could not be read: the OS's cause, and where it is a link, what it points to (a missing
+    file, a loop of links, or another link that fails)."""
+    reason = f"cannot be read: {error.strerror or error}"
+    return f"{reason} (a link to {os.readlink(path)})" if os.path.islink(path) else reason
 
 
 def refuse_empty_classes(*folders: EncodedFolder) -> None:

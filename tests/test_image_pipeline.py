@@ -4,9 +4,11 @@ generated folder, and the synthetic pool on the device. All on CPU tensors: the 
 
 from __future__ import annotations
 
+import errno
 import io
 import logging
 import math
+import os
 import shutil
 import sys
 import warnings
@@ -413,15 +415,39 @@ def test_a_file_that_cannot_be_opened_travels_as_the_other_unreadable_files(
         module.setup()
         module.train_set.decode_on_device = on_device
         if not skip:
-            with pytest.raises(
-                UnreadableImagesError, match=f"{link}: a link to {tmp_path / 'moved.JPEG'}, which"
-            ):
+            reason = f"cannot be read: No such file or directory \\(a link to {tmp_path / 'moved.JPEG'}\\)"
+            with pytest.raises(UnreadableImagesError, match=f"{link}: {reason}"):
                 first_batch(module)
             continue
         with pytest.warns(UserWarning, match="left out .*link.JPEG"):
             images, labels = first_batch(module)
         assert list(module.unreadable) == [str(link)]
         assert len(images) == 18 and torch.bincount(labels).tolist() == [6, 6, 6]
+
+
+def test_a_link_that_cannot_be_opened_is_named_with_the_oss_cause(folder, tmp_path):
+    """A missing target, a loop of links, a link to a link whose target is missing: each is the OS's own cause
+    (every one was "which does not exist", a loop's and a chain's next link too)."""
+    root = tmp_path / "links"
+    shutil.copytree(folder / "train", root)
+    links = root / "class_000"
+    (links / "dangling.JPEG").symlink_to(tmp_path / "moved.JPEG")
+    (links / "loop.JPEG").symlink_to(links / "loop_back.JPEG")
+    (links / "loop_back.JPEG").symlink_to(links / "loop.JPEG")
+    (links / "hop.JPEG").symlink_to(tmp_path / "moved.JPEG")
+    (links / "chain.JPEG").symlink_to(links / "hop.JPEG")  # its next link exists; that one's target does not
+    causes = {"dangling": errno.ENOENT, "loop": errno.ELOOP, "loop_back": errno.ELOOP, "chain": errno.ENOENT}
+    files = EncodedFolder(root)
+    reasons = {}
+    for index, (path, _) in enumerate(files.samples):
+        try:
+            files[index]
+        except UnreadableImage as unreadable:
+            reasons[os.path.basename(path).removesuffix(".JPEG")] = unreadable.reason
+    assert reasons == {
+        name: f"cannot be read: {os.strerror(cause)} (a link to {os.readlink(links / f'{name}.JPEG')})"
+        for name, cause in {**causes, "hop": errno.ENOENT}.items()
+    }
 
 
 def test_an_unreadable_files_reason_is_its_cause(folder, tmp_path, monkeypatch):
@@ -525,7 +551,7 @@ def test_simclrs_views_stop_at_a_file_that_cannot_be_read_naming_it(damaged, tmp
         first_batch(module)
     message = str(refused.value)
     assert message.startswith("3 file(s) of the data cannot be read or decoded")
-    assert f"{link}: a link to" in message and "empty.JPEG: the file is empty" in message
+    assert f"{link}: cannot be read: " in message and "empty.JPEG: the file is empty" in message
     assert "truncated.JPEG: image file is truncated" in message
     # The fix offered is one that works with views: skipping the files is refused there.
     assert message.endswith("remove or re-encode them (with data.views they cannot be left out: SimCLR's "
