@@ -185,7 +185,8 @@ class ImageFolderDataModule(SeededDataModule):
             record[path] = reason
             message = f"{what} {path}: {reason} ({len(record)} {counted} so far)"
             rank = self.trainer.global_rank if self.trainer is not None else None
-            warnings.warn(rank_prefixed_message(message, rank), stacklevel=3)
+            # Said from the hook that leaves the file out (the caller beyond it is Lightning's).
+            warnings.warn(rank_prefixed_message(message, rank), stacklevel=2)
 
     def unreadable_in(self, split: str) -> dict[str, str]:
         """This rank's files of ``split`` (``"train"`` or ``"val"``) left out so far: path -> why."""

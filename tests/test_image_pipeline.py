@@ -5,6 +5,7 @@ generated folder, and the synthetic pool on the device. All on CPU tensors: the 
 from __future__ import annotations
 
 import errno
+import inspect
 import io
 import logging
 import math
@@ -27,6 +28,7 @@ from torchvision.datasets.folder import pil_loader
 from torchvision.transforms import RandomResizedCrop, v2
 
 import runner.decode
+import runner.image_folder
 from lightning_fusedsgd.lightning import ConfigError
 from runner import jpeg_folder
 from runner.augment import IMAGENET_MEAN, IMAGENET_STD, center_crop, draw_crop, normalize, resized_crop
@@ -379,7 +381,12 @@ def test_a_file_met_again_is_counted_and_warned_once_on_any_rank(damaged, monkey
     with pytest.warns(UserWarning, match="left out") as warned:
         for _ in range(2):  # two epochs
             first_batch(module)
-    assert len([w for w in warned if "left out" in str(w.message)]) == 2
+    left_out = [w for w in warned if "left out" in str(w.message)]
+    assert len(left_out) == 2
+    # Said from the DataModule's hook that leaves them out, not its caller (Lightning's call.py in a run).
+    assert {(w.filename, w.lineno) for w in left_out} == {
+        (runner.image_folder.__file__, _line_leaving_files_out())
+    }
     assert sorted(module.unreadable) == sorted(
         str(p) for p in (damaged / "train" / "class_002").glob("[et]*")
     )
@@ -388,6 +395,13 @@ def test_a_file_met_again_is_counted_and_warned_once_on_any_rank(damaged, monkey
         module.unreadable[str(damaged / "train" / "class_002" / "empty.JPEG")]
         == "the file is empty (0 bytes)"
     )
+
+
+def _line_leaving_files_out() -> int:
+    """The line of the DataModule's on_after_batch_transfer that records and warns about a file left out."""
+    source = inspect.getsource(ImageFolderDataModule.on_after_batch_transfer).splitlines()
+    start = inspect.getsourcelines(ImageFolderDataModule.on_after_batch_transfer)[1]
+    return start + next(i for i, line in enumerate(source) if "self._note(self.unreadable" in line)
 
 
 def test_an_unreadable_file_in_a_loader_worker_is_named_not_a_worker_traceback(damaged):
