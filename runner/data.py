@@ -19,6 +19,7 @@ loaders, the un-augmented training images (a kNN memory bank) and the validation
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -34,8 +35,9 @@ from runner.augment import (
     normalize,
     synthetic_view_transforms,
 )
-from runner.datamodule import DataNotFoundError, SeededDataModule, check_at_least
+from runner.datamodule import DataNotFoundError, SeededDataModule
 from runner.image_folder import ImageFolderDataModule, UnreadableImagesError
+from runner.options import check_at_least, check_flags
 from runner.sampling import EachView, EpochSampler, SeededDataset
 from runner.synthetic import SYNTHETIC_MEAN, SYNTHETIC_STD, Indices, SyntheticImages, SyntheticPool
 
@@ -80,6 +82,7 @@ class DigitsDataModule(SeededDataModule):
     def __init__(self, val_fraction: float = 0.2, augment: bool = True, **shared: Any) -> None:
         super().__init__(**shared)
         self._check_declared(num_classes=10, in_channels=1)
+        check_flags("data", augment=augment)
         if not 0 < val_fraction < 1:
             raise ConfigError(
                 f"data.val_fraction={val_fraction} must be between 0 and 1 (the share held out)"
@@ -114,7 +117,7 @@ class CIFAR10DataModule(SeededDataModule):
     """CIFAR-10 from a local folder (torchvision's python version), standard crop + flip augmentation.
 
     Args:
-        root: Folder holding ``cifar-10-batches-py/``.
+        root: Folder holding ``cifar-10-batches-py/`` (``~`` is the home folder).
         download: Let torchvision download the data into ``root`` if it is missing.
         shared: :class:`~runner.datamodule.SeededDataModule`'s arguments; ``image_size``: CIFAR's 32, or
             resized to it; ``num_classes``, ``in_channels``: must be 10 and 3.
@@ -132,11 +135,12 @@ class CIFAR10DataModule(SeededDataModule):
     def __init__(self, root: str = "data/cifar10", download: bool = False, **shared: Any) -> None:
         super().__init__(**shared)
         self._check_declared(num_classes=10, in_channels=3)
-        self.root = root
+        check_flags("data", download=download)
+        self.root = os.path.expanduser(root)
         self.download = download
 
     def check_data(self) -> None:
-        folder = Path(self.root).expanduser().resolve() / "cifar-10-batches-py"
+        folder = Path(self.root).resolve() / "cifar-10-batches-py"
         if self.download or all((folder / name).is_file() for name in self._FILES):
             return
         raise DataNotFoundError(

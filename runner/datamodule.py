@@ -12,9 +12,10 @@ from torchvision.transforms import v2
 
 from lightning_fusedsgd.lightning import ConfigError
 from runner.augment import HostTransforms
+from runner.options import check_at_least, check_flags
 from runner.sampling import EachView, EpochSampler, SeededDataset, Transform
 
-__all__ = ["DataNotFoundError", "SeededDataModule", "check_at_least"]
+__all__ = ["DataNotFoundError", "SeededDataModule"]
 
 
 class DataNotFoundError(ConfigError):
@@ -98,6 +99,7 @@ class SeededDataModule(pl.LightningDataModule):
         check_at_least("batch_size", self.batch_size, 1, " (the per-device batch)")
         check_at_least("image_size", self.image_size, 1)
         check_at_least("num_workers", self.num_workers, 0, " (0: loaded in the training process)")
+        check_flags("data", drop_last=drop_last)
         if bank_size is not None and bank_size < 1:
             raise ConfigError(f"data.bank_size={bank_size} must be >= 1, or null for every training image")
         self.seed = seed
@@ -195,9 +197,3 @@ class SeededDataModule(pl.LightningDataModule):
         if self.views is None:
             return val
         return [self._loader(self._ready(self.bank_set), None), val]
-
-
-def check_at_least(key: str, value: int, least: int, meaning: str = "") -> None:
-    """Refuses ``data.<key>=value`` below ``least`` (``meaning``: what the setting is, for the message)."""
-    if value < least:
-        raise ConfigError(f"data.{key}={value} must be >= {least}{meaning}")

@@ -9,8 +9,9 @@ torchvision's own decoders (CPU and nvJPEG, present through torchvision 0.29) de
 one is chosen once per process (:func:`jpeg_decoder`). Grayscale and CMYK JPEGs decode to RGB. A file of
 another format (a BMP, TIFF or PNG, whatever its name) is decoded on the CPU by PIL, as torchvision's
 ImageFolder reads it. Pixels are as stored: a JPEG's EXIF orientation is not applied, as PIL and torchvision's
-ImageFolder do not (:func:`~runner.files.as_stored`). A file that decodes nowhere (empty, truncated, not an
-image) is an :class:`UnreadableImage`, which names it; a JPEG the device refuses (one nvJPEG cannot decode) is
+ImageFolder do not (:func:`~runner.files.as_stored`); a JPEG a decoder gives in another size than its
+header's all the same is PIL's. A file that decodes nowhere (empty, truncated, not an image) is an
+:class:`UnreadableImage`, which names it; a JPEG the device refuses (one nvJPEG cannot decode) or turns is
 decoded on the CPU, and :func:`decode_batch` says which (:class:`DecodedOnHost`)."""
 
 from __future__ import annotations
@@ -145,18 +146,38 @@ def _first_line(error: Exception) -> str:
 
 def decode_on_cpu(image: EncodedImage) -> torch.Tensor:
     """``image`` decoded on the CPU by its format (whatever its name says): a JPEG by the JPEG decoder, any
-    other as :func:`pil_image` reads it.
+    other as :func:`pil_image` reads it. A JPEG the decoder gives in another size than its header's (turned by
+    an orientation :func:`~runner.files.as_stored` did not remove) is PIL's, as stored.
 
     Raises:
-        UnreadableImage: the file is empty, cut short or no image.
+        UnreadableImage: the file is empty, cut short or no image, or a JPEG that PIL too decodes to another
+            size than its header's (the crop drawn from the header would leave the image).
     """
-    if jpeg_size(image.data) is None:
-        # (C, H, W) over (H, W, C) memory, as the decoders give
-        return torch.from_numpy(np.array(pil_image(image))).permute(2, 0, 1)
+    header = jpeg_size(image.data)
+    if header is None:
+        return _pil_pixels(image)
     try:
-        return jpeg_decoder().on_cpu(as_stored(image.data))
+        pixels = jpeg_decoder().on_cpu(as_stored(image.data))
     except (RuntimeError, ValueError) as error:
         raise UnreadableImage(image.path, _reason(error, image.data)) from None
+    if _other_size(pixels, header) is None:
+        return pixels
+    pixels = _pil_pixels(image)
+    if (differs := _other_size(pixels, header)) is not None:
+        raise UnreadableImage(image.path, f"PIL {differs}")
+    return pixels
+
+
+def _pil_pixels(image: EncodedImage) -> torch.Tensor:
+    return torch.from_numpy(np.array(pil_image(image))).permute(2, 0, 1)  # (C, H, W) over (H, W, C) memory
+
+
+def _other_size(pixels: torch.Tensor, header: tuple[int, int]) -> str | None:
+    """How ``pixels`` differ in size from a JPEG's ``header``; ``None`` where they do not."""
+    height, width = pixels.shape[-2:]
+    if (height, width) == header:
+        return None
+    return f"decodes it to {height}x{width} pixels, its header says {header[0]}x{header[1]} (height x width)"
 
 
 def pil_image(image: EncodedImage) -> Image.Image:
@@ -181,7 +202,8 @@ def decode_batch(
     images: list[EncodedImage], device: torch.device
 ) -> tuple[list[torch.Tensor | UnreadableImage], list[DecodedOnHost]]:
     """The JPEGs of ``images`` decoded on ``device`` (:func:`_on_device`), and each one the device refused (a
-    JPEG nvJPEG cannot decode) on the CPU, in this process.
+    JPEG nvJPEG cannot decode) or gave in another size than its header's (turned by an orientation) on the
+    CPU, in this process (:func:`decode_on_cpu`).
 
     Returns:
         Each image or the :class:`UnreadableImage` it is, and the images decoded on the CPU instead.
@@ -190,8 +212,12 @@ def decode_batch(
     on_host: list[DecodedOnHost] = []
     for image, pixels in zip(images, _on_device(images, device)):
         if isinstance(pixels, torch.Tensor):
-            decoded.append(pixels)
-            continue
+            differs = _other_size(pixels, jpeg_size(image.data))
+            if differs is None:
+                decoded.append(pixels)
+                continue
+            # Turned by an orientation after all: cropping it by its header's size would leave the image.
+            pixels = f"{jpeg_decoder().name} on {device} {differs}"
         try:
             decoded.append(decode_on_cpu(image).to(device, non_blocking=True))
             on_host.append(DecodedOnHost(image.path, pixels))

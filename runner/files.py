@@ -6,6 +6,7 @@ is an :class:`UnreadableImage`, which travels beside the batch instead of stoppi
 from __future__ import annotations
 
 import os
+import re
 import struct
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -23,11 +24,17 @@ __all__ = [
     "UnreadableImage",
     "as_stored",
     "jpeg_size",
+    "refuse_empty_classes",
 ]
 
 # Start-of-frame markers carry the size: baseline, extended, progressive, lossless and arithmetic-coded ones
 # (0xC4 is a Huffman table, 0xC8 reserved, 0xCC arithmetic conditioning).
 _START_OF_FRAME = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
+_START_OF_SCAN, _END_OF_IMAGE = 0xDA, 0xD9
+_APP1 = 0xE1  # EXIF (its orientation among it) and XMP metadata
+# In a scan's coded data 0xFF is followed by 0x00 (a data byte), a restart marker (0xD0-0xD7) or more fill
+# bytes: anything else is the next marker.
+_NEXT_MARKER = re.compile(rb"\xff[^\x00\xd0-\xd7\xff]")
 
 
 class UnreadableImage(Exception):
@@ -51,10 +58,12 @@ class EncodedImage(NamedTuple):
     label: int
 
 
-def _segments(raw: memoryview) -> Iterator[tuple[int, int, int]]:
-    """``(marker, start, end)`` of each marker segment of a JPEG's header (its payload is ``raw[start:end]``),
-    up to and with the first start-of-frame; none where ``raw`` is no JPEG. Stops where the header is cut
-    short or holds something that is no marker."""
+def _segments(raw: memoryview, *, past_scans: bool = False) -> Iterator[tuple[int, int, int]]:
+    """``(marker, start, end)`` of each marker segment of a JPEG (its payload is ``raw[start:end]``): its
+    header's, every one before its first scan (SOS), so the tables and metadata after the start-of-frame too;
+    with ``past_scans`` also each scan's and those between scans (a progressive JPEG's). None where ``raw`` is
+    no JPEG. Stops at the end of the image, or where the bytes are cut short or hold something that is no
+    marker."""
     if raw[:2] != b"\xff\xd8":
         return
     at = 2
@@ -65,6 +74,8 @@ def _segments(raw: memoryview) -> Iterator[tuple[int, int, int]]:
         if marker == 0xFF:  # fill byte before a marker
             at += 1
             continue
+        if marker == _END_OF_IMAGE or (marker == _START_OF_SCAN and not past_scans):
+            return
         if marker in (0x01, *range(0xD0, 0xD8)):  # markers without a length
             at += 2
             continue
@@ -73,9 +84,12 @@ def _segments(raw: memoryview) -> Iterator[tuple[int, int, int]]:
         if length < 2 or end > len(raw):
             return
         yield marker, at + 4, end
-        if marker in _START_OF_FRAME:
-            return
         at = end
+        if marker == _START_OF_SCAN:  # its coded data runs to the next marker
+            following = _NEXT_MARKER.search(raw, end)
+            if following is None:
+                return
+            at = following.start()
 
 
 def _view(data: bytes | torch.Tensor) -> memoryview:
@@ -93,45 +107,28 @@ def jpeg_size(data: bytes | torch.Tensor) -> tuple[int, int] | None:
     return None
 
 
-def _orientation_tag(raw: memoryview) -> tuple[int, str] | None:
-    """Where a JPEG's EXIF orientation tag holds its value (the offset of its two bytes) and their byte order
-    (``"big"`` or ``"little"``); ``None`` where it has none (or an EXIF block that does not parse)."""
-    for marker, start, end in _segments(raw):
-        if marker != 0xE1 or raw[start : start + 6] != b"Exif\x00\x00":
-            continue
-        tiff = start + 6  # the EXIF block is a TIFF file: byte order, 42, the offset of its first directory
-        order = {b"II": "<", b"MM": ">"}.get(bytes(raw[tiff : tiff + 2]))
-        if order is None or tiff + 8 > end:
-            return None
-        magic, directory = struct.unpack(order + "HI", raw[tiff + 2 : tiff + 8])
-        if magic != 42 or tiff + directory + 2 > end:
-            return None
-        (count,) = struct.unpack(order + "H", raw[tiff + directory : tiff + directory + 2])
-        for entry in range(tiff + directory + 2, min(tiff + directory + 2 + 12 * count, end - 11), 12):
-            tag, kind = struct.unpack(order + "HH", raw[entry : entry + 4])
-            if tag == 0x0112 and kind == 3:  # Orientation, a SHORT held in the entry itself
-                return entry + 8, "little" if order == "<" else "big"
-        return None
-    return None
-
-
 def as_stored(data: torch.Tensor) -> torch.Tensor:
-    """A JPEG's bytes with its EXIF orientation tag set to 1 (as stored: no rotation or flip), a copy where it
-    says otherwise; ``data`` itself where it has none.
+    """A JPEG's bytes without its APP1 segments (its EXIF and XMP metadata, the EXIF orientation among it), a
+    copy; ``data`` itself where it has none (or is no JPEG).
 
     The image folders' one rule: pixels as stored, as PIL reads them, and so torchvision's ImageFolder and its
-    reference recipes. TorchCodec's decoders turn an image as its orientation says (torchvision's did not),
-    and the crop the device path draws comes from the stored size (:func:`jpeg_size`), so whatever decodes a
-    JPEG is handed these bytes."""
-    found = _orientation_tag(_view(data))
-    if found is None:
+    reference recipes. TorchCodec's decoders turn an image as its EXIF orientation says (torchvision's did
+    not), and read it loosely: the CPU decoder the first APP1 segment libjpeg saves, whatever it holds and
+    wherever it sits (after the start-of-frame, between a progressive JPEG's scans), the CUDA decoder the
+    first EXIF one before the scan, each the tag's first two bytes whatever its type (SHORT, LONG, BYTE).
+    Clearing the tag would have to read the blocks as each of them does; without the segments there is
+    nothing to read, and no pixel depends on them. The crop the device path draws comes from the stored size
+    (:func:`jpeg_size`), so whatever decodes a JPEG is handed these bytes."""
+    raw = _view(data)
+    metadata = [(start - 4, end) for marker, start, end in _segments(raw, past_scans=True) if marker == _APP1]
+    if not metadata:
         return data
-    at, byteorder = found
-    if int.from_bytes(bytes(_view(data)[at : at + 2]), byteorder) == 1:
-        return data
-    stored = data.clone()
-    stored[at : at + 2] = torch.tensor(list((1).to_bytes(2, byteorder)), dtype=torch.uint8)
-    return stored
+    kept, at = [], 0
+    for begin, end in metadata:  # each segment from its marker
+        kept.append(data[at:begin])
+        at = end
+    kept.append(data[at:])
+    return torch.cat(kept)
 
 
 class EncodedFolder(Dataset):
@@ -148,7 +145,11 @@ class EncodedFolder(Dataset):
         self.classes = find_classes(self.root)[0] if classes is None else list(classes)
         class_to_idx = {name: label for label, name in enumerate(self.classes)}
         self.samples = make_dataset(self.root, class_to_idx, extensions=IMG_EXTENSIONS, allow_empty=True)
-        _refuse_empty_classes(self.root, self.classes, self.samples)
+        labelled = {label for _, label in self.samples}
+        #: The class folders that hold no file of an image extension (:func:`refuse_empty_classes`).
+        self.empty_classes = [
+            os.path.join(self.root, name) for label, name in enumerate(self.classes) if label not in labelled
+        ]
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -173,22 +174,22 @@ class EncodedFolder(Dataset):
 
 
 def _cannot_read(path: str, error: OSError) -> str:
-    if os.path.islink(path) and not os.path.exists(path):
-        return f"a link to {os.readlink(path)}, which does not exist"
-    return f"cannot be read: {error.strerror or error}"
+    """Why ``path`` could not be read: the OS's cause, and where it is a link, what it points to (a missing
+    file, a loop of links, or another link that fails)."""
+    reason = f"cannot be read: {error.strerror or error}"
+    return f"{reason} (a link to {os.readlink(path)})" if os.path.islink(path) else reason
 
 
-def _refuse_empty_classes(root: str, classes: Sequence[str], samples: Sequence[tuple[str, int]]) -> None:
+def refuse_empty_classes(*folders: EncodedFolder) -> None:
     """A class folder without an image file is a label no image has (torchvision's scan stops at it with a
-    traceback): one message naming each.
+    traceback): one message naming each, of every split.
 
     Raises:
-        ConfigError: some class folder of ``root`` holds no file of an image extension.
+        ConfigError: some class folder of ``folders`` holds no file of an image extension.
     """
-    empty = sorted(set(range(len(classes))) - {label for _, label in samples})
+    empty = [path for folder in folders for path in folder.empty_classes]
     if empty:
-        folders = ", ".join(os.path.join(root, classes[label]) for label in empty)
         raise ConfigError(
-            f"{len(empty)} class folder(s) hold no image file ({', '.join(IMG_EXTENSIONS)}): {folders}; "
-            "add images to each or remove it from both splits (and set data.num_classes)"
+            f"{len(empty)} class folder(s) hold no image file ({', '.join(IMG_EXTENSIONS)}): "
+            f"{', '.join(empty)}; add images to each or remove it from both splits (and set data.num_classes)"
         )

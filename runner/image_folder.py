@@ -17,22 +17,29 @@ from lightning_fusedsgd.lightning import ConfigError
 from runner.augment import IMAGENET_MEAN, IMAGENET_STD, folder_view_transforms
 from runner.datamodule import DataNotFoundError, SeededDataModule
 from runner.decode import device_failure, jpeg_decoder
-from runner.files import EncodedFolder, EncodedImage, UnreadableImage, jpeg_size
+from runner.files import EncodedFolder, EncodedImage, UnreadableImage, jpeg_size, refuse_empty_classes
 from runner.image_pipeline import FolderSamples, LoadedBatch, PilImages, SetAside, collate, collate_set_aside
+from runner.options import check_flags
 
 __all__ = ["ImageFolderDataModule", "UnreadableImagesError"]
 
 
 class UnreadableImagesError(ConfigError):
     """Files of the data that cannot be read or decoded (empty, truncated, not an image, a link to a missing
-    file): each named with the reason."""
+    file): each named with the reason, and the fixes (``skippable``: whether ``data.skip_unreadable`` is one;
+    not with views, whose batches stay whole)."""
 
-    def __init__(self, unreadable: list[UnreadableImage]) -> None:
+    def __init__(self, unreadable: list[UnreadableImage], skippable: bool = True) -> None:
         files = "\n".join(f"  {image}" for image in unreadable)
-        super().__init__(
-            f"{len(unreadable)} file(s) of the data cannot be read or decoded:\n{files}\n"
-            "  remove or re-encode them, or add data.skip_unreadable=true to leave such files out of their "
+        fix = (
+            "remove or re-encode them, or add data.skip_unreadable=true to leave such files out of their "
             "batches (each is warned about and counted)"
+            if skippable
+            else "remove or re-encode them (with data.views they cannot be left out: SimCLR's batches stay "
+            "whole)"
+        )
+        super().__init__(
+            f"{len(unreadable)} file(s) of the data cannot be read or decoded:\n{files}\n  {fix}"
         )
 
 
@@ -46,7 +53,7 @@ class ImageFolderDataModule(SeededDataModule):
     and run the view transform per image.
 
     Args:
-        root: Dataset folder with ``train/`` and ``val/``.
+        root: Dataset folder with ``train/`` and ``val/`` (``~`` is the home folder).
         decode: ``gpu``: the training GPU decodes each batch (nvJPEG) and crops, resizes and flips it;
             ``cpu``: the workers decode, crop and resize; ``auto``: ``gpu`` where training runs on a GPU and
             the decoder decodes there (tried once at setup), else ``cpu``. Setup says which decoder runs
@@ -76,6 +83,7 @@ class ImageFolderDataModule(SeededDataModule):
     ) -> None:
         super().__init__(**shared)
         self._check_declared(num_classes=self.num_classes, in_channels=3)
+        check_flags("data", skip_unreadable=skip_unreadable)
         if decode not in ("auto", "gpu", "cpu"):
             raise ConfigError(f"data.decode={decode!r}: choose auto, gpu or cpu")
         if skip_unreadable and self.views is not None:
@@ -84,7 +92,7 @@ class ImageFolderDataModule(SeededDataModule):
                 "gathered from every rank's batch, of one size), so a file that cannot be read stops the "
                 "run, named; remove or re-encode such files instead"
             )
-        self.root = root
+        self.root = os.path.expanduser(root)
         self.decode = decode
         self.skip_unreadable = skip_unreadable
         #: This rank's files left out of their batches in this fit (``skip_unreadable``): path -> why, each
@@ -94,7 +102,7 @@ class ImageFolderDataModule(SeededDataModule):
         self.decoded_on_host: dict[str, str] = {}
 
     def check_data(self) -> None:
-        root = Path(self.root).expanduser().resolve()
+        root = Path(self.root).resolve()
         classes = {}
         for split in ("train", "val"):
             classes[split] = _class_folders(root / split)
@@ -142,23 +150,22 @@ class ImageFolderDataModule(SeededDataModule):
         if self.train_set is not None:
             return
         self.check_data()
-        train, val = os.path.join(self.root, "train"), os.path.join(self.root, "val")
+        train_files = EncodedFolder(os.path.join(self.root, "train"))
+        val_files = EncodedFolder(os.path.join(self.root, "val"), train_files.classes)
+        refuse_empty_classes(train_files, val_files)
         if self.views is None:
-            train_files = EncodedFolder(train)
             on_device = self._decode_on_device(train_files)
             self.train_set = FolderSamples(train_files, self.image_size, on_device)
-            self.val_set = FolderSamples(EncodedFolder(val, train_files.classes), self.image_size, on_device)
+            self.val_set = FolderSamples(val_files, self.image_size, on_device)
             self.collate_fn = collate
             return
-        train_files = EncodedFolder(train)
-        val_files = EncodedFolder(val, train_files.classes)
         self._build(PilImages(train_files), PilImages(val_files), folder_view_transforms(self.image_size))
         self.collate_fn = collate_set_aside
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         if isinstance(batch, SetAside):  # the views' batches: a file that cannot be read stops the run
             if batch.unreadable:
-                raise UnreadableImagesError(batch.unreadable)
+                raise UnreadableImagesError(batch.unreadable, skippable=False)
             return batch.batch
         if not isinstance(batch, LoadedBatch):
             return batch
@@ -178,54 +185,17 @@ class ImageFolderDataModule(SeededDataModule):
             record[path] = reason
             message = f"{what} {path}: {reason} ({len(record)} {counted} so far)"
             rank = self.trainer.global_rank if self.trainer is not None else None
-            warnings.warn(rank_prefixed_message(message, rank), stacklevel=3)
+            # Said from the hook that leaves the file out (the caller beyond it is Lightning's).
+            warnings.warn(rank_prefixed_message(message, rank), stacklevel=2)
+
+    def unreadable_in(self, split: str) -> dict[str, str]:
+        """This rank's files of ``split`` (``"train"`` or ``"val"``) left out so far: path -> why."""
+        folder = os.path.join(self.root, split, "")
+        return {path: reason for path, reason in self.unreadable.items() if path.startswith(folder)}
 
     def files_report(self) -> dict[str, dict[str, str]]:
         """This rank's files that the run did not read as planned, by kind (path -> why), for the summary."""
         return {"unreadable_files": dict(self.unreadable), "host_decoded_files": dict(self.decoded_on_host)}
-
-
-def _first_jpegs(files: EncodedFolder, count: int = 8, looked_at: int = 64) -> list[EncodedImage]:
-    """Up to ``count`` readable JPEGs among the first ``looked_at`` files, to try the device decode on."""
-    jpegs = []
-    for index in range(min(len(files), looked_at)):
-        try:
-            image = files[index]
-        except UnreadableImage:
-            continue
-        if jpeg_size(image.data) is not None:
-            jpegs.append(image)
-        if len(jpegs) == count:
-            break
-    return jpegs
-
-
-def _class_folders(split: Path) -> list[str]:
-    """A split's class folders, sorted (ImageFolder's labels); none where the split is missing."""
-    try:
-        return find_classes(str(split))[0]
-    except (FileNotFoundError, NotADirectoryError):  # no folder, or none in it
-        return []
-
-
-def _check_same_classes(train: Path, classes: list[str], split: Path, split_classes: list[str]) -> None:
-    """Every split is labelled by the training split's class folders, so it must hold the same ones: a
-    validation split lacking a class would shift every later label by one."""
-    lacking = sorted(set(classes) - set(split_classes))
-    extra = sorted(set(split_classes) - set(classes))
-    if not lacking and not extra:
-        return
-    problems = [f"{split} lacks {_names(lacking)}"] if lacking else []
-    problems += [f"{split} has {_names(extra)}, which {train} lacks"] if extra else []
-    raise ConfigError(
-        f"{split} and {train} must hold the same class folders (the labels are {train}'s classes, in sorted "
-        f"order): {'; '.join(problems)}. Give both splits the same class folders"
-    )
-
-
-def _names(names: list[str], shown: int = 5) -> str:
-    more = f" and {len(names) - shown} more" if len(names) > shown else ""
-    return ", ".join(names[:shown]) + more
 
 
 def _first_jpegs(files: EncodedFolder, count: int = 8, looked_at: int = 64) -> list[EncodedImage]:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 from PIL import Image
+from torchvision.datasets.folder import find_classes
 
 __all__ = ["make_jpeg_folder"]
 
@@ -41,15 +42,21 @@ def make_jpeg_folder(
     images; no ``val/`` for ``val=0``); the same arguments give the same bytes. Returns ``root``.
 
     Raises:
-        ValueError: ``classes`` or ``train`` below 1, or ``val`` below 0 (before anything is written).
+        ValueError: ``classes`` or ``train`` below 1, or ``val`` or ``seed`` below 0 (before anything is
+            written).
     """
-    for name, count, least in (("classes", classes, 1), ("train", train, 1), ("val", val, 0)):
+    for name, count, least in (
+        ("classes", classes, 1),
+        ("train", train, 1),
+        ("val", val, 0),
+        ("seed", seed, 0),
+    ):
         if count < least:
             raise ValueError(f"{name}={count} must be >= {least}")
     root = Path(root)
     for split_index, (split, count) in enumerate((("train", train), ("val", val))):
         for label in range(classes if count else 0):
-            folder = root / split / f"class_{label:03d}"
+            folder = root / split / _class_folder(label)
             folder.mkdir(parents=True, exist_ok=True)
             for index in range(count):
                 rng = np.random.default_rng([seed, split_index, label, index])
@@ -60,9 +67,16 @@ def make_jpeg_folder(
     return root
 
 
+def _class_folder(label: int) -> str:
+    return f"class_{label:03d}"
+
+
 def _count(least: int):
     def parse(text: str) -> int:
-        value = int(text)
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
         if value < least:
             raise argparse.ArgumentTypeError(f"{value} must be >= {least}")
         return value
@@ -79,15 +93,22 @@ def main() -> None:
     parser.add_argument("--train", type=_count(1), default=50, help="training images per class")
     # At least one: a class folder without images is refused by the runner (train.py validates every class).
     parser.add_argument("--val", type=_count(1), default=10, help="validation images per class")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=_count(0), default=0)
     args = parser.parse_args()
     root = make_jpeg_folder(args.root, args.classes, args.train, args.val, args.seed)
     written = args.classes * (args.train + args.val)
     held = sum(path.is_file() for path in root.rglob("*"))
     before = f"; it holds {held - written} other file(s) from before" if held != written else ""
+    # The runner's classes are the class folders in train/, those of an earlier run into the folder too.
+    classes = find_classes(str(root / "train"))[0]
+    stale = sorted(set(classes) - {_class_folder(label) for label in range(args.classes)})
+    if stale:
+        shown = ", ".join(stale[:5]) + (f" and {len(stale) - 5} more" if len(stale) > 5 else "")
+        before += f"; train/ holds {len(stale)} class folder(s) it did not write ({shown}), which the runner "
+        before += "reads too"
     print(
         f"wrote {written} JPEGs to {root}: {args.classes} classes of {args.train} training and {args.val} "
-        f"validation images{before} (data.root={root} data.num_classes={args.classes})"
+        f"validation images{before} (data.root={root} data.num_classes={len(classes)})"
     )
 
 

@@ -9,10 +9,14 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 import torchvision
+from lightning.pytorch.strategies import DeepSpeedStrategy
+from lightning.pytorch.utilities.types import LRSchedulerTypeUnion
 from torch import nn
+from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_fusedsgd.lightning import ConfigError, EMAWeightAveraging, configure_fused_sgd
+from runner.options import check_flags
 
 __all__ = ["ImageClassifier", "build_resnet"]
 
@@ -95,6 +99,7 @@ class ImageClassifier(pl.LightningModule):
         optimizer: OptimizerFactory | None = None,
     ) -> None:
         super().__init__()
+        check_flags("model", small_input=small_input, zero_init_residual=zero_init_residual, compile=compile)
         if channels_last not in (True, False, "auto"):
             raise ConfigError(f"model.channels_last={channels_last!r}: choose true, false or auto")
         # The optimizer factory is code, not a hyperparameter; Hydra saves the full config anyway.
@@ -111,8 +116,14 @@ class ImageClassifier(pl.LightningModule):
         self.memory_format = torch.contiguous_format  # setup() decides, once the device is known
         self.label_smoothing = label_smoothing
         self.optimizer_factory = optimizer
+        self._step_skipped = False  # the last training batch was empty and stepped nothing
+        # Validation's metrics, each rank's batches gathered (a rank may score no image: see
+        # on_validation_epoch_end), and this rank's images scored in the pass.
+        self._scored_images = 0
+        self.val_loss = MeanMetric()
         self.val_acc = MulticlassAccuracy(num_classes, top_k=1, average="micro")
         self.val_acc5 = MulticlassAccuracy(num_classes, top_k=min(5, num_classes), average="micro")
+        self.val_loss_raw = MeanMetric()
         self.val_acc_raw = MulticlassAccuracy(num_classes, top_k=1, average="micro")
         # The average of the weights (train.py's ema), whose validation runs on the averages: the training
         # weights are validated too, swapped in for the batch.
@@ -131,34 +142,114 @@ class ImageClassifier(pl.LightningModule):
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor | None:
         images, targets = batch
+        self._step_skipped = not len(targets) and self._skips_empty_steps()
         if not len(targets):  # every file of the batch unreadable (data.skip_unreadable): nothing to learn
-            # One device skips the step (Lightning steps no gradient); under DDP every rank must reduce its
-            # gradients, and this one's are zero.
-            return None if self.trainer.world_size == 1 else self(images).sum()
+            return None if self._step_skipped else self(images).sum()  # zero gradients
         logits = self(images)
         loss = F.cross_entropy(logits, targets, label_smoothing=self.label_smoothing)
         self.log("train/loss", loss, prog_bar=True)
         self.log("train/acc", (logits.argmax(dim=1) == targets).float().mean())
         return loss
 
+    def _skips_empty_steps(self) -> bool:
+        """Whether a batch left with no image skips its optimizer step (``training_step`` returns None, and
+        Lightning steps no gradient): on one device, without gradient accumulation. Under DDP every rank must
+        reduce its gradients; with accumulation the gradients of the window's other batches must still be
+        applied (under a GradScaler Lightning skips the whole step after a None); DeepSpeed refuses None.
+        There the empty batch's gradients are zero, and its step is taken."""
+        trainer = self.trainer
+        return (
+            trainer.world_size == 1
+            and trainer.accumulate_grad_batches == 1
+            and not isinstance(trainer.strategy, DeepSpeedStrategy)
+        )
+
+    def lr_scheduler_step(self, scheduler: LRSchedulerTypeUnion, metric: Any | None) -> None:
+        """Steps a per-step lr scheduler after each optimizer step taken, not after one an empty batch skipped
+        (Lightning steps it after every batch): the schedule's position counts the steps taken, so warmup and
+        milestones are not used up by steps that never happened."""
+        if self._step_skipped and self._is_per_step(scheduler):
+            return
+        super().lr_scheduler_step(scheduler, metric)
+
+    def _is_per_step(self, scheduler: LRSchedulerTypeUnion) -> bool:
+        return any(
+            config.scheduler is scheduler and config.interval == "step"
+            for config in self.trainer.lr_scheduler_configs
+        )
+
+    def on_validation_epoch_start(self) -> None:
+        self._scored_images = 0
+
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         images, targets = batch
         if not len(targets):  # every file of the batch was unreadable: nothing to score
             return
         logits = self(images)
-        self.log("val/loss", F.cross_entropy(logits, targets), prog_bar=True, sync_dist=True)
-        self.val_acc(logits, targets)
-        self.val_acc5(logits, targets)
-        self.log("val/acc", self.val_acc, prog_bar=True)
-        self.log("val/acc5", self.val_acc5)
-        if self.average is not None and not self.trainer.sanity_checking:
+        self._scored_images += len(targets)
+        self.val_loss.update(F.cross_entropy(logits, targets), weight=len(targets))
+        self.val_acc.update(logits, targets)
+        self.val_acc5.update(logits, targets)
+        if self._validates_training_weights():
             with self.average.training_weights():
                 raw = self(images)
-            self.log("val/loss_raw", F.cross_entropy(raw, targets), sync_dist=True)
-            self.val_acc_raw(raw, targets)
+            self.val_loss_raw.update(F.cross_entropy(raw, targets), weight=len(targets))
+            self.val_acc_raw.update(raw, targets)
+
+    def on_validation_epoch_end(self) -> None:
+        """Logs the pass's metrics, every rank's images together, where it scored an image.
+
+        The metrics are logged here, not per batch: a rank whose every batch was empty would log nothing, and
+        the ranks' reductions of what they logged would no longer pair up (a hang under DDP).
+
+        Raises:
+            ConfigError: the pass scored no image (every file it read unreadable, left out under
+                ``data.skip_unreadable``): nothing can be validated or monitored. Raised by the sanity check
+                where it read the whole pass, before any training.
+        """
+        # Every rank's count: each rank reduces it, whatever it scored.
+        scored = self.trainer.strategy.reduce(
+            torch.tensor(self._scored_images, device=self.device), reduce_op="sum"
+        )
+        if not scored:
+            sanity_checking = self.trainer.sanity_checking
+            if not sanity_checking or self.trainer.num_sanity_val_batches == self.trainer.num_val_batches:
+                raise ConfigError(_nothing_scored(self.trainer))
+            return
+        self.log("val/loss", self.val_loss, prog_bar=True)
+        self.log("val/acc", self.val_acc, prog_bar=True)
+        self.log("val/acc5", self.val_acc5)
+        if self._validates_training_weights():
+            self.log("val/loss_raw", self.val_loss_raw)
             self.log("val/acc_raw", self.val_acc_raw)
+
+    def _validates_training_weights(self) -> bool:
+        """Whether validation scores the training weights too (beside their average; not in the sanity
+        check, before any step)."""
+        return self.average is not None and not self.trainer.sanity_checking
 
     def configure_optimizers(self) -> Any:
         if self.optimizer_factory is None:
             return configure_fused_sgd(self)
         return self.optimizer_factory(self)
+
+
+def _nothing_scored(trainer: pl.Trainer) -> str:
+    """Why a validation pass scored no image, and the fix: the image folder's unreadable validation files
+    (this rank's), or, for data that records none, its empty batches."""
+    unreadable_in = getattr(trainer.datamodule, "unreadable_in", None)
+    files = unreadable_in("val") if unreadable_in is not None else {}
+    limit = trainer.limit_val_batches
+    more = (
+        ", or let it read more files (trainer.limit_val_batches; it reads "
+        f"{trainer.num_val_batches[0]} batch(es) now)"
+        if not (isinstance(limit, float) and limit == 1.0)
+        else ""
+    )
+    if not files:
+        return f"validation scored no image: every batch it read was empty{more}"
+    path, reason = next(iter(files.items()))
+    return (
+        f"validation scored no image: each of the {len(files)} validation file(s) it read is unreadable and "
+        f"was left out (data.skip_unreadable=true), e.g. {path}: {reason}; remove or re-encode them{more}"
+    )

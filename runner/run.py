@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,8 @@ from lightning_fusedsgd.lightning import ConfigError, EMAWeightAveraging, InitFr
 from lightning_fusedsgd.lightning.clipping import callbacks as package_callbacks
 from runner.cpu_bf16 import check_cpu_bf16_convolutions
 from runner.datamodule import DataNotFoundError
-from runner.resume import ResumeInCutEpoch
+from runner.options import check_flags
+from runner.resume import RefuseFinishedRun, ResumeAfterEpochEnd, ResumeInCutEpoch
 from runner.summary import RunSummary
 
 __all__ = ["train"]
@@ -45,6 +47,12 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         CheckpointError: If the checkpoint is damaged, of another model or of the wrong kind; the
             message names the file and, for another model, the parameters.
     """
+    # The paths as every reader of them takes them (data.root is its DataModule's to expand).
+    cfg.ckpt_path, cfg.init.path = _expanded(cfg.ckpt_path), _expanded(cfg.init.path)
+    # The flags the runner reads itself, before any constructor that would check them sees them.
+    check_flags("init", weights_only=cfg.init.weights_only, trusted=cfg.init.trusted)
+    check_flags("optim", schedule_free=cfg.optim.get("schedule_free", False))
+    check_flags("trainer", enable_progress_bar=cfg.trainer.get("enable_progress_bar", True))
     pl.seed_everything(cfg.seed, workers=True)
     datamodule = instantiate(cfg.data)
     try:
@@ -62,7 +70,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         # Lightning refuses a progress bar callback beside enable_progress_bar=false; the config adds one.
         callbacks = [cb for cb in callbacks if not isinstance(cb, ProgressBar)]
     callbacks += _missing_package_callbacks(callbacks)
-    callbacks.append(ResumeInCutEpoch())  # a run stopped by max_steps resumes in the epoch it stopped in
+    # A run stopped by max_steps resumes in the epoch it stopped in, or at the next one's start.
+    callbacks += [ResumeInCutEpoch(), ResumeAfterEpochEnd(), RefuseFinishedRun()]
     if cfg.ema.decay is not None:
         if cfg.optim.get("schedule_free", False):
             raise ConfigError(
@@ -163,6 +172,11 @@ def _check_resume_checkpoint(ckpt_path: str, model: pl.LightningModule, schedule
             f"init.path={ckpt_path} init.start_epoch=<the epoch to continue at>, which replays the schedule "
             "to that epoch"
         )
+
+
+def _expanded(path: str | None) -> str | None:
+    """``path`` with a leading ``~`` expanded to the home folder, as a shell would have."""
+    return None if path is None else os.path.expanduser(path)
 
 
 def _check_ckpt_path(ckpt_path: str | None) -> None:

@@ -21,6 +21,7 @@ from torch import nn
 
 from lightning_fusedsgd.lightning import configure_fused_sgd
 from runner.model import OptimizerFactory, build_resnet
+from runner.options import check_flags
 
 __all__ = ["SimCLR"]
 
@@ -74,6 +75,7 @@ class SimCLR(pl.LightningModule):
         optimizer: OptimizerFactory | None = None,
     ) -> None:
         super().__init__()
+        check_flags("model", small_input=small_input, channels_last=channels_last)
         self.save_hyperparameters(ignore=["optimizer"])
         self.backbone, features = _backbone(arch, in_channels, small_input)
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format

@@ -93,7 +93,8 @@ class RunSummary(pl.Callback):
         # Lightning steps the scheduler before on_train_batch_end: only here is this step's lr visible.
         self.lr.append((trainer.global_step + 1, float(optimizer.param_groups[0]["lr"])))
 
-    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # After the pass's epoch-end hooks, the module's among them, have logged its metrics.
         if trainer.sanity_checking:
             return
         for series, key in ((self.val_acc, self.monitor), (self.val_acc_raw, f"{self.monitor}_raw")):
@@ -110,9 +111,12 @@ class RunSummary(pl.Callback):
         metrics = {key: float(value) for key, value in trainer.callback_metrics.items() if value.numel() == 1}
         checkpoints = [cb for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint)]
         best = max((acc for _, acc in self.val_acc), default=None)  # None: no validation ran
+        # The run's last validation: this fit's, or where it ran none (resumed, then stopped by max_steps
+        # before the next), the last one recorded before it.
+        last = metrics.get(self.monitor, self.val_acc[-1][1] if self.val_acc else None)
         self.summary = {
             "name": self.name,
-            self.monitor: metrics.get(self.monitor),
+            self.monitor: last,
             f"best_{self.monitor}": best,
             "epochs": trainer.current_epoch,
             "global_step": trainer.global_step,

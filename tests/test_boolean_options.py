@@ -1,6 +1,7 @@
 """Every boolean option refuses a string (a config's "false", which Python takes as true), wherever it enters:
 the constructor, a group dict, add_param_group, a loaded state dict, the param-group builder, the Lightning
-factory and a Hydra override. The options are read off the signatures, so a new one is checked here too."""
+factory, a Hydra override, and the recipe runner's DataModules, models and the flags it reads. The options
+are read off the signatures, so a new one is checked here too."""
 
 from __future__ import annotations
 
@@ -9,11 +10,16 @@ import inspect
 
 import pytest
 import torch
-from lightning_helpers import TinyClassifier, cpu_trainer, run_train_py
+from lightning_helpers import TinyClassifier, compose_train, cpu_trainer, run_train_py
 from torch import nn
 
 from lightning_fusedsgd import FusedSGD, param_groups
-from lightning_fusedsgd.lightning import configure_fused_sgd
+from lightning_fusedsgd.lightning import ConfigError, configure_fused_sgd
+from runner.data import CIFAR10DataModule, DigitsDataModule, ImageFolderDataModule, SyntheticDataModule
+from runner.datamodule import SeededDataModule
+from runner.model import ImageClassifier
+from runner.run import train
+from runner.simclr import SimCLR
 
 
 def _boolean_arguments(function) -> list[str]:
@@ -101,3 +107,49 @@ def test_a_hydra_override_of_a_string_is_refused_in_one_line():
     assert result.returncode == 2
     assert "error: Invalid master_weights: 'false'" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+# The runner's nodes: the DataModules' (their shared arguments' too) and the models'.
+RUNNER_FLAGS = [
+    pytest.param(build, node, key, id=f"{build.__name__}-{key}")
+    for build, node, own in (
+        (DigitsDataModule, "data", True),
+        (CIFAR10DataModule, "data", True),
+        (ImageFolderDataModule, "data", True),
+        (SyntheticDataModule, "data", True),
+        (ImageClassifier, "model", False),
+        (SimCLR, "model", False),
+    )
+    for key in _boolean_arguments(build.__init__)
+    + (_boolean_arguments(SeededDataModule.__init__) if own else [])
+]
+
+
+def test_the_runners_signatures_have_the_flags_this_file_checks():
+    checked = {(values[1], values[2]) for values in (param.values for param in RUNNER_FLAGS)}
+    assert {
+        ("data", "drop_last"),
+        ("data", "skip_unreadable"),
+        ("data", "augment"),
+        ("data", "download"),
+    } <= checked
+    assert {("model", "small_input"), ("model", "zero_init_residual"), ("model", "compile")} <= checked
+
+
+@pytest.mark.parametrize(("build", "node", "key"), RUNNER_FLAGS)
+def test_a_string_is_refused_by_the_runners_constructors(build, node, key):
+    """``data.skip_unreadable=no`` turned skipping on: Hydra gives ``no`` as a string, which Python takes as
+    true."""
+    with pytest.raises(ConfigError, match=f"^{node}.{key}='no' is not a boolean: set {node}.{key}=true or"):
+        build(**{key: "no"})
+
+
+@pytest.mark.parametrize("override", ["init.trusted=no", "init.weights_only=no", "+optim.schedule_free=no",
+                                      "trainer.enable_progress_bar=no", "+data.drop_last=no"])  # fmt: skip
+def test_a_string_for_a_flag_the_runner_reads_is_refused_before_the_run(override, tmp_path):
+    """``init.trusted=no`` would let a checkpoint's pickled objects load; the runner reads these flags itself,
+    before any constructor that would check them."""
+    key = override.split("=")[0].lstrip("+")
+    with pytest.raises(ConfigError, match=f"^{key}='no' is not a boolean"):
+        train(compose_train(["debug=tiny", override], tmp_path))
+    assert not list(tmp_path.iterdir())

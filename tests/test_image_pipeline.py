@@ -4,11 +4,13 @@ generated folder, and the synthetic pool on the device. All on CPU tensors: the 
 
 from __future__ import annotations
 
+import errno
+import inspect
 import io
 import logging
 import math
+import os
 import shutil
-import struct
 import sys
 import warnings
 from collections.abc import Callable
@@ -17,15 +19,16 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-import torchvision.transforms.functional as TF
+from image_helpers import SIZE, first_batch, oriented_copy, pil_reference
 from lightly.transforms import SimCLRTransform
 from lightning_utilities.core.rank_zero import rank_zero_only
 from PIL import Image
 from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import pil_loader
-from torchvision.transforms import InterpolationMode, RandomResizedCrop, v2
+from torchvision.transforms import RandomResizedCrop, v2
 
 import runner.decode
+import runner.image_folder
 from lightning_fusedsgd.lightning import ConfigError
 from runner import jpeg_folder
 from runner.augment import IMAGENET_MEAN, IMAGENET_STD, center_crop, draw_crop, normalize, resized_crop
@@ -40,24 +43,10 @@ from runner.decode import JpegDecoder, decode_on_cpu, jpeg_decoder
 from runner.files import EncodedFolder, EncodedImage, UnreadableImage, jpeg_size
 from runner.jpeg_folder import make_jpeg_folder
 
-SIZE = 64  # the tests' training size: small, so that resizing stays cheap
-
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     return make_jpeg_folder(tmp_path_factory.mktemp("jpegs"), classes=3, train=6, val=2)
-
-
-def _pil_reference(path: str, box: tuple[int, int, int, int] | None, flip: bool, size: int) -> torch.Tensor:
-    """torchvision's reference pipeline on one file: PIL decode, the crop resized (bilinear, PIL's antialias)
-    and flipped, or validation's Resize(size / 0.875) + CenterCrop(size); as a uint8 tensor."""
-    image = Image.open(path).convert("RGB")
-    if box is None:
-        image = TF.center_crop(TF.resize(image, round(size / 0.875)), size)
-    else:
-        image = TF.resized_crop(image, *box, [size, size], InterpolationMode.BILINEAR)
-        image = TF.hflip(image) if flip else image
-    return torch.from_numpy(np.array(image)).permute(2, 0, 1)
 
 
 def test_crop_boxes_are_torchvisions_random_resized_crop_draws():
@@ -110,7 +99,7 @@ def test_training_pixels_equal_torchvisions_reference_for_the_same_box(folder):
         crop = draw_crop(*pixels.shape[-2:], seed=index)
         ours = resized_crop(pixels, crop, SIZE)
         box = (crop.top, crop.left, crop.height, crop.width)
-        difference = (ours.int() - _pil_reference(image.path, box, crop.flip, SIZE).int()).abs()
+        difference = (ours.int() - pil_reference(image.path, box, crop.flip, SIZE).int()).abs()
         assert difference.max() <= 1 and difference.float().mean() <= 0.3, image.path
         tensor_reference = v2.functional.resized_crop(pixels, *box, [SIZE, SIZE], antialias=True)
         tensor_reference = tensor_reference.flip(-1) if crop.flip else tensor_reference
@@ -122,7 +111,7 @@ def test_validation_pixels_equal_torchvisions_resize_and_center_crop(folder):
     for index in range(len(files)):
         image = files[index]
         ours = center_crop(decode_on_cpu(image), SIZE, round(SIZE / 0.875))
-        difference = (ours.int() - _pil_reference(image.path, None, False, SIZE).int()).abs()
+        difference = (ours.int() - pil_reference(image.path, None, False, SIZE).int()).abs()
         assert ours.shape == (3, SIZE, SIZE) and difference.max() <= 1 and difference.float().mean() <= 0.3
 
 
@@ -140,11 +129,6 @@ def test_the_batch_is_normalized_as_torchvisions_normalize_channels_last_on_cuda
     torch.testing.assert_close(ours, reference, atol=1e-6, rtol=0)
 
 
-def _first_batch(module: ImageFolderDataModule, *, validation: bool = False):
-    loader = module.val_dataloader() if validation else module.train_dataloader()
-    return module.on_after_batch_transfer(next(iter(loader)), 0)
-
-
 def test_decoding_on_the_device_gives_the_workers_batches(folder):
     """data.decode=gpu's path (bytes to the device, decoded and augmented there) run on CPU tensors: the same
     boxes from the same sample seeds, the same pixels, labels and order as the workers' path (decode=cpu)."""
@@ -156,84 +140,22 @@ def test_decoding_on_the_device_gives_the_workers_batches(folder):
         module.setup()
         for dataset in (module.train_set, module.val_set):
             dataset.decode_on_device = on_device
-        batches[on_device] = (_first_batch(module), _first_batch(module, validation=True))
+        batches[on_device] = (first_batch(module), first_batch(module, validation=True))
     for (images, labels), (device_images, device_labels) in zip(batches[False], batches[True]):
         assert images.shape == (5, 3, SIZE, SIZE)
         assert torch.equal(images, device_images) and torch.equal(labels, device_labels)
 
 
-def _with_orientation(jpeg: bytes, orientation: int, byteorder: str) -> bytes:
-    """``jpeg`` with an EXIF block holding an orientation tag (as a camera writes it, in either byte order)
-    inserted after its start marker: the compressed image is the same bytes."""
-    order = "<" if byteorder == "little" else ">"
-    tiff = (b"II" if byteorder == "little" else b"MM") + struct.pack(order + "HI", 42, 8)
-    tiff += struct.pack(order + "H", 1) + struct.pack(order + "HHIHH", 0x0112, 3, 1, orientation, 0)
-    payload = b"Exif\x00\x00" + tiff + struct.pack(order + "I", 0)
-    return jpeg[:2] + b"\xff\xe1" + struct.pack(">H", len(payload) + 2) + payload + jpeg[2:]
-
-
-def _pil_pixels(path) -> torch.Tensor:
-    return torch.from_numpy(np.array(Image.open(path).convert("RGB"))).permute(2, 0, 1)
-
-
 @pytest.fixture
 def oriented(folder, tmp_path):
-    """The generated folder, each image given an EXIF orientation (2-8 in turn: flips, rotations by 90, 180
-    and 270 degrees), little-endian in train/, big-endian in val/."""
-    root = tmp_path / "oriented"
-    shutil.copytree(folder, root)
-    for split, byteorder in (("train", "little"), ("val", "big")):
-        for number, path in enumerate(sorted((root / split).rglob("*.JPEG"))):
-            orientation = 2 + number % 7
-            path.write_bytes(_with_orientation(path.read_bytes(), orientation, byteorder))
-            assert Image.open(path).getexif()[0x0112] == orientation  # what a camera's file says
-    return root
-
-
-def test_a_jpegs_exif_orientation_is_not_applied_as_pil_reads_it(oriented):
-    """Pixels as stored, PIL's (torchvision's ImageFolder loader): TorchCodec alone would turn each image."""
-    for split in ("train", "val"):
-        files = EncodedFolder(oriented / split)
-        for index in range(len(files)):
-            image = files[index]
-            ours, reference = decode_on_cpu(image), _pil_pixels(image.path)
-            assert ours.shape == reference.shape, image.path
-            assert (ours.int() - reference.int()).abs().float().mean() < 0.5, image.path
-
-
-def test_both_decode_paths_crop_an_oriented_jpeg_as_torchvisions_reference(oriented):
-    """decode=cpu and the device path (on CPU tensors) give the same batches of oriented JPEGs, and each
-    training crop is the reference pipeline's on PIL's unrotated image, for the box drawn from the stored
-    size."""
-    batches = {}
-    for on_device in (False, True):
-        module = ImageFolderDataModule(
-            str(oriented), batch_size=18, image_size=SIZE, num_workers=0, num_classes=3
-        )
-        module.setup()
-        for dataset in (module.train_set, module.val_set):
-            dataset.decode_on_device = on_device
-        batches[on_device] = (_first_batch(module), _first_batch(module, validation=True))
-    for (images, labels), (device_images, device_labels) in zip(batches[False], batches[True]):
-        assert torch.equal(images, device_images) and torch.equal(labels, device_labels)
-    module.train_set.decode_on_device = False
-    sampler_keys = list(module.train_dataloader().sampler)
-    std = torch.tensor(IMAGENET_STD).view(3, 1, 1)
-    mean = torch.tensor(IMAGENET_MEAN).view(3, 1, 1)
-    for (index, seed), image in zip(sampler_keys, batches[False][0][0]):
-        path = module.train_set.files.samples[index][0]
-        height, width = _pil_pixels(path).shape[-2:]
-        crop = draw_crop(height, width, seed)
-        reference = _pil_reference(path, (crop.top, crop.left, crop.height, crop.width), crop.flip, SIZE)
-        levels = ((image * std + mean) * 255 - reference).abs()
-        assert levels.max() <= 1.01 and levels.mean() <= 0.3, path
+    return oriented_copy(folder, tmp_path / "oriented")
 
 
 def test_labels_are_imagefolders(folder):
     module = ImageFolderDataModule(str(folder), batch_size=4, image_size=SIZE, num_workers=0, num_classes=3)
     module.setup()
     reference = ImageFolder(str(folder / "val"))
-    _, labels = _first_batch(module, validation=True)
+    _, labels = first_batch(module, validation=True)
     assert labels.tolist() == [target for _, target in reference.samples[:4]]
 
 
@@ -281,19 +203,34 @@ def test_the_generated_folder_is_deterministic_and_imagenet_sized(folder, tmp_pa
         assert 300 <= min(width, height) <= 375 and 400 <= max(width, height) <= 500
 
 
-def test_the_folder_script_refuses_counts_below_one_and_says_what_it_wrote(tmp_path, capsys, monkeypatch):
+def test_the_folder_script_refuses_bad_arguments_before_writing_and_says_what_it_wrote(
+    tmp_path, capsys, monkeypatch
+):
     def script(*args: str) -> None:  # python -m runner.jpeg_folder ARGS
         monkeypatch.setattr(sys, "argv", ["jpeg_folder", *args])
         jpeg_folder.main()
 
-    for argv in (["--classes", "-2", "--train", "-3"], ["--train", "0"], ["--val", "0"]):
+    refusals = {
+        ("--classes", "-2", "--train", "-3"): "--classes: -2 must be >= 1",
+        ("--train", "0"): "--train: 0 must be >= 1",
+        ("--val", "0"): "--val: 0 must be >= 1",
+        ("--seed", "-1"): "--seed: -1 must be >= 0",  # numpy's traceback, after making train/class_000
+        ("--classes", "abc"): "--classes: 'abc' is not an integer",
+    }
+    for argv, reason in refusals.items():
         with pytest.raises(SystemExit) as stopped:
             script(str(tmp_path / "refused"), *argv)
-        assert stopped.value.code == 2 and "must be >= 1" in capsys.readouterr().err
+        assert stopped.value.code == 2 and f"error: argument {reason}" in capsys.readouterr().err
     assert not (tmp_path / "refused").exists()  # nothing written
-    for name, counts in (("classes", (0, 1, 1)), ("train", (1, -1, 1)), ("val", (1, 1, -1))):
+    for name, counts in (
+        ("classes", (0, 1, 1)),
+        ("train", (1, -1, 1)),
+        ("val", (1, 1, -1)),
+        ("seed", (1, 1, 1, -1)),
+    ):
         with pytest.raises(ValueError, match=f"^{name}=-?[01] must be >= "):
             make_jpeg_folder(tmp_path / "refused", *counts)
+    assert not (tmp_path / "refused").exists()
     script(str(tmp_path / "data"), "--classes", "2", "--train", "2", "--val", "1")
     assert len(list((tmp_path / "data").rglob("*.JPEG"))) == 6
     assert capsys.readouterr().out.startswith(
@@ -301,6 +238,10 @@ def test_the_folder_script_refuses_counts_below_one_and_says_what_it_wrote(tmp_p
     )
     script(str(tmp_path / "data"), "--classes", "1", "--train", "1", "--val", "1")  # over the last one
     assert "wrote 2 JPEGs" in (out := capsys.readouterr().out) and "holds 4 other file(s) from before" in out
+    # The class count to set is the one the runner finds: the earlier run's class folder too, named.
+    classes = len(ImageFolder(str(tmp_path / "data" / "train")).classes)
+    assert "train/ holds 1 class folder(s) it did not write (class_001), which the runner reads too" in out
+    assert out.strip().endswith(f"data.num_classes={classes})") and classes == 2
 
 
 @pytest.fixture
@@ -377,7 +318,7 @@ def test_a_run_trains_on_every_format_the_scan_lists(formats, on_device):
     module = ImageFolderDataModule(str(formats), batch_size=64, image_size=SIZE, num_workers=0, num_classes=3)
     module.setup()
     module.train_set.decode_on_device = on_device
-    images, labels = _first_batch(module)
+    images, labels = first_batch(module)
     assert len(images) == len(module.train_set) == 18 + len(FORMATS)
     assert torch.bincount(labels).tolist() == [6, 6 + len(FORMATS), 6] and torch.isfinite(images).all()
 
@@ -388,7 +329,7 @@ def test_unreadable_files_stop_the_run_naming_each(damaged, on_device):
     module.setup()
     module.train_set.decode_on_device = on_device
     with pytest.raises(UnreadableImagesError) as refused:
-        _first_batch(module)
+        first_batch(module)
     message = str(refused.value)
     assert (
         "2 file(s)" in message
@@ -406,7 +347,7 @@ def test_skipped_unreadable_files_are_counted_and_leave_the_other_labels_right(d
     module.setup()
     module.train_set.decode_on_device = on_device
     with pytest.warns(UserWarning, match=r"left out .*(truncated|empty)\.JPEG"):
-        images, labels = _first_batch(module)
+        images, labels = first_batch(module)
     assert sorted(path.rsplit("/", 1)[1] for path in module.unreadable) == ["empty.JPEG", "truncated.JPEG"]
     assert len(images) == len(labels) == len(module.train_set) - 2
     # Every kept image carries its folder's label: the counts per class are the folder's.
@@ -425,7 +366,7 @@ def test_a_batch_whose_every_file_is_unreadable_is_empty_not_a_crash(folder, tmp
     module.setup()
     module.val_set.decode_on_device = on_device
     with pytest.warns(UserWarning, match="left out"):
-        images, labels = _first_batch(module, validation=True)
+        images, labels = first_batch(module, validation=True)
     assert images.shape == (0, 3, SIZE, SIZE) and labels.shape == (0,) and len(module.unreadable) == 2
 
 
@@ -439,8 +380,13 @@ def test_a_file_met_again_is_counted_and_warned_once_on_any_rank(damaged, monkey
     module.setup()
     with pytest.warns(UserWarning, match="left out") as warned:
         for _ in range(2):  # two epochs
-            _first_batch(module)
-    assert len([w for w in warned if "left out" in str(w.message)]) == 2
+            first_batch(module)
+    left_out = [w for w in warned if "left out" in str(w.message)]
+    assert len(left_out) == 2
+    # Said from the DataModule's hook that leaves them out, not its caller (Lightning's call.py in a run).
+    assert {(w.filename, w.lineno) for w in left_out} == {
+        (runner.image_folder.__file__, _line_leaving_files_out())
+    }
     assert sorted(module.unreadable) == sorted(
         str(p) for p in (damaged / "train" / "class_002").glob("[et]*")
     )
@@ -451,11 +397,18 @@ def test_a_file_met_again_is_counted_and_warned_once_on_any_rank(damaged, monkey
     )
 
 
+def _line_leaving_files_out() -> int:
+    """The line of the DataModule's on_after_batch_transfer that records and warns about a file left out."""
+    source = inspect.getsource(ImageFolderDataModule.on_after_batch_transfer).splitlines()
+    start = inspect.getsourcelines(ImageFolderDataModule.on_after_batch_transfer)[1]
+    return start + next(i for i, line in enumerate(source) if "self._note(self.unreadable" in line)
+
+
 def test_an_unreadable_file_in_a_loader_worker_is_named_not_a_worker_traceback(damaged):
     module = ImageFolderDataModule(str(damaged), batch_size=64, image_size=SIZE, num_workers=1, num_classes=3)
     module.setup()
     with pytest.raises(UnreadableImagesError, match="truncated.JPEG"):
-        _first_batch(module)
+        first_batch(module)
 
 
 @pytest.mark.parametrize(("num_workers", "on_device"), [(0, False), (0, True), (1, False), (1, True)])
@@ -476,15 +429,39 @@ def test_a_file_that_cannot_be_opened_travels_as_the_other_unreadable_files(
         module.setup()
         module.train_set.decode_on_device = on_device
         if not skip:
-            with pytest.raises(
-                UnreadableImagesError, match=f"{link}: a link to {tmp_path / 'moved.JPEG'}, which"
-            ):
-                _first_batch(module)
+            reason = f"cannot be read: No such file or directory \\(a link to {tmp_path / 'moved.JPEG'}\\)"
+            with pytest.raises(UnreadableImagesError, match=f"{link}: {reason}"):
+                first_batch(module)
             continue
         with pytest.warns(UserWarning, match="left out .*link.JPEG"):
-            images, labels = _first_batch(module)
+            images, labels = first_batch(module)
         assert list(module.unreadable) == [str(link)]
         assert len(images) == 18 and torch.bincount(labels).tolist() == [6, 6, 6]
+
+
+def test_a_link_that_cannot_be_opened_is_named_with_the_oss_cause(folder, tmp_path):
+    """A missing target, a loop of links, a link to a link whose target is missing: each is the OS's own cause
+    (every one was "which does not exist", a loop's and a chain's next link too)."""
+    root = tmp_path / "links"
+    shutil.copytree(folder / "train", root)
+    links = root / "class_000"
+    (links / "dangling.JPEG").symlink_to(tmp_path / "moved.JPEG")
+    (links / "loop.JPEG").symlink_to(links / "loop_back.JPEG")
+    (links / "loop_back.JPEG").symlink_to(links / "loop.JPEG")
+    (links / "hop.JPEG").symlink_to(tmp_path / "moved.JPEG")
+    (links / "chain.JPEG").symlink_to(links / "hop.JPEG")  # its next link exists; that one's target does not
+    causes = {"dangling": errno.ENOENT, "loop": errno.ELOOP, "loop_back": errno.ELOOP, "chain": errno.ENOENT}
+    files = EncodedFolder(root)
+    reasons = {}
+    for index, (path, _) in enumerate(files.samples):
+        try:
+            files[index]
+        except UnreadableImage as unreadable:
+            reasons[os.path.basename(path).removesuffix(".JPEG")] = unreadable.reason
+    assert reasons == {
+        name: f"cannot be read: {os.strerror(cause)} (a link to {os.readlink(links / f'{name}.JPEG')})"
+        for name, cause in {**causes, "hop": errno.ENOENT}.items()
+    }
 
 
 def test_an_unreadable_files_reason_is_its_cause(folder, tmp_path, monkeypatch):
@@ -526,16 +503,22 @@ def _raises(message: str):
 
 
 @pytest.mark.parametrize("views", [None, "simclr"])
-def test_an_empty_class_folder_is_refused_in_one_message_naming_it(folder, tmp_path, views):
+@pytest.mark.parametrize("splits", [("val",), ("train", "val")])
+def test_an_empty_class_folder_is_refused_in_one_message_naming_it(folder, tmp_path, views, splits):
+    """Every empty class folder is named in the one message, those of both splits (the training split's
+    alone was named, and the validation's only once that was fixed)."""
     root = tmp_path / "data"
     shutil.copytree(folder, root)
-    empty = root / "val" / "class_001"
-    for path in empty.iterdir():
+    empty = [root / split / "class_001" for split in splits]
+    for path in (path for folder in empty for path in folder.iterdir()):
         path.rename(path.with_suffix(".txt"))  # a file of no image extension: the scan lists none
     module = ImageFolderDataModule(
         str(root), image_size=SIZE, num_workers=0, num_classes=3, views=SimCLRTransform() if views else None
     )
-    with pytest.raises(ConfigError, match=rf"1 class folder\(s\) hold no image file .*: {empty}; add images"):
+    named = ", ".join(map(str, empty))
+    with pytest.raises(
+        ConfigError, match=rf"^{len(empty)} class folder\(s\) hold no image file .*: {named}; add"
+    ):
         module.setup()
 
 
@@ -579,13 +562,27 @@ def test_simclrs_views_stop_at_a_file_that_cannot_be_read_naming_it(damaged, tmp
     )  # fmt: skip
     module.setup()
     with pytest.raises(UnreadableImagesError) as refused:
-        _first_batch(module)
+        first_batch(module)
     message = str(refused.value)
     assert message.startswith("3 file(s) of the data cannot be read or decoded")
-    assert f"{link}: a link to" in message and "empty.JPEG: the file is empty" in message
+    assert f"{link}: cannot be read: " in message and "empty.JPEG: the file is empty" in message
     assert "truncated.JPEG: image file is truncated" in message
+    # The fix offered is one that works with views: skipping the files is refused there.
+    assert message.endswith("remove or re-encode them (with data.views they cannot be left out: SimCLR's "
+                            "batches stay whole)") and "skip_unreadable" not in message  # fmt: skip
     with pytest.raises(ConfigError, match="data.skip_unreadable=true with data.views: SimCLR's batches stay"):
         ImageFolderDataModule(str(damaged), num_classes=3, skip_unreadable=True, views=SimCLRTransform())
+
+
+def test_a_root_under_the_home_folder_is_read_there(folder, tmp_path, monkeypatch):
+    """data.root='~/...': the checks expanded it, the scan did not (FileNotFoundError: '~/data/train')."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    shutil.copytree(folder, tmp_path / "data")
+    module = ImageFolderDataModule("~/data", batch_size=4, image_size=SIZE, num_workers=0, num_classes=3)
+    module.setup()
+    assert module.train_set.files.root == str(tmp_path / "data" / "train")
+    assert len(first_batch(module)[0]) == 4
+    assert CIFAR10DataModule(root="~/cifar").root == str(tmp_path / "cifar")
 
 
 def test_decode_gpu_on_a_cpu_run_is_refused_with_the_fix(folder):
@@ -629,7 +626,7 @@ def _batches(root, on_device: bool) -> tuple:
     module.setup()
     for dataset in (module.train_set, module.val_set):
         dataset.decode_on_device = on_device
-    return _first_batch(module), _first_batch(module, validation=True)
+    return first_batch(module), first_batch(module, validation=True)
 
 
 @pytest.mark.parametrize("on_device", [False, True])
@@ -735,7 +732,7 @@ def test_a_jpeg_the_device_refuses_in_training_is_decoded_on_the_cpu_counted_and
         module.train_set.decode_on_device = on_device
         with warnings.catch_warnings(record=True) as warned:
             warnings.simplefilter("always")
-            batches[on_device] = [_first_batch(module) for _ in range(2)]  # two epochs
+            batches[on_device] = [first_batch(module) for _ in range(2)]  # two epochs
         notes = [str(w.message) for w in warned if "decoded on the CPU" in str(w.message)]
         if on_device:
             path = str(damaged / "train" / "class_001" / "cmyk.JPEG")

@@ -8,7 +8,6 @@ import importlib.metadata
 import itertools
 import json
 import re
-from pathlib import Path
 from types import SimpleNamespace
 
 import lightning.pytorch as pl
@@ -29,12 +28,10 @@ from lightning_fusedsgd.lightning import (
     ScheduleFreeModes,
 )
 from runner.data import DigitsDataModule
-from runner.files import EncodedFolder
 from runner.jpeg_folder import make_jpeg_folder
 from runner.model import ImageClassifier
 from runner.resume import ResumeInCutEpoch
 from runner.run import train
-from runner.sampling import EpochSampler
 from runner.simclr import SimCLR
 
 RECIPES = sorted(path.stem for path in (ROOT / "recipes").glob("*.yaml"))
@@ -230,6 +227,18 @@ def test_the_summary_says_when_no_validation_ran(tmp_path, capsys):
     assert json.loads((tmp_path / "metrics.json").read_text())["best_val/acc"] is None
 
 
+def test_the_summary_records_each_validation_as_the_log_has_it(tmp_path):
+    """The curves of the summary (its checkpointed record, curves.png, best_val/acc) hold each pass's val/acc
+    and, with an average of the weights, val/acc_raw, at its step: the values the CSV log has."""
+    summary = train(compose_train(["debug=tiny", "trainer.max_epochs=3", "ema.decay=0.5"], tmp_path))
+    record = read_checkpoint_file(tmp_path / "checkpoints" / "last.ckpt")["callbacks"]["RunSummary"]
+    rows = list(csv.DictReader(next(tmp_path.rglob("metrics.csv")).open()))
+    for key, series in (("val/acc", record["val_acc"]), ("val/acc_raw", record["val_acc_raw"])):
+        logged = [float(row[key]) for row in rows if row.get(key)]
+        assert series == list(zip((3, 6, 9), logged)), key
+    assert summary["best_val/acc"] == max(float(row["val/acc"]) for row in rows if row.get("val/acc"))
+
+
 def test_resume_from_last_checkpoint_continues_the_run(tmp_path):
     short = [
         "trainer.limit_train_batches=2",
@@ -274,6 +283,21 @@ def test_recipes_are_a_config_group_of_files_and_debug_shrinks_a_run(tmp_path):
     cfg = compose_train(["recipe=resnet50", "debug=tiny"], tmp_path)
     assert cfg.trainer.accelerator == "cpu" and cfg.trainer.limit_train_batches == 3
     assert cfg.data.batch_size == 16 and cfg.model.arch == "resnet50"  # the recipe, shrunk
+
+
+@pytest.mark.slow
+def test_checkpoint_paths_under_the_home_folder_are_read_there(tmp_path, monkeypatch):
+    """ckpt_path and init.path given as '~/...' were looked up as written ("is not a file")."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    train(compose_train(["debug=tiny", "trainer.max_epochs=1"], tmp_path / "first"))
+    resumed = ["debug=tiny", "trainer.max_epochs=1", "ckpt_path='~/first/checkpoints/last.ckpt'"]
+    with pytest.raises(
+        ConfigError, match=f"ckpt_path={tmp_path}/first/checkpoints/last.ckpt is of a finished"
+    ):
+        train(compose_train(resumed, tmp_path / "resumed"))
+    started = ["init.path='~/first/checkpoints/last.ckpt'", "init.weights_only=true", "trainer.max_steps=1"]
+    with pytest.warns(UserWarning, match="momentum"):
+        assert train(compose_train(["debug=tiny", *started], tmp_path / "started"))["global_step"] == 1
 
 
 @pytest.mark.slow
@@ -372,41 +396,6 @@ def test_resnet50_trains_tiny_on_a_generated_jpeg_folder(tmp_path):
     overrides = ["recipe=resnet50", "debug=tiny", f"data.root={root}", "data.num_classes=3"]
     summary = train(compose_train(overrides, tmp_path / "run"))
     assert summary["global_step"] == 4 and 0.0 <= summary["val/acc"] <= 1.0  # 24 images: 2 batches of 16
-
-
-@pytest.mark.slow
-def test_a_run_goes_on_past_a_batch_whose_every_file_is_unreadable(tmp_path, capsys):
-    """data.skip_unreadable: epoch 0's second batch (8 of the 24 images) made of unreadable files only trains
-    nothing, and the run goes on; the summary counts the files."""
-    root = make_jpeg_folder(tmp_path / "data", classes=3, train=8, val=2)
-    files = EncodedFolder(root / "train")
-    sampler = EpochSampler(files, seed=0)  # the run's order of epoch 0 (seed=0)
-    for index, _ in list(sampler)[16:]:
-        Path(files.samples[index][0]).write_bytes(b"")
-    overrides = ["recipe=resnet50", "model.arch=resnet18", "debug=tiny", f"data.root={root}"]
-    overrides += ["data.num_classes=3", "data.skip_unreadable=true"]
-    with pytest.warns(UserWarning, match="left out"):
-        summary = train(compose_train(overrides, tmp_path / "run"))
-    assert summary["global_step"] == 4 and summary["epochs"] == 2
-    # Met in both epochs, counted once each, in the summary line and metrics.json with their reasons.
-    assert summary["unreadable_files"] == 8
-    written = json.loads((tmp_path / "run" / "metrics.json").read_text())
-    assert written["unreadable_files"] == 8 and set(written["files"]["unreadable_files"].values()) == {
-        "the file is empty (0 bytes)"
-    }
-    assert " unreadable_files=8" in capsys.readouterr().out.strip().splitlines()[-1]
-
-
-def test_an_empty_batch_skips_the_step_on_one_device_and_gives_zero_gradients_under_ddp(monkeypatch):
-    model = _set_up_on("cpu")
-    images, targets = torch.empty(0, 3, 32, 32), torch.empty(0, dtype=torch.long)
-    assert model.training_step((images, targets), 0) is None  # Lightning steps no gradient
-    assert model.validation_step((images, targets), 0) is None
-    monkeypatch.setattr(pl.Trainer, "world_size", property(lambda trainer: 2))
-    loss = model.training_step((images, targets), 0)  # DDP refuses None: every rank must reduce
-    loss.backward()
-    assert loss.item() == 0.0
-    assert all(p.grad is not None and not p.grad.any() for p in model.parameters() if p.requires_grad)
 
 
 @pytest.mark.slow

@@ -23,6 +23,7 @@ from lightning_helpers import (
 )
 
 from lightning_fusedsgd.checkpoint import read_checkpoint_file
+from lightning_fusedsgd.lightning import ConfigError
 from runner.data import DigitsDataModule
 from runner.run import train
 
@@ -129,6 +130,66 @@ def test_a_run_stopped_by_max_steps_mid_epoch_resumes_in_that_epoch(tmp_path: Pa
     summary = run(tmp_path / "second", *constant, f"ckpt_path={last_checkpoint(tmp_path / 'first')}")
     assert summary["global_step"] == 2 * STEPS_PER_EPOCH and summary["epochs"] == 2
     assert_identical(final_state(tmp_path / "second"), expected)
+
+
+def test_a_run_resumed_from_an_epochs_end_under_max_steps_trains_the_next_epoch(tmp_path: Path) -> None:
+    """Under trainer.max_steps Lightning took an epoch-end checkpoint for a restart in the finished epoch and
+    skipped the next one without a word (the resumed run trained no step). The two halves must be the run made
+    in one go, bit for bit (no warmup, no milestone within the run: max_steps shapes no lr it uses)."""
+    steps = ["schedule.warmup=0", "trainer.max_epochs=2", f"trainer.max_steps={2 * STEPS_PER_EPOCH}"]
+    run(tmp_path / "straight", *steps)
+    expected = final_state(tmp_path / "straight")
+    run(tmp_path / "first", "schedule.warmup=0", "trainer.max_epochs=1")  # saved at epoch 0's end
+    summary = run(tmp_path / "second", *steps, f"ckpt_path={last_checkpoint(tmp_path / 'first')}")
+    assert summary["global_step"] == 2 * STEPS_PER_EPOCH and summary["epochs"] == 2
+    assert_identical(final_state(tmp_path / "second"), expected)
+    # The loggers' step too: the batches stepped, as the run made in one go counts them.
+    stepped = [
+        read_checkpoint_file(last_checkpoint(tmp_path / half))["loops"]["fit_loop"]["epoch_loop.state_dict"]
+        for half in ("straight", "second")
+    ]
+    assert stepped[0] == stepped[1] == {"_batches_that_stepped": 2 * STEPS_PER_EPOCH}
+
+
+def test_resuming_a_finished_run_is_refused_naming_the_limit_to_raise(tmp_path: Path) -> None:
+    """A checkpoint of a run that reached trainer.max_epochs or max_steps would resume into a run that trains
+    and validates nothing (its summary crashed on the missing val/acc): refused as the checkpoint is read,
+    before any step, naming the limit to raise."""
+    run(tmp_path / "first", "trainer.max_epochs=1")  # 3 steps, validated after the third
+    last = last_checkpoint(tmp_path / "first")
+    refusals = {
+        (
+            "trainer.max_epochs=1",
+        ): "it trained 1 epoch(s), and trainer.max_epochs=1 ends the resumed run there, "
+        "before any step; raise trainer.max_epochs to train on",
+        (
+            "trainer.max_epochs=2",
+            "trainer.max_steps=3",
+        ): "it reached step 3, and trainer.max_steps=3 ends the "
+        "resumed run there, before any step; raise trainer.max_steps to train on",
+    }
+    for overrides, reason in refusals.items():
+        with pytest.raises(ConfigError) as refused:
+            run(tmp_path / "again", f"ckpt_path={last}", *overrides)
+        assert str(refused.value) == f"ckpt_path={last} is of a finished run: {reason}"
+        assert (
+            not list((tmp_path / "again").rglob("*.ckpt"))
+            and not (tmp_path / "again" / "metrics.json").exists()
+        )
+
+
+def test_a_resumed_run_that_validates_no_more_reports_the_runs_last_validation(
+    tmp_path: Path, capsys
+) -> None:
+    """Resumed for one more epoch that is not validated, the fit logs no val/acc: the summary reports the
+    run's last validation (the first half's), recorded in the checkpoint (it crashed formatting None)."""
+    first = run(tmp_path / "first", "schedule.warmup=0", "trainer.max_epochs=1")
+    last = last_checkpoint(tmp_path / "first")
+    no_validation = ["schedule.warmup=0", "trainer.max_epochs=2", "trainer.check_val_every_n_epoch=3"]
+    summary = run(tmp_path / "second", f"ckpt_path={last}", *no_validation)
+    assert summary["global_step"] == 2 * STEPS_PER_EPOCH and "val/acc" not in summary["metrics"]
+    assert summary["val/acc"] == summary["best_val/acc"] == first["val/acc"] is not None
+    assert f" val_acc={first['val/acc']:.4f} " in capsys.readouterr().out.strip().splitlines()[-1]
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
