@@ -85,6 +85,16 @@ def test_build_key_changes_with_the_sources(monkeypatch, tmp_path, device_type):
     assert _build.build_key("cpu", *parts) != _build.build_key("cuda", *parts)
 
 
+def test_a_new_environment_with_the_same_torch_reuses_the_cached_build(monkeypatch):
+    """The cache entry follows torch's release and commit, not where it is installed: a new virtual environment
+    (CI makes one per run) loads the library another built; a torch of another commit builds its own."""
+    entry = _loader.cache_entry("cpu")
+    monkeypatch.setattr(torch, "__file__", "/another/venv/lib/site-packages/torch/__init__.py")
+    assert _loader.cache_entry("cpu") == entry
+    monkeypatch.setattr(torch.version, "git_version", "0" * 40)
+    assert _loader.cache_entry("cpu")[1] != entry[1]
+
+
 def test_a_build_key_covers_the_files_its_library_is_compiled_from(monkeypatch, tmp_path):
     """Each library's key changes with the files it includes, directly or not, and with no other: a change to
     the CUDA source or its emulation rebuilds neither the CPU library nor, for the emulation, the CUDA one."""

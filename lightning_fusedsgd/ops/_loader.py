@@ -278,8 +278,10 @@ def cache_entry(device_type: str) -> tuple[str, Path, Path]:
     """Where the library for ``device_type`` built on this machine is cached: its name, its file and its build
     record (written after a complete build; the library's size and hash are checked against it before
     loading)."""
+    # torch by its release and commit, not its path: a new virtual environment with the same torch loads
+    # the library built in another rather than compiling it again.
     key = _build.build_key(
-        device_type, torch.__version__, torch.__file__, sys.version, *_machine(device_type)
+        device_type, torch.__version__, torch.version.git_version, sys.version, *_machine(device_type)
     )
     name = f"{_build.EXTENSIONS[device_type].name}_{key}"
     build_dir = _build.cache_dir() / key
