@@ -18,6 +18,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from runner.sweep import check_search_installed, run_job
+from runner.targets import trusted_targets
 
 RECIPES = Path(__file__).resolve().parent / "recipes"
 
@@ -54,4 +55,5 @@ register_recipes()
 
 if __name__ == "__main__":
     check_search_installed(sys.argv[1:])
-    main()
+    with trusted_targets():  # Hydra 1.4 instantiates hydra.callbacks, too, only within a target whitelist
+        main()

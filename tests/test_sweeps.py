@@ -8,14 +8,16 @@ import csv
 import json
 import re
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
 import yaml
-from lightning_helpers import SMALL_RUN, run_train_py
+from lightning_helpers import ROOT, SMALL_RUN, compose_train, run_train_py
 from omegaconf import OmegaConf
 
 from runner.sweep import check_search_installed, sweep_results
+from runner.targets import TRUSTED_TARGETS
 
 # Tiny jobs: 2 epochs of 1 step, two classes of random images (an accuracy that varies between jobs).
 TINY_JOB = [*SMALL_RUN, "data=synthetic", "data.num_classes=2", "trainer.limit_train_batches=1"]
@@ -168,3 +170,37 @@ def test_hparams_search_without_the_optuna_sweeper_names_the_extra_to_install(mo
         "error: hparams_search=quickstart_optuna runs Hydra's optuna sweeper, which is not installed: "
         'pip install -e ".[sweeps]" (hydra-optuna-sweeper and optuna<3)\n'
     )
+
+
+def test_composing_the_config_as_the_tests_do_raises_no_hydra_warning(tmp_path, monkeypatch):
+    monkeypatch.setenv("HYDRA_DEPRECATION_WARNINGS_AS_ERRORS", "1")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compose_train([*TINY_JOB, "hparams_search=quickstart_optuna"], tmp_path)
+    assert [
+        str(w.message) for w in caught if "hydra" in w.filename or "Hydra" in type(w.message).__name__
+    ] == []
+
+
+def _targets(node) -> list[str]:
+    """Every ``_target_`` in a parsed YAML file."""
+    if isinstance(node, dict):
+        own = [node["_target_"]] if "_target_" in node else []
+        return own + [target for value in node.values() for target in _targets(value)]
+    if isinstance(node, list):
+        return [target for value in node for target in _targets(value)]
+    return []
+
+
+def test_every_target_the_configs_name_is_in_the_runners_hydra_14_whitelist():
+    # Hydra 1.4's rule: an entry is a target itself or a package prefix ending in ".*".
+    def whitelisted(target: str) -> bool:
+        return any(
+            target.startswith(entry[:-1]) if entry.endswith(".*") else target == entry
+            for entry in TRUSTED_TARGETS
+        )
+
+    files = sorted((ROOT / "conf").rglob("*.yaml")) + sorted((ROOT / "recipes").glob("*.yaml"))
+    targets = {target for path in files for target in _targets(yaml.safe_load(path.read_text()))}
+    assert {"runner.sweep.SweepTable", "lightning.pytorch.Trainer", "runner.model.ImageClassifier"} <= targets
+    assert sorted(target for target in targets if not whitelisted(target)) == []
