@@ -52,7 +52,7 @@ def run_job(cfg: DictConfig) -> float | None:
 
     Hydra's basic sweeper raises the first failed job's error once its batch has run, which would end the
     sweep before its table, and train.py's ``sys.exit(2)`` on a user mistake would end it at once: here an
-    error is printed (``error: ...``; the traceback goes to the job's log where it is not a user mistake),
+    error is printed (``error: ...``; its traceback is logged where it is not a user mistake),
     written to ``<run dir>/error.txt``, and the job returns.
 
     Returns:
@@ -68,7 +68,7 @@ def run_job(cfg: DictConfig) -> float | None:
         summary = train(cfg)
     except (ConfigError, CheckpointError) as err:  # a user mistake or a bad file: its message
         message = str(err)
-    except Exception as err:  # anything else: the traceback goes to the job's log, the table gets one line
+    except Exception as err:  # anything else: its traceback is logged (and in the job's log), one line here
         log.exception("the job failed")
         message = f"{type(err).__name__}: {err}"
     else:
@@ -180,7 +180,8 @@ def _tables(rows: list[dict[str, Any]], monitor: str, sweep_dir: Path) -> tuple[
     writer = csv.writer(out, lineterminator="\n")
     writer.writerow(["job", *keys, *metric_keys, "error"])
     for row, job in zip(rows, overrides):
-        writer.writerow([row["job"], *(job.get(key, "") for key in keys), *_csv_values(row, metric_keys)])
+        metrics = ["" if row[key] is None else repr(row[key]) for key in metric_keys]  # every digit
+        writer.writerow([row["job"], *(job.get(key, "") for key in keys), *metrics, row["error"] or ""])
 
     failed = sum(row["error"] is not None for row in rows)
     lines = [
@@ -195,7 +196,3 @@ def _tables(rows: list[dict[str, Any]], monitor: str, sweep_dir: Path) -> tuple[
         cells = [row["job"], *(job.get(key, "") for key in swept), *metrics, row["error"] or ""]
         lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
     return out.getvalue(), "\n".join(lines) + "\n"
-
-
-def _csv_values(row: dict[str, Any], metric_keys: list[str]) -> list[str]:
-    return [*("" if row[key] is None else repr(row[key]) for key in metric_keys), row["error"] or ""]

@@ -16,7 +16,8 @@ import yaml
 from lightning_helpers import ROOT, SMALL_RUN, compose_train, run_train_py
 from omegaconf import OmegaConf
 
-from runner.sweep import check_search_installed, sweep_results
+from lightning_fusedsgd.lightning import ConfigError
+from runner.sweep import check_search_installed, run_job, sweep_results
 from runner.targets import TRUSTED_TARGETS
 
 # Tiny jobs: 2 epochs of 1 step, two classes of random images (an accuracy that varies between jobs).
@@ -157,6 +158,30 @@ def test_sweep_results_are_best_first_then_jobs_without_validation_then_failed_a
         "did not finish: no metrics.json",
     ]
     assert (rows[0]["val/acc"], rows[0]["best_val/acc"]) == (0.25, 0.875)
+
+
+@pytest.mark.parametrize(
+    "error, line, traceback",
+    [
+        (ConfigError("optim.lr=-1: must be\n  positive"), "optim.lr=-1: must be positive", False),
+        (RuntimeError("out of memory.\nTried"), "RuntimeError: out of memory. Tried", True),
+    ],
+    ids=["user_mistake", "other_error"],
+)
+def test_a_failed_job_returns_no_value_and_leaves_its_error_in_one_line(
+    error, line, traceback, tmp_path, monkeypatch, capsys, caplog
+):
+    def fail(cfg):
+        raise error
+
+    cfg = compose_train(TINY_JOB, tmp_path)  # sets the run dir, as Hydra does for a job
+    monkeypatch.setattr("runner.run.train", fail)
+    assert run_job(cfg) is None
+    assert (tmp_path / "error.txt").read_text() == line + "\n"
+    assert capsys.readouterr().err == f"error: {line}\n"
+    # A user mistake is its message alone; anything else leaves its traceback in the log.
+    logged = [record.exc_info[1] for record in caplog.records if record.exc_info]
+    assert logged == ([error] if traceback else [])
 
 
 def test_hparams_search_without_the_optuna_sweeper_names_the_extra_to_install(monkeypatch, capsys):
