@@ -95,10 +95,12 @@ class SweepTable(Callback):
         self.monitor = monitor
 
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
-        if config.hydra.mode == RunMode.MULTIRUN:
+        if config.hydra.mode == RunMode.MULTIRUN and _global_rank() == 0:
             self._write(config)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        if _global_rank() != 0:
+            return
         markdown, failed, total = self._write(config)
         print(markdown, flush=True)
         if failed:
@@ -116,6 +118,15 @@ class SweepTable(Callback):
             temporary.write_text(text)
             temporary.replace(sweep_dir / name)
         return markdown, sum(row["error"] is not None for row in rows), len(rows)
+
+
+def _global_rank() -> int:
+    """This process's rank in its jobs' DDP runs: where the sweep runs in every rank (Lightning's DDP launcher
+    restarts the sweep's command for the other ranks, without a record of each job's overrides; srun starts
+    it in each), rank 0 alone writes the table."""
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+    return rank_zero_only.rank
 
 
 def sweep_results(

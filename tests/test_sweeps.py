@@ -13,11 +13,13 @@ from pathlib import Path
 
 import pytest
 import yaml
+from hydra.types import RunMode
+from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning_helpers import ROOT, SMALL_RUN, compose_train, run_train_py
 from omegaconf import OmegaConf
 
 from lightning_fusedsgd.lightning import ConfigError
-from runner.sweep import check_search_installed, run_job, sweep_results
+from runner.sweep import SweepTable, check_search_installed, run_job, sweep_results
 from runner.targets import TRUSTED_TARGETS
 
 # Tiny jobs: 2 epochs of 1 step, two classes of random images (an accuracy that varies between jobs).
@@ -158,6 +160,24 @@ def test_sweep_results_are_best_first_then_jobs_without_validation_then_failed_a
         "did not finish: no metrics.json",
     ]
     assert (rows[0]["val/acc"], rows[0]["best_val/acc"]) == (0.25, 0.875)
+
+
+def test_rank_0_alone_writes_and_prints_the_table(tmp_path, monkeypatch, capsys):
+    # Lightning's DDP launcher reruns the sweep's command for the other ranks: they run the sweep in step.
+    _job(tmp_path, "0", ["optim.lr=-1"], None, "optimizer: Invalid learning rate: -1")
+    hydra = {"mode": RunMode.MULTIRUN, "sweep": {"dir": str(tmp_path)}, "output_subdir": ".hydra"}
+    config = OmegaConf.create({"hydra": hydra})
+    table = SweepTable()
+    monkeypatch.setattr(rank_zero_only, "rank", 1)
+    table.on_job_end(config, job_return=None)
+    table.on_multirun_end(config)
+    assert (list(tmp_path.glob("results.*")), capsys.readouterr().out) == ([], "")
+
+    monkeypatch.setattr(rank_zero_only, "rank", 0)
+    with pytest.raises(SystemExit, match=f"^1 of 1 jobs failed: see {tmp_path}/results.md$"):
+        table.on_multirun_end(config)
+    assert capsys.readouterr().out == (tmp_path / "results.md").read_text() + "\n"
+    assert "| 0 |  |  | optimizer: Invalid learning rate: -1 |" in (tmp_path / "results.md").read_text()
 
 
 @pytest.mark.parametrize(
