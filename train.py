@@ -2,7 +2,9 @@
 
 The config is ``conf/train.yaml`` (its groups: trainer, data, model, optim, schedule, callbacks, debug) plus a
 recipe from ``recipes/`` (default ``quickstart``), a short delta over it; ``python train.py recipe=NAME
---cfg job`` prints the composed config. Needs the ``recipes`` extra: ``pip install -e ".[recipes]"``.
+--cfg job`` prints the composed config; ``python train.py -m KEY=A,B ...`` runs a sweep, a job per
+combination, and ends with their table (``runner.sweep``). Needs the ``recipes`` extra:
+``pip install -e ".[recipes]"``.
 """
 
 import logging
@@ -11,7 +13,12 @@ from pathlib import Path
 
 import hydra
 from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
+
+from runner.sweep import check_search_installed, run_job
+from runner.targets import trusted_targets
 
 RECIPES = Path(__file__).resolve().parent / "recipes"
 
@@ -26,7 +33,7 @@ def register_recipes(directory: Path = RECIPES) -> None:
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
-def main(cfg: DictConfig) -> None:
+def main(cfg: DictConfig) -> float | None:
     # Heavy imports after Hydra has parsed the command line, so --help and --cfg stay instant.
     from lightning_fusedsgd.checkpoint import CheckpointError
     from lightning_fusedsgd.lightning import ConfigError
@@ -35,6 +42,8 @@ def main(cfg: DictConfig) -> None:
     # `import lightning` gives its logger a console handler; Hydra's root handlers already print to the
     # console and to <run dir>/train.log, so without this every Lightning line would appear twice.
     logging.getLogger("lightning").handlers.clear()
+    if HydraConfig.get().mode == RunMode.MULTIRUN:
+        return run_job(cfg)  # a failed job is recorded and the sweep goes on; its value is optuna's objective
     try:
         train(cfg)
     except (ConfigError, CheckpointError) as err:  # a user mistake or a bad file: its message, no traceback
@@ -45,4 +54,6 @@ def main(cfg: DictConfig) -> None:
 register_recipes()
 
 if __name__ == "__main__":
-    main()
+    check_search_installed(sys.argv[1:])
+    with trusted_targets():  # Hydra 1.4 instantiates hydra.callbacks, too, only within a target whitelist
+        main()

@@ -24,6 +24,7 @@ from runner.datamodule import DataNotFoundError
 from runner.options import check_flags
 from runner.resume import RefuseFinishedRun, ResumeAfterEpochEnd, ResumeInCutEpoch
 from runner.summary import RunSummary
+from runner.targets import trusted_targets
 
 __all__ = ["train"]
 
@@ -100,9 +101,11 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 def instantiate(node: Any, **kwargs: Any) -> Any:
     """Hydra's ``instantiate``, with a user mistake a constructor refuses (``ConfigError``,
     ``CheckpointError``) raised as itself, for train.py's one-line message: Hydra wraps every error of a
-    target in an ``InstantiationException``."""
+    target in an ``InstantiationException``. The config's targets are whitelisted for Hydra 1.4
+    (``runner.targets``)."""
     try:
-        return hydra_instantiate(node, **kwargs)
+        with trusted_targets():
+            return hydra_instantiate(node, **kwargs)
     except InstantiationException as error:
         cause = error.__cause__
         while isinstance(cause, InstantiationException):  # a nested node's error, wrapped once per level
