@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from lightning_fusedsgd.checkpoint import CheckpointError, read_start_checkpoint
 from lightning_fusedsgd.lightning import ConfigError, EMAWeightAveraging, InitFromCheckpoint
 from lightning_fusedsgd.lightning.clipping import callbacks as package_callbacks
+from runner.auto_resume import resolve_ckpt_path
 from runner.cpu_bf16 import check_cpu_bf16_convolutions
 from runner.datamodule import DataNotFoundError
 from runner.options import check_flags
@@ -59,6 +60,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         datamodule.check_data()
     except DataNotFoundError as err:
         raise ConfigError(err.describe(recipe=cfg.name)) from None
+    cfg.ckpt_path = resolve_ckpt_path(cfg)  # auto, last: the newest checkpoint of the run directories
     _check_ckpt_path(cfg.ckpt_path)
 
     # Combined in Python: instantiate() would turn a Schedule passed as an override into a DictConfig.
@@ -93,6 +95,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         )
         # lightly's view transforms (the SimCLR recipe) call torchvision's deprecated to_tensor per image.
         warnings.filterwarnings("ignore", message=r"The function `to_tensor\(\.\.\.\)` is deprecated")
+        if cfg.ckpt_path is not None:  # resumed in the run dir it was saved in: its checkpoints are its own
+            warnings.filterwarnings("ignore", message="Checkpoint directory .* exists and is not empty")
         trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
     return next((cb.summary for cb in callbacks if isinstance(cb, RunSummary)), {})
 
@@ -150,7 +154,7 @@ def _checked_start(cfg: DictConfig, model: pl.LightningModule) -> list[pl.Callba
 def _check_resume_checkpoint(ckpt_path: str, model: pl.LightningModule, scheduled: bool) -> None:
     """Read a local ``ckpt_path`` (CRCs included) and check that it is a full checkpoint of ``model``, with an
     lr scheduler's state where the run has one (``scheduled``: schedule-free runs have none)."""
-    if ckpt_path in ("last", "best", "hpc") or "://" in ckpt_path:
+    if ckpt_path in ("best", "hpc") or "://" in ckpt_path:
         return  # Lightning resolves these itself
     state = read_start_checkpoint(ckpt_path, model)  # names the file and any mismatched parameters
     if state.kind != "lightning":
@@ -181,7 +185,7 @@ def _expanded(path: str | None) -> str | None:
 
 def _check_ckpt_path(ckpt_path: str | None) -> None:
     """A local checkpoint path must exist (Lightning's keywords and remote URLs are left to Lightning)."""
-    if ckpt_path is None or ckpt_path in ("last", "best", "hpc") or "://" in ckpt_path:
+    if ckpt_path is None or ckpt_path in ("best", "hpc") or "://" in ckpt_path:
         return
     if not Path(ckpt_path).is_file():
         raise ConfigError(
