@@ -14,6 +14,7 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate as hydra_instantiate
 from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_fusedsgd.checkpoint import CheckpointError, read_start_checkpoint
@@ -22,8 +23,10 @@ from lightning_fusedsgd.lightning.clipping import callbacks as package_callbacks
 from runner.auto_resume import resolve_ckpt_path
 from runner.cpu_bf16 import check_cpu_bf16_convolutions
 from runner.datamodule import DataNotFoundError
+from runner.interrupt import Interruption
 from runner.options import check_flags
 from runner.resume import RefuseFinishedRun, ResumeAfterEpochEnd, ResumeInCutEpoch
+from runner.slurm import requeue_signal, trainer_plugins
 from runner.summary import RunSummary
 
 __all__ = ["train"]
@@ -74,6 +77,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     callbacks += _missing_package_callbacks(callbacks)
     # A run stopped by max_steps resumes in the epoch it stopped in, or at the next one's start.
     callbacks += [ResumeInCutEpoch(), ResumeAfterEpochEnd(), RefuseFinishedRun()]
+    plugins = trainer_plugins(instantiate(cfg.trainer.get("plugins")))  # SLURM: who requeues
+    interruption = Interruption(requeue_signal(plugins))  # Ctrl-C, SIGTERM, requeue: saved at a step's end
+    callbacks.append(interruption)
     if cfg.ema.decay is not None:
         if cfg.optim.get("schedule_free", False):
             raise ConfigError(
@@ -83,7 +89,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         model.average = EMAWeightAveraging(**cfg.ema)
         callbacks.append(model.average)
     logger = instantiate(cfg.logger) if cfg.get("logger") else False
-    trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=logger)
+    trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=logger, plugins=plugins)
     check_cpu_bf16_convolutions(trainer, model, cfg.data.in_channels, cfg.data.image_size)
     if logger:
         logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
@@ -97,7 +103,10 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         warnings.filterwarnings("ignore", message=r"The function `to_tensor\(\.\.\.\)` is deprecated")
         if cfg.ckpt_path is not None:  # resumed in the run dir it was saved in: its checkpoints are its own
             warnings.filterwarnings("ignore", message="Checkpoint directory .* exists and is not empty")
-        trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+        try:
+            trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+        except SIGTERMException:  # stopped by a signal, saved (runner.interrupt): a shell's exit status
+            raise SystemExit(interruption.exit_status) from None
     return next((cb.summary for cb in callbacks if isinstance(cb, RunSummary)), {})
 
 
