@@ -14,15 +14,19 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate as hydra_instantiate
 from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_fusedsgd.checkpoint import CheckpointError, read_start_checkpoint
 from lightning_fusedsgd.lightning import ConfigError, EMAWeightAveraging, InitFromCheckpoint
 from lightning_fusedsgd.lightning.clipping import callbacks as package_callbacks
+from runner.auto_resume import resolve_ckpt_path
 from runner.cpu_bf16 import check_cpu_bf16_convolutions
 from runner.datamodule import DataNotFoundError
+from runner.interrupt import Interruption
 from runner.options import check_flags
 from runner.resume import RefuseFinishedRun, ResumeAfterEpochEnd, ResumeInCutEpoch
+from runner.slurm import requeue_signal, trainer_plugins
 from runner.summary import RunSummary
 from runner.targets import trusted_targets
 
@@ -60,6 +64,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         datamodule.check_data()
     except DataNotFoundError as err:
         raise ConfigError(err.describe(recipe=cfg.name)) from None
+    cfg.ckpt_path = resolve_ckpt_path(cfg)  # auto, last: the newest checkpoint of the run directories
     _check_ckpt_path(cfg.ckpt_path)
 
     # Combined in Python: instantiate() would turn a Schedule passed as an override into a DictConfig.
@@ -73,6 +78,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     callbacks += _missing_package_callbacks(callbacks)
     # A run stopped by max_steps resumes in the epoch it stopped in, or at the next one's start.
     callbacks += [ResumeInCutEpoch(), ResumeAfterEpochEnd(), RefuseFinishedRun()]
+    plugins = trainer_plugins(instantiate(cfg.trainer.get("plugins")))  # SLURM: who requeues
+    interruption = Interruption(requeue_signal(plugins))  # Ctrl-C, SIGTERM, requeue: saved at a step's end
+    callbacks.append(interruption)
     if cfg.ema.decay is not None:
         if cfg.optim.get("schedule_free", False):
             raise ConfigError(
@@ -82,7 +90,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         model.average = EMAWeightAveraging(**cfg.ema)
         callbacks.append(model.average)
     logger = instantiate(cfg.logger) if cfg.get("logger") else False
-    trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=logger)
+    trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=logger, plugins=plugins)
     check_cpu_bf16_convolutions(trainer, model, cfg.data.in_channels, cfg.data.image_size)
     if logger:
         logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
@@ -94,7 +102,12 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         )
         # lightly's view transforms (the SimCLR recipe) call torchvision's deprecated to_tensor per image.
         warnings.filterwarnings("ignore", message=r"The function `to_tensor\(\.\.\.\)` is deprecated")
-        trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+        if cfg.ckpt_path is not None:  # resumed in the run dir it was saved in: its checkpoints are its own
+            warnings.filterwarnings("ignore", message="Checkpoint directory .* exists and is not empty")
+        try:
+            trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+        except SIGTERMException:  # stopped by a signal, saved (runner.interrupt): a shell's exit status
+            raise SystemExit(interruption.exit_status) from None
     return next((cb.summary for cb in callbacks if isinstance(cb, RunSummary)), {})
 
 
@@ -153,7 +166,7 @@ def _checked_start(cfg: DictConfig, model: pl.LightningModule) -> list[pl.Callba
 def _check_resume_checkpoint(ckpt_path: str, model: pl.LightningModule, scheduled: bool) -> None:
     """Read a local ``ckpt_path`` (CRCs included) and check that it is a full checkpoint of ``model``, with an
     lr scheduler's state where the run has one (``scheduled``: schedule-free runs have none)."""
-    if ckpt_path in ("last", "best", "hpc") or "://" in ckpt_path:
+    if ckpt_path in ("best", "hpc") or "://" in ckpt_path:
         return  # Lightning resolves these itself
     state = read_start_checkpoint(ckpt_path, model)  # names the file and any mismatched parameters
     if state.kind != "lightning":
@@ -184,7 +197,7 @@ def _expanded(path: str | None) -> str | None:
 
 def _check_ckpt_path(ckpt_path: str | None) -> None:
     """A local checkpoint path must exist (Lightning's keywords and remote URLs are left to Lightning)."""
-    if ckpt_path is None or ckpt_path in ("last", "best", "hpc") or "://" in ckpt_path:
+    if ckpt_path is None or ckpt_path in ("best", "hpc") or "://" in ckpt_path:
         return
     if not Path(ckpt_path).is_file():
         raise ConfigError(

@@ -9,7 +9,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint
 
 __all__ = ["RunSummary"]
 
@@ -124,7 +124,7 @@ class RunSummary(pl.Callback):
             **{kind: len(paths) for kind, paths in files.items()},
             "wall_time_s": round(time.perf_counter() - self.start_time, 1),
             "metrics": metrics,
-            "last_checkpoint": _last_checkpoint(checkpoints),
+            "last_checkpoint": _last_checkpoint(trainer.checkpoint_callbacks),
             "best_checkpoint": next(
                 (cb.best_model_path for cb in checkpoints if cb.monitor == self.monitor), ""
             ),
@@ -200,9 +200,10 @@ def _files_report(trainer: pl.Trainer) -> dict[str, dict[str, str]]:
     return merged
 
 
-def _last_checkpoint(checkpoints: list[ModelCheckpoint]) -> str:
-    """The newest checkpoint: a ``save_last`` file, else the file a ``monitor=None`` callback keeps."""
-    paths = [cb.last_model_path for cb in checkpoints] + [
-        cb.best_model_path for cb in checkpoints if cb.monitor is None
+def _last_checkpoint(checkpoints: list[Checkpoint]) -> str:
+    """The newest checkpoint: a ``save_last`` file or a signal's (``runner.interrupt``), else the file a
+    ``monitor=None`` callback keeps."""
+    paths = [getattr(cb, "last_model_path", "") for cb in checkpoints] + [
+        cb.best_model_path for cb in checkpoints if isinstance(cb, ModelCheckpoint) and cb.monitor is None
     ]
     return next((path for path in paths if path), "")

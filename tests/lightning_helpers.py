@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -187,3 +188,22 @@ def assert_identical(actual: dict[str, Any], expected: dict[str, Any]) -> None:
         for name, tensor in expected[part].items():
             assert actual[part][name].dtype == tensor.dtype, name
             assert torch.equal(actual[part][name], tensor), name
+
+
+class SignalAt(pl.Callback):
+    """Sends ``signal`` (a name: SIGINT, SIGTERM, SIGUSR1...) to this process in the middle of optimizer step
+    number ``step``, after its backward and before the update, where a checkpoint would hold a half-applied
+    step. With ``once``, a file: only where that file does not exist yet (then made), so that a requeued job
+    that runs the same command does not signal again."""
+
+    def __init__(self, step: int, signal: str, once: str | None = None) -> None:
+        self.step = step
+        self.signal = signal
+        self.once = once
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer) -> None:
+        if trainer.global_step + 1 != self.step or (self.once is not None and os.path.exists(self.once)):
+            return
+        if self.once is not None:
+            Path(self.once).touch()
+        os.kill(os.getpid(), getattr(signal, self.signal))
