@@ -102,8 +102,9 @@ class ImageClassifier(pl.LightningModule):
         check_flags("model", small_input=small_input, zero_init_residual=zero_init_residual, compile=compile)
         if channels_last not in (True, False, "auto"):
             raise ConfigError(f"model.channels_last={channels_last!r}: choose true, false or auto")
-        # The optimizer factory is code, not a hyperparameter; Hydra saves the full config anyway.
-        self.save_hyperparameters(ignore=["optimizer"])
+        # The optimizer factory is code, not a hyperparameter. The loggers get the resolved config, whose
+        # model node these are (runner.loggers.log_config), not a second copy.
+        self.save_hyperparameters(ignore=["optimizer"], logger=False)
         self.net = build_resnet(
             arch,
             num_classes,

@@ -24,6 +24,7 @@ from runner.auto_resume import resolve_ckpt_path
 from runner.cpu_bf16 import check_cpu_bf16_convolutions
 from runner.datamodule import DataNotFoundError
 from runner.interrupt import Interruption
+from runner.loggers import build_loggers, check_loggers, finish_loggers, log_config
 from runner.options import check_flags
 from runner.resume import RefuseFinishedRun, ResumeAfterEpochEnd, ResumeInCutEpoch
 from runner.slurm import requeue_signal, trainer_plugins
@@ -58,6 +59,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     check_flags("init", weights_only=cfg.init.weights_only, trusted=cfg.init.trusted)
     check_flags("optim", schedule_free=cfg.optim.get("schedule_free", False))
     check_flags("trainer", enable_progress_bar=cfg.trainer.get("enable_progress_bar", True))
+    check_loggers(cfg.get("logger"))  # a missing package fails here, before anything is built
     pl.seed_everything(cfg.seed, workers=True)
     datamodule = instantiate(cfg.data)
     try:
@@ -91,9 +93,10 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         callbacks.append(model.average)
     logger = instantiate(cfg.logger) if cfg.get("logger") else False
     trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=logger, plugins=plugins)
+    loggers = build_loggers(cfg.get("logger"))
+    trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
     check_cpu_bf16_convolutions(trainer, model, cfg.data.in_channels, cfg.data.image_size)
-    if logger:
-        logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
+    log_config(loggers, OmegaConf.to_container(cfg, resolve=True))
     with warnings.catch_warnings():
         # Lightning cannot see that the DataModules resume mid-epoch exactly (their state_dict holds
         # the position in the data), so it would warn on every resume from a step checkpoint.
@@ -108,6 +111,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
         except SIGTERMException:  # stopped by a signal, saved (runner.interrupt): a shell's exit status
             raise SystemExit(interruption.exit_status) from None
+        trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+    finish_loggers(loggers)
     return next((cb.summary for cb in callbacks if isinstance(cb, RunSummary)), {})
 
 

@@ -76,7 +76,7 @@ class SimCLR(pl.LightningModule):
     ) -> None:
         super().__init__()
         check_flags("model", small_input=small_input, channels_last=channels_last)
-        self.save_hyperparameters(ignore=["optimizer"])
+        self.save_hyperparameters(ignore=["optimizer"], logger=False)  # the loggers get the resolved config
         self.backbone, features = _backbone(arch, in_channels, small_input)
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
         self.backbone.to(memory_format=self.memory_format)

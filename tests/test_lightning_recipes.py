@@ -29,6 +29,7 @@ from lightning_fusedsgd.lightning import (
 )
 from runner.data import DigitsDataModule
 from runner.jpeg_folder import make_jpeg_folder
+from runner.loggers import build_loggers
 from runner.model import ImageClassifier
 from runner.resume import ResumeInCutEpoch
 from runner.run import train
@@ -189,7 +190,7 @@ def test_recipe_composes_and_instantiates(recipe, tmp_path):
         last_bn = model.net.layer1[0].bn3 if cfg.model.arch == "resnet50" else model.net.layer1[0].bn2
         assert torch.count_nonzero(last_bn.weight) == 0
     callbacks = [instantiate(node) for node in cfg.callbacks.values()]
-    trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=instantiate(cfg.logger))
+    trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=build_loggers(cfg.logger))
     assert trainer.max_epochs == cfg.trainer.max_epochs
     assert trainer.checkpoint_callback.dirpath == str(tmp_path / "checkpoints")
 

@@ -410,6 +410,8 @@ def test_compiled_step_traces_without_graph_breaks_and_matches_eager(make_optimi
     )
     assert breaks == {}, breaks
     assert set(compiled_opt.last_backends.values()) == {"compiled"}  # the traced graph, not the kept plan
+    if eager_opt.last_grad_norm is not None:  # clipping by norm: the traced step keeps its norm too
+        assert torch.equal(compiled_opt.last_grad_norm, eager_opt.last_grad_norm)
     for p, q in zip(compiled, eager):
         assert torch.equal(p, q)
         for key, value in eager_opt.state[q].items():

@@ -80,12 +80,17 @@ def _sum_on(sums: Sequence[Tensor], device: torch.device) -> Tensor:
 
 def run(
     buckets: Sequence[BucketStep], inputs: StepInputs, sharded: bool, lars_groups: Sequence[bool]
-) -> None:
+) -> Tensor | None:
     """One optimizer step over ``buckets``: norms, their reduction, then the update. ``sharded``: some
     tensor's norms must be summed over other ranks (then every bucket is a :class:`PlannedBucket`);
-    ``lars_groups``: which groups use LARS."""
+    ``lars_groups``: which groups use LARS.
+
+    Returns:
+        The step's ``grad_sq_sum`` (every stepped gradient's, still scaled, reduced over the ranks), where it
+        took one (clipping by norm), on the device; else None.
+    """
     if not buckets:
-        return
+        return None
     lars_sums: dict[BucketKey, Tensor] = {}
     grad_sq_sum = None
     if sharded:
@@ -95,6 +100,7 @@ def run(
     for bucket in buckets:
         row = inputs.row.with_values(grad_sq_sum=grad_sq_sum, lars_sq_sums=lars_sums.get(bucket.key))
         bucket.sgd_step(inputs.table, row.on(bucket.key[0]))
+    return grad_sq_sum
 
 
 class Steps:
@@ -112,10 +118,10 @@ class Steps:
 
     def step(
         self, groups: Sequence[dict[str, Any]], state: Mapping[Tensor, dict[str, Any]], inputs: StepInputs
-    ) -> None:
+    ) -> Tensor | None:
         """One step of ``groups``; a step a GradScaler skipped (``found_inf``) writes nothing where the host
         can see it without a sync (on CUDA the kernels skip themselves), and stores no (uninitialized)
-        state."""
+        state. Returns :func:`run`'s ``grad_sq_sum`` (None where the step returned before it)."""
         # Under torch.compile the step is traced from a new plan (no kept plan, no address checks).
         tracing = torch.compiler.is_compiling()
         kept = None if tracing or self.kept is None else self._kept_buckets(groups, state)
@@ -127,7 +133,7 @@ class Steps:
             and (found_inf.device.type == "cpu" or (plan is not None and (plan.new_state or plan.sparse)))
             and bool(found_inf.item())
         ):
-            return
+            return None
         if kept is not None:
             buckets, sharded, names = kept
         else:
@@ -135,11 +141,12 @@ class Steps:
             sharded = plan.sharded
         if inputs.scalars is not None:
             inputs = self._advance_schedule_free(inputs)
-        run(buckets, inputs, sharded, [bool(group["lars"]) for group in groups])
+        grad_sq_sum = run(buckets, inputs, sharded, [bool(group["lars"]) for group in groups])
         self.last_backends.clear()
         self.last_backends.update(names)
         if plan is not None:
             self._finish(groups, state, plan, inputs.row["grad_scale"], tracing, buckets)
+        return grad_sq_sum
 
     def switch(
         self,

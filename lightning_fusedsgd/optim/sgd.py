@@ -85,6 +85,11 @@ class FusedSGD(Optimizer):
         last_step_applied: Whether the last ``step()`` changed the parameters: ``True``, or under a
             GradScaler a 0-d bool tensor on the params' device (``WarmupLR`` reads it, so that skipped steps
             do not advance the schedule).
+        last_grad_norm: The L2 norm of every gradient the last ``step()`` took, unscaled (as
+            ``clip_grad_norm_`` returns it), where that step took one: the norm it clipped by
+            (``max_grad_norm``, or a Trainer's ``gradient_clip_val``), under sharding the global one. A 0-d
+            float64 tensor on the params' device, read without a host sync; None where the step took no norm
+            (no extra pass over the gradients is made for it) or a GradScaler's skip ended it on the host.
 
     The guide says the rest: semantics and bits (docs/guide/semantics.md), LARS (lars.md), clipping
     (clipping.md), precision (precision.md), capturable steps (capturable.md), backends (backends.md).
@@ -159,8 +164,9 @@ class FusedSGD(Optimizer):
         self.capturable = capturable
         self._steps = _step.Steps(backend)
         self._group_checks = _checks.GroupChecks()
-        # A dict, updated in place: dynamo replays dict updates of a traced step, not attribute stores.
-        self._last_step: dict[str, Tensor | bool] = {"applied": True}
+        # A dict, updated in place: dynamo replays dict updates of a traced step, not attribute stores. What
+        # the last step leaves to read: whether it applied, its gradients' sum of squares and their scale.
+        self._last_step: dict[str, Tensor | bool | None] = {"applied": True}
         # capturable: every group's lr a view of one float64 tensor on the params' device.
         self._lrs = LrStorage() if capturable else None
         super().__init__(params, defaults)
@@ -181,6 +187,20 @@ class FusedSGD(Optimizer):
     @property
     def last_step_applied(self) -> Tensor | bool:
         return self._last_step["applied"]
+
+    @property
+    def last_grad_norm(self) -> Tensor | None:
+        """The last step's gradient norm, where it took one (see the class's Attributes): its sum of squares,
+        kept on the device, turned into the unscaled norm there when read."""
+        sum_sq = self._last_step.get("grad_sq_sum")
+        if sum_sq is None:
+            return None
+        scale = self._last_step.get("grad_scale")
+        if scale is None:
+            return sum_sq.sqrt()
+        # The kernel's unscaling: GradScaler's float32 reciprocal of the scale (ops/reference.inverse_scale).
+        inverse = torch.as_tensor(scale, dtype=torch.float64, device=sum_sq.device).reciprocal().float()
+        return sum_sq.sqrt() * inverse
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Validates the group's hyperparameters, alone and beside the other groups', and its devices before
@@ -302,8 +322,9 @@ class FusedSGD(Optimizer):
             self._schedule_free_scalars(),
         )
         applied = True if found_inf is None else self._applied(found_inf)
-        self._steps.step(self.param_groups, self.state, inputs)
+        grad_sq_sum = self._steps.step(self.param_groups, self.state, inputs)
         self._last_step["applied"] = applied  # set once the step went through: a refused one changes nothing
+        self._last_step.update(grad_sq_sum=grad_sq_sum, grad_scale=inputs.row["grad_scale"])
         return loss
 
     def _schedule_free_scalars(self) -> Tensor | None:
