@@ -87,7 +87,7 @@ def test_build_key_changes_with_the_sources(monkeypatch, tmp_path, device_type):
 
 def test_a_new_environment_with_the_same_torch_reuses_the_cached_build(monkeypatch):
     """The cache entry follows torch's release and commit, not where it is installed: a new virtual
-    environment (CI makes one per run) loads the library another built; another torch commit builds its own."""
+    environment (CI makes one per run) loads the library another built; another torch builds its own."""
     entry = _loader.cache_entry("cpu")
     monkeypatch.setattr(torch, "__file__", "/another/venv/lib/site-packages/torch/__init__.py")
     assert _loader.cache_entry("cpu") == entry
