@@ -45,4 +45,10 @@ def main(cfg: DictConfig) -> None:
 register_recipes()
 
 if __name__ == "__main__":
+    from runner.overrides import refused_key  # Hydra's only: --help stays instant
+
+    # A key the config lacks, as Hydra would refuse it ("use +optim.lrr"), said here naming the nearest key.
+    if (problem := refused_key(sys.argv[1:], Path(__file__).parent / "conf", "train", "1.3")) is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        sys.exit(2)
     main()

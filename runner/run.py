@@ -22,6 +22,7 @@ from lightning_fusedsgd.lightning.clipping import callbacks as package_callbacks
 from runner.cpu_bf16 import check_cpu_bf16_convolutions
 from runner.datamodule import DataNotFoundError
 from runner.options import check_flags
+from runner.overrides import applied_schedule, check_typed_overrides
 from runner.resume import RefuseFinishedRun, ResumeAfterEpochEnd, ResumeInCutEpoch
 from runner.summary import RunSummary
 
@@ -53,6 +54,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     check_flags("init", weights_only=cfg.init.weights_only, trusted=cfg.init.trusted)
     check_flags("optim", schedule_free=cfg.optim.get("schedule_free", False))
     check_flags("trainer", enable_progress_bar=cfg.trainer.get("enable_progress_bar", True))
+    check_typed_overrides(cfg)
     pl.seed_everything(cfg.seed, workers=True)
     datamodule = instantiate(cfg.data)
     try:
@@ -62,7 +64,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     _check_ckpt_path(cfg.ckpt_path)
 
     # Combined in Python: instantiate() would turn a Schedule passed as an override into a DictConfig.
-    optimizer = functools.partial(instantiate(cfg.optim), schedule=instantiate(cfg.schedule))
+    schedule = instantiate(applied_schedule(cfg.schedule))
+    optimizer = functools.partial(instantiate(cfg.optim), schedule=schedule)
     model = instantiate(cfg.model, optimizer=optimizer)
     start = _checked_start(cfg, model)
     callbacks = [instantiate(node) for node in cfg.callbacks.values() if node is not None] + start

@@ -22,8 +22,9 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
-from lightning_fusedsgd._abi import masters_by_default
+from lightning_fusedsgd._abi import masters_by_default, number_problem
 from lightning_fusedsgd._checks import check_flag
+from lightning_fusedsgd.lightning._arguments import check_arguments
 from lightning_fusedsgd.lightning.clipping import clip_in_the_step
 from lightning_fusedsgd.lightning.errors import ConfigError
 from lightning_fusedsgd.optim import FusedSGD, FusedSGDScheduleFree
@@ -62,9 +63,17 @@ class Schedule:
     end_lr: float = 0.0
 
     def __post_init__(self) -> None:
+        if isinstance(self.milestones, str) or not isinstance(self.milestones, Sequence):
+            raise ConfigError(f"schedule.milestones must be a list of numbers, got {self.milestones!r}")
         object.__setattr__(self, "milestones", tuple(self.milestones))  # Hydra passes a ListConfig
         if self.unit not in ("epoch", "step"):
             raise ConfigError(f"schedule.unit must be 'epoch' or 'step', got {self.unit!r}")
+        numbers = dict(warmup=self.warmup, start_factor=self.start_factor, gamma=self.gamma, power=self.power)
+        numbers |= dict(end_lr=self.end_lr, start_lr=self.start_lr)
+        numbers |= {f"milestones[{index}]": value for index, value in enumerate(self.milestones)}
+        for name, value in numbers.items():
+            if not (name == "start_lr" and value is None) and number_problem(value) is not None:
+                raise ConfigError(f"schedule.{name} must be a number, got {value!r}")
 
     def _scale(self, steps_per_epoch: int | None) -> int:
         """Optimizer steps per ``unit``."""
@@ -195,8 +204,9 @@ def configure_fused_sgd(
 
     Raises:
         ConfigError: If a switch is a string (a config's ``"false"``, which Python takes as true), the
-            optimizer refuses a value, the module has no trainer, the run length or batch size cannot be
-            found, or the schedule does not fit the run.
+            optimizer does not take an option or refuses a value (an lr that is no number included), a LARS
+            option or ``no_lars_*`` is changed with ``lars=False`` (no step would read it), the module has no
+            trainer, the run length or batch size cannot be found, or the schedule does not fit the run.
     """
     switches = dict(lars=lars, master_weights=master_weights, no_decay_bias=no_decay_bias)
     switches |= dict(no_decay_norm=no_decay_norm, no_lars_bias=no_lars_bias, no_lars_norm=no_lars_norm)
@@ -206,6 +216,8 @@ def configure_fused_sgd(
             check_flag(key, value)
     except ValueError as error:
         raise ConfigError(str(error)) from None
+    no_lars = dict(no_lars_bias=no_lars_bias, no_lars_norm=no_lars_norm)
+    check_arguments(configure_fused_sgd, lr, lars, schedule_free, no_lars, optimizer_kwargs)
     try:
         trainer = module.trainer
     except RuntimeError:
@@ -228,7 +240,10 @@ def configure_fused_sgd(
         scaling = " (lr, as given)"
     else:
         base_lr = 0.1 if base_lr is None else base_lr
-        peak_lr = scaled_lr(base_lr, global_batch, reference_batch_size)
+        try:
+            peak_lr = scaled_lr(base_lr, global_batch, reference_batch_size)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
         scaling = f" = base_lr {base_lr:g} x {global_batch}/{reference_batch_size}"
 
     if not lars:
