@@ -46,7 +46,7 @@ class Schedule:
         unit: ``"epoch"`` or ``"step"`` (optimizer steps), for ``warmup`` and ``milestones``.
         start_factor: Warmup's first lr as a fraction of the peak.
         start_lr: Warmup's first lr as an absolute value (overrides ``start_factor``); Goyal et al.
-            warm up from the base lr, i.e. ``start_lr = lr``. A value above the peak means no ramp.
+            warm up from the base lr, i.e. ``start_lr = lr``. A value at or above the peak means no ramp.
         gamma: ``multistep`` factor per milestone.
         power: ``poly`` exponent.
         end_lr: Absolute final lr of ``cosine`` / ``poly`` / ``linear``.
@@ -104,19 +104,20 @@ class Schedule:
         """
         warmup_steps = self.warmup_steps(steps_per_epoch)
         scale = self._scale(steps_per_epoch)
+        start_factor = self.start_factor
+        if self.start_lr is not None:
+            start_factor = min(1.0, self.start_lr / peak_lr) if peak_lr > 0 else 1.0
         if warmup_steps >= total_steps:
             # Ramp over the whole run rather than start at a large peak lr unwarmed.
-            rank_zero_warn(
-                f"Schedule: warmup of {warmup_steps} steps does not fit in this run of {total_steps} steps; "
-                f"warming up over {total_steps - 1} steps instead"
-            )
+            if start_factor < 1:
+                rank_zero_warn(
+                    f"Schedule: warmup of {warmup_steps} steps does not fit in this run of {total_steps} "
+                    f"steps; warming up over {total_steps - 1} steps instead"
+                )
             warmup_steps = total_steps - 1
         milestones = [step for step in (round(m * scale) for m in self.milestones) if step < total_steps]
         # With every milestone past the end, multistep is constant for every step taken.
         decay = "constant" if self.decay == "multistep" and self.milestones and not milestones else self.decay
-        start_factor = self.start_factor
-        if self.start_lr is not None:
-            start_factor = min(1.0, self.start_lr / peak_lr) if peak_lr > 0 else 1.0
         try:
             return WarmupLR(
                 optimizer,
@@ -161,7 +162,7 @@ def configure_fused_sgd(
     with the global batch ``per-device batch x trainer.world_size x accumulate_grad_batches`` when given as
     ``base_lr`` (the world size counts the training processes: devices x nodes under Lightning's own
     launchers, the workers under Ray Train, whose Trainers have one device each); the schedule spans
-    ``trainer.estimated_stepping_batches``. Logs one line with the resolved values.
+    ``trainer.estimated_stepping_batches``. Logs one line with the resolved values (where the warmup starts).
 
     ``lr`` is always the absolute peak lr, the value a group has after warmup: what Lightning's
     ``Tuner.lr_find(update_attr=True)`` suggests and writes to ``module.lr``, so
@@ -290,8 +291,9 @@ def configure_fused_sgd(
         f"configure_fused_sgd: {'LARS' if lars else 'SGD'} peak lr {peak_lr:g}{scaling}, "
         f"global batch {global_batch} "
         f"({batch_size} per device x {trainer.world_size} processes x {accumulate} accumulated), "
-        f"warmup {scheduler.schedule.warmup_steps} of {total_steps} steps ({steps_per_epoch}/epoch, "
-        f"{schedule.decay}), master_weights={master_weights}, groups: {_group_sizes(optimizer)}"
+        f"warmup {scheduler.schedule.warmup_steps} of {total_steps} steps{_warmup_start(scheduler, peak_lr)} "
+        f"({steps_per_epoch}/epoch, {schedule.decay}), master_weights={master_weights}, "
+        f"groups: {_group_sizes(optimizer)}"
     )
     return {
         "optimizer": optimizer,
@@ -314,6 +316,17 @@ def _run_length(trainer: pl.Trainer) -> tuple[int, int | None]:
     accumulate = trainer.accumulate_grad_batches
     steps_per_epoch = max(1, math.ceil(batches / accumulate)) if math.isfinite(batches) else None
     return int(total_steps), steps_per_epoch
+
+
+def _warmup_start(scheduler: WarmupLR, peak_lr: float) -> str:
+    """Where the warmup starts, as the first step's lr is: a start_lr at or above the peak means no ramp
+    (Goyal et al.'s warmup from the base lr, where the global batch is at most the reference batch)."""
+    schedule = scheduler.schedule
+    if not schedule.warmup_steps:
+        return ""
+    if schedule.start_factor >= 1:
+        return " at the peak lr (the warmup's start is not below it: no ramp)"
+    return f" from lr {schedule.start_factor * peak_lr:g}"
 
 
 def _group_sizes(optimizer: torch.optim.Optimizer) -> str:
