@@ -205,13 +205,17 @@ def test_fast_dev_run_default_recipe(tmp_path):
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_every_recipe_runs_tiny_on_synthetic_data(recipe, tmp_path):
     """debug=tiny bounds what makes a run long (epochs, steps, image size, validation, workers): each recipe,
-    ImageNet's ResNet-50s included, trains 2 epochs of 3 steps on 32x32 synthetic images."""
+    ImageNet's ResNet-50s included, trains 2 epochs of 3 steps on 32x32 synthetic images, each step logged."""
     overrides = [f"recipe={recipe}", "debug=tiny", *([] if recipe in OFFLINE else ["data=synthetic"])]
     cfg = compose_train(overrides, tmp_path)
     assert cfg.data.image_size == 32 and cfg.trainer.max_epochs == 2 and cfg.data.num_workers == 0
     summary = train(cfg)
     assert summary["name"] == recipe and summary["global_step"] == 6 and summary["epochs"] == 2
     assert 0.0 <= summary["val/acc"] <= 1.0
+    # Every step logged (Lightning's default, every 10 steps, logged none of these 3-step epochs).
+    rows = list(csv.DictReader((tmp_path / "csv" / "metrics.csv").open()))
+    assert [int(row["step"]) for row in rows if row.get("train/loss")] == list(range(6))
+    assert len([row for row in rows if any(row[key] for key in row if key.startswith("lr-"))]) == 6
     if cfg.data.get("views"):  # self-supervised: the kNN accuracy beside a random backbone's
         assert 0.0 <= summary["metrics"]["val/acc_random_init"] <= 1.0
 
