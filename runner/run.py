@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_fusedsgd.checkpoint import CheckpointError, read_start_checkpoint
 from lightning_fusedsgd.lightning import ConfigError, EMAWeightAveraging, InitFromCheckpoint
-from lightning_fusedsgd.lightning.clipping import callbacks as package_callbacks
+from lightning_fusedsgd.lightning.clipping import package_callbacks
 from runner.cpu_bf16 import check_cpu_bf16_convolutions
 from runner.datamodule import DataNotFoundError
 from runner.options import check_flags
@@ -118,7 +118,8 @@ def instantiate(node: Any, **kwargs: Any) -> Any:
 def _missing_package_callbacks(configured: list[pl.Callback]) -> list[pl.Callback]:
     """The package's callbacks (clipping in the step, DeepSpeed's norms, schedule-free modes) that neither the
     config nor an installed entry point adds: a checkout that was not pip-installed registers no entry point,
-    and Lightning refuses two of one stateful callback, so each is added once."""
+    LIGHTNING_FUSEDSGD_CALLBACKS=0 turns it off (for other Trainers: the runner's needs them), and Lightning
+    refuses two of one stateful callback, so each is added once."""
     present = {type(callback) for callback in configured}
     for factory in importlib.metadata.entry_points(group="lightning.pytorch.callbacks_factory"):
         made = factory.load()()
