@@ -55,5 +55,11 @@ register_recipes()
 
 if __name__ == "__main__":
     check_search_installed(sys.argv[1:])
+    from runner.overrides import refused_key  # Hydra's only: --help stays instant
+
+    # A key the config lacks, as Hydra would refuse it ("use +optim.lrr"), said here naming the nearest key.
+    if (problem := refused_key(sys.argv[1:], Path(__file__).parent / "conf", "train", "1.3")) is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        sys.exit(2)
     with trusted_targets():  # Hydra 1.4 instantiates hydra.callbacks, too, only within a target whitelist
         main()

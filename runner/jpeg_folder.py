@@ -1,5 +1,7 @@
 """A generated JPEG folder in the ImageNet layout, deterministic, for the benchmarks and the tests:
-``python -m runner.jpeg_folder OUT [--classes 10] [--train 50] [--val 10]``.
+``python -m runner.jpeg_folder OUT [--classes 10] [--train 50] [--val 10]`` in a checkout, or from any
+directory ``python <checkout>/runner/jpeg_folder.py OUT ...`` (as ``python <checkout>/train.py``); it ends
+with the command that trains a recipe on the folder.
 
 Each image is a pure function of ``(seed, split, class, index)``: about ImageNet's sizes (the long side
 400-500, the short 300-375, a quarter portrait) and its JPEG quality (85-95, 4:2:0), smooth colour fields with
@@ -11,11 +13,21 @@ from __future__ import annotations
 
 import argparse
 import io
+import shlex
+import shutil
+import sys
 from pathlib import Path
 
-import numpy as np
-from PIL import Image
-from torchvision.datasets.folder import find_classes
+if __name__ == "__main__" and not __package__:
+    # Run by its path: Python put runner/ first on sys.path, where the runner's modules would shadow the
+    # libraries' of the same names; the checkout instead, as for train.py.
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+import numpy as np  # noqa: E402
+from PIL import Image  # noqa: E402
+from torchvision.datasets.folder import find_classes  # noqa: E402
+
+TRAIN_PY = Path(__file__).resolve().parents[1] / "train.py"
 
 __all__ = ["make_jpeg_folder"]
 
@@ -108,8 +120,20 @@ def main() -> None:
         before += "reads too"
     print(
         f"wrote {written} JPEGs to {root}: {args.classes} classes of {args.train} training and {args.val} "
-        f"validation images{before} (data.root={root} data.num_classes={len(classes)})"
+        f"validation images{before}. To train an ImageNet recipe on them (debug=tiny: a one-minute run on "
+        "the CPU; without it, the recipe's own epochs):"
     )
+    print(train_command(root, len(classes)))
+
+
+def train_command(root: Path, classes: int) -> str:
+    """The command that trains ``recipe=resnet50`` on the folder at ``root``, from any directory."""
+    python = sys.executable
+    on_path = shutil.which("python")
+    if on_path is not None and Path(on_path).resolve() == Path(python).resolve():
+        python = "python"
+    words = [python, str(TRAIN_PY), "recipe=resnet50", f"data.root={root.resolve()}"]
+    return shlex.join([*words, f"data.num_classes={classes}", "debug=tiny"])
 
 
 if __name__ == "__main__":

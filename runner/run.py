@@ -19,13 +19,14 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_fusedsgd.checkpoint import CheckpointError, read_start_checkpoint
 from lightning_fusedsgd.lightning import ConfigError, EMAWeightAveraging, InitFromCheckpoint
-from lightning_fusedsgd.lightning.clipping import callbacks as package_callbacks
+from lightning_fusedsgd.lightning.clipping import package_callbacks
 from runner.auto_resume import resolve_ckpt_path
 from runner.cpu_bf16 import check_cpu_bf16_convolutions
 from runner.datamodule import DataNotFoundError
 from runner.interrupt import Interruption
 from runner.loggers import build_loggers, check_loggers, finish_loggers, log_config
 from runner.options import check_flags
+from runner.overrides import applied_schedule, check_typed_overrides
 from runner.resume import RefuseFinishedRun, ResumeAfterEpochEnd, ResumeInCutEpoch
 from runner.slurm import requeue_signal, trainer_plugins
 from runner.summary import RunSummary
@@ -60,6 +61,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     check_flags("optim", schedule_free=cfg.optim.get("schedule_free", False))
     check_flags("trainer", enable_progress_bar=cfg.trainer.get("enable_progress_bar", True))
     check_loggers(cfg.get("logger"))  # a missing package fails here, before anything is built
+    check_typed_overrides(cfg)
     pl.seed_everything(cfg.seed, workers=True)
     datamodule = instantiate(cfg.data)
     try:
@@ -70,7 +72,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     _check_ckpt_path(cfg.ckpt_path)
 
     # Combined in Python: instantiate() would turn a Schedule passed as an override into a DictConfig.
-    optimizer = functools.partial(instantiate(cfg.optim), schedule=instantiate(cfg.schedule))
+    schedule = instantiate(applied_schedule(cfg.schedule))
+    optimizer = functools.partial(instantiate(cfg.optim), schedule=schedule)
     model = instantiate(cfg.model, optimizer=optimizer)
     start = _checked_start(cfg, model)
     callbacks = [instantiate(node) for node in cfg.callbacks.values() if node is not None] + start
@@ -136,7 +139,8 @@ def instantiate(node: Any, **kwargs: Any) -> Any:
 def _missing_package_callbacks(configured: list[pl.Callback]) -> list[pl.Callback]:
     """The package's callbacks (clipping in the step, DeepSpeed's norms, schedule-free modes) that neither the
     config nor an installed entry point adds: a checkout that was not pip-installed registers no entry point,
-    and Lightning refuses two of one stateful callback, so each is added once."""
+    LIGHTNING_FUSEDSGD_CALLBACKS=0 turns it off (for other Trainers: the runner's needs them), and Lightning
+    refuses two of one stateful callback, so each is added once."""
     present = {type(callback) for callback in configured}
     for factory in importlib.metadata.entry_points(group="lightning.pytorch.callbacks_factory"):
         made = factory.load()()

@@ -16,6 +16,7 @@ older ``pytorch_lightning`` package, which reads its own entry points, add one l
 
 from __future__ import annotations
 
+import os
 import sys
 import types
 import weakref
@@ -33,7 +34,7 @@ from lightning_fusedsgd.lightning.errors import ConfigError
 from lightning_fusedsgd.lightning.schedule_free import ScheduleFreeModes
 from lightning_fusedsgd.optim import FusedSGD
 
-__all__ = ["ClipInTheStep", "callbacks", "clip_gradients", "clip_in_the_step"]
+__all__ = ["ClipInTheStep", "callbacks", "clip_gradients", "clip_in_the_step", "package_callbacks"]
 
 # The clip thresholds (_abi.clip_thresholds' values, in order) each FusedSGD holds because a Trainer handed
 # them over, not its own.
@@ -174,7 +175,30 @@ class ClipInTheStep(pl.Callback):
         self._restored = None if handed is None else (handed[0], handed[1])
 
 
+CALLBACKS_ENV = "LIGHTNING_FUSEDSGD_CALLBACKS"
+"""``0`` (or ``false``, ``no``, ``off``): the entry point adds no callback to Lightning's Trainers."""
+
+
 def callbacks() -> list[pl.Callback]:
     """The callbacks Lightning adds to every ``Trainer`` (the package's
-    ``lightning.pytorch.callbacks_factory`` entry point)."""
+    ``lightning.pytorch.callbacks_factory`` entry point): :func:`package_callbacks`, or none where
+    ``LIGHTNING_FUSEDSGD_CALLBACKS=0`` (Lightning has no switch of its own for a package's callbacks).
+
+    Raises:
+        ConfigError: If the variable holds another value than 0/1, false/true, no/yes or off/on.
+    """
+    setting = os.environ.get(CALLBACKS_ENV, "1").strip().lower()
+    if setting in ("0", "false", "no", "off"):
+        return []
+    if setting not in ("1", "true", "yes", "on", ""):
+        raise ConfigError(
+            f"{CALLBACKS_ENV}={os.environ[CALLBACKS_ENV]!r}: set it to 0 (Lightning's Trainers get none of "
+            "lightning_fusedsgd's callbacks) or 1 (they do, the default)"
+        )
+    return package_callbacks()
+
+
+def package_callbacks() -> list[pl.Callback]:
+    """Clipping in FusedSGD's step, its norms under DeepSpeed, schedule-free SGD's modes; each does nothing in
+    a fit whose optimizer is no FusedSGD."""
     return [ClipInTheStep(), AttachDeepSpeed(), ScheduleFreeModes()]

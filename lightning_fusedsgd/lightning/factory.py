@@ -22,8 +22,9 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
-from lightning_fusedsgd._abi import masters_by_default
+from lightning_fusedsgd._abi import masters_by_default, number_problem
 from lightning_fusedsgd._checks import check_flag
+from lightning_fusedsgd.lightning._arguments import check_arguments
 from lightning_fusedsgd.lightning.clipping import clip_in_the_step
 from lightning_fusedsgd.lightning.errors import ConfigError
 from lightning_fusedsgd.optim import FusedSGD, FusedSGDScheduleFree
@@ -45,7 +46,7 @@ class Schedule:
         unit: ``"epoch"`` or ``"step"`` (optimizer steps), for ``warmup`` and ``milestones``.
         start_factor: Warmup's first lr as a fraction of the peak.
         start_lr: Warmup's first lr as an absolute value (overrides ``start_factor``); Goyal et al.
-            warm up from the base lr, i.e. ``start_lr = lr``. A value above the peak means no ramp.
+            warm up from the base lr, i.e. ``start_lr = lr``. A value at or above the peak means no ramp.
         gamma: ``multistep`` factor per milestone.
         power: ``poly`` exponent.
         end_lr: Absolute final lr of ``cosine`` / ``poly`` / ``linear``.
@@ -62,9 +63,17 @@ class Schedule:
     end_lr: float = 0.0
 
     def __post_init__(self) -> None:
+        if isinstance(self.milestones, str) or not isinstance(self.milestones, Sequence):
+            raise ConfigError(f"schedule.milestones must be a list of numbers, got {self.milestones!r}")
         object.__setattr__(self, "milestones", tuple(self.milestones))  # Hydra passes a ListConfig
         if self.unit not in ("epoch", "step"):
             raise ConfigError(f"schedule.unit must be 'epoch' or 'step', got {self.unit!r}")
+        numbers = dict(warmup=self.warmup, start_factor=self.start_factor, gamma=self.gamma, power=self.power)
+        numbers |= dict(end_lr=self.end_lr, start_lr=self.start_lr)
+        numbers |= {f"milestones[{index}]": value for index, value in enumerate(self.milestones)}
+        for name, value in numbers.items():
+            if not (name == "start_lr" and value is None) and number_problem(value) is not None:
+                raise ConfigError(f"schedule.{name} must be a number, got {value!r}")
 
     def _scale(self, steps_per_epoch: int | None) -> int:
         """Optimizer steps per ``unit``."""
@@ -95,19 +104,20 @@ class Schedule:
         """
         warmup_steps = self.warmup_steps(steps_per_epoch)
         scale = self._scale(steps_per_epoch)
+        start_factor = self.start_factor
+        if self.start_lr is not None:
+            start_factor = min(1.0, self.start_lr / peak_lr) if peak_lr > 0 else 1.0
         if warmup_steps >= total_steps:
             # Ramp over the whole run rather than start at a large peak lr unwarmed.
-            rank_zero_warn(
-                f"Schedule: warmup of {warmup_steps} steps does not fit in this run of {total_steps} steps; "
-                f"warming up over {total_steps - 1} steps instead"
-            )
+            if start_factor < 1:
+                rank_zero_warn(
+                    f"Schedule: warmup of {warmup_steps} steps does not fit in this run of {total_steps} "
+                    f"steps; warming up over {total_steps - 1} steps instead"
+                )
             warmup_steps = total_steps - 1
         milestones = [step for step in (round(m * scale) for m in self.milestones) if step < total_steps]
         # With every milestone past the end, multistep is constant for every step taken.
         decay = "constant" if self.decay == "multistep" and self.milestones and not milestones else self.decay
-        start_factor = self.start_factor
-        if self.start_lr is not None:
-            start_factor = min(1.0, self.start_lr / peak_lr) if peak_lr > 0 else 1.0
         try:
             return WarmupLR(
                 optimizer,
@@ -152,7 +162,7 @@ def configure_fused_sgd(
     with the global batch ``per-device batch x trainer.world_size x accumulate_grad_batches`` when given as
     ``base_lr`` (the world size counts the training processes: devices x nodes under Lightning's own
     launchers, the workers under Ray Train, whose Trainers have one device each); the schedule spans
-    ``trainer.estimated_stepping_batches``. Logs one line with the resolved values.
+    ``trainer.estimated_stepping_batches``. Logs one line with the resolved values (where the warmup starts).
 
     ``lr`` is always the absolute peak lr, the value a group has after warmup: what Lightning's
     ``Tuner.lr_find(update_attr=True)`` suggests and writes to ``module.lr``, so
@@ -195,8 +205,9 @@ def configure_fused_sgd(
 
     Raises:
         ConfigError: If a switch is a string (a config's ``"false"``, which Python takes as true), the
-            optimizer refuses a value, the module has no trainer, the run length or batch size cannot be
-            found, or the schedule does not fit the run.
+            optimizer does not take an option or refuses a value (an lr that is no number included), a LARS
+            option or ``no_lars_*`` is changed with ``lars=False`` (no step would read it), the module has no
+            trainer, the run length or batch size cannot be found, or the schedule does not fit the run.
     """
     switches = dict(lars=lars, master_weights=master_weights, no_decay_bias=no_decay_bias)
     switches |= dict(no_decay_norm=no_decay_norm, no_lars_bias=no_lars_bias, no_lars_norm=no_lars_norm)
@@ -206,6 +217,8 @@ def configure_fused_sgd(
             check_flag(key, value)
     except ValueError as error:
         raise ConfigError(str(error)) from None
+    no_lars = dict(no_lars_bias=no_lars_bias, no_lars_norm=no_lars_norm)
+    check_arguments(configure_fused_sgd, lr, lars, schedule_free, no_lars, optimizer_kwargs)
     try:
         trainer = module.trainer
     except RuntimeError:
@@ -228,7 +241,10 @@ def configure_fused_sgd(
         scaling = " (lr, as given)"
     else:
         base_lr = 0.1 if base_lr is None else base_lr
-        peak_lr = scaled_lr(base_lr, global_batch, reference_batch_size)
+        try:
+            peak_lr = scaled_lr(base_lr, global_batch, reference_batch_size)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
         scaling = f" = base_lr {base_lr:g} x {global_batch}/{reference_batch_size}"
 
     if not lars:
@@ -275,8 +291,9 @@ def configure_fused_sgd(
         f"configure_fused_sgd: {'LARS' if lars else 'SGD'} peak lr {peak_lr:g}{scaling}, "
         f"global batch {global_batch} "
         f"({batch_size} per device x {trainer.world_size} processes x {accumulate} accumulated), "
-        f"warmup {scheduler.schedule.warmup_steps} of {total_steps} steps ({steps_per_epoch}/epoch, "
-        f"{schedule.decay}), master_weights={master_weights}, groups: {_group_sizes(optimizer)}"
+        f"warmup {scheduler.schedule.warmup_steps} of {total_steps} steps{_warmup_start(scheduler, peak_lr)} "
+        f"({steps_per_epoch}/epoch, {schedule.decay}), master_weights={master_weights}, "
+        f"groups: {_group_sizes(optimizer)}"
     )
     return {
         "optimizer": optimizer,
@@ -299,6 +316,17 @@ def _run_length(trainer: pl.Trainer) -> tuple[int, int | None]:
     accumulate = trainer.accumulate_grad_batches
     steps_per_epoch = max(1, math.ceil(batches / accumulate)) if math.isfinite(batches) else None
     return int(total_steps), steps_per_epoch
+
+
+def _warmup_start(scheduler: WarmupLR, peak_lr: float) -> str:
+    """Where the warmup starts, as the first step's lr is: a start_lr at or above the peak means no ramp
+    (Goyal et al.'s warmup from the base lr, where the global batch is at most the reference batch)."""
+    schedule = scheduler.schedule
+    if not schedule.warmup_steps:
+        return ""
+    if schedule.start_factor >= 1:
+        return " at the peak lr (the warmup's start is not below it: no ramp)"
+    return f" from lr {schedule.start_factor * peak_lr:g}"
 
 
 def _group_sizes(optimizer: torch.optim.Optimizer) -> str:
