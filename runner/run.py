@@ -114,7 +114,6 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
         except SIGTERMException:  # stopped by a signal, saved (runner.interrupt): a shell's exit status
             raise SystemExit(interruption.exit_status) from None
-        trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
     finish_loggers(loggers)
     return next((cb.summary for cb in callbacks if isinstance(cb, RunSummary)), {})
 

@@ -32,6 +32,8 @@ def test_train_py_writes_every_output_and_ends_with_the_summary(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     last_line = result.stdout.strip().splitlines()[-1]
     assert last_line.startswith("summary: name=quickstart val_acc=")
+    # One fit, one summary: a second fit of the finished run would print a second one.
+    assert [line for line in result.stdout.splitlines() if line.startswith("summary:")] == [last_line]
     assert "steps=6" in last_line
 
     assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
