@@ -8,6 +8,7 @@ combination, and ends with their table (``runner.sweep``). Needs the ``recipes``
 """
 
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -61,5 +62,9 @@ if __name__ == "__main__":
     if (problem := refused_key(sys.argv[1:], Path(__file__).parent / "conf", "train", "1.3")) is not None:
         print(f"error: {problem}", file=sys.stderr)
         sys.exit(2)
+    # The runner is this checkout's, not installed: a process a launcher starts from a pickle (Hydra's
+    # submitit launcher, local or sbatch) imports runner/ through PYTHONPATH, as this one does by sys.path.
+    checkout = str(Path(__file__).resolve().parent)
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (checkout, os.environ.get("PYTHONPATH"))))
     with trusted_targets():  # Hydra 1.4 instantiates hydra.callbacks, too, only within a target whitelist
         main()
