@@ -35,15 +35,11 @@ lint: install-dev  # ruff's checks and its formatting
 train: install
 	$(PYTHON) train.py
 
-# The tests run on every core (pytest-xdist): most of their time is single-threaded (whole runs in subprocesses,
-# imports, Hydra), so a second process uses the core one process leaves idle.
-XDIST = -n auto --dist worksteal
-
 test: lint  # what CI runs: the lint, then everything but the heavy tests, the docs build included (under 10 minutes on 2 cores)
-	$(PYTHON) -m pytest -q -m "not heavy" $(XDIST)
+	$(PYTHON) -m pytest -q -m "not heavy"
 
 test-all: lint  # and the heavy tests: the wheel build, kill-and-resume runs, bf16 on the CPU (5 minutes more)
-	$(PYTHON) -m pytest -q $(XDIST)
+	$(PYTHON) -m pytest -q
 
 test-fast: install-dev  # the inner loop: everything but whole runs, subprocesses and builds (under 2 minutes)
 	$(PYTHON) -m pytest -q -m "not slow"
