@@ -35,7 +35,7 @@ lint: install-dev  # ruff's checks and its formatting
 train: install
 	$(PYTHON) train.py
 
-test: lint  # what CI runs: the lint, then everything but the heavy tests, the docs build included (under 10 minutes on 2 cores)
+test: lint  # what CI runs: the lint, then everything but the heavy tests, the docs build included (14 minutes on 2 cores)
 	$(PYTHON) -m pytest -q -m "not heavy"
 
 test-all: lint  # and the heavy tests: the wheel build, kill-and-resume runs, bf16 on the CPU (5 minutes more)
