@@ -21,7 +21,10 @@ from omegaconf import DictConfig, OmegaConf
 from runner.sweep import check_search_installed, run_job
 from runner.targets import trusted_targets
 
-RECIPES = Path(__file__).resolve().parent / "recipes"
+ROOT = Path(__file__).resolve().parent  # the checkout: conf/, recipes/ and runner/
+RECIPES = ROOT / "recipes"
+# Hydra's settings, read by hydra.main and by the check of the command line before it.
+VERSION_BASE, CONFIG_NAME = "1.3", "train"
 
 
 def register_recipes(directory: Path = RECIPES) -> None:
@@ -33,7 +36,7 @@ def register_recipes(directory: Path = RECIPES) -> None:
         store.store(group="recipe", name=path.stem, node=OmegaConf.load(path), package="_global_")
 
 
-@hydra.main(version_base="1.3", config_path="conf", config_name="train")
+@hydra.main(version_base=VERSION_BASE, config_path="conf", config_name=CONFIG_NAME)
 def main(cfg: DictConfig) -> float | None:
     # Heavy imports after Hydra has parsed the command line, so --help and --cfg stay instant.
     from lightning_fusedsgd.checkpoint import CheckpointError
@@ -59,12 +62,11 @@ if __name__ == "__main__":
     from runner.overrides import refused_key  # Hydra's only: --help stays instant
 
     # A key the config lacks, as Hydra would refuse it ("use +optim.lrr"), said here naming the nearest key.
-    if (problem := refused_key(sys.argv[1:], Path(__file__).parent / "conf", "train", "1.3")) is not None:
+    if (problem := refused_key(sys.argv[1:], ROOT / "conf", CONFIG_NAME, VERSION_BASE)) is not None:
         print(f"error: {problem}", file=sys.stderr)
         sys.exit(2)
     # The runner is this checkout's, not installed: a process a launcher starts from a pickle (Hydra's
     # submitit launcher, local or sbatch) imports runner/ through PYTHONPATH, as this one does by sys.path.
-    checkout = str(Path(__file__).resolve().parent)
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (checkout, os.environ.get("PYTHONPATH"))))
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
     with trusted_targets():  # Hydra 1.4 instantiates hydra.callbacks, too, only within a target whitelist
         main()
