@@ -75,6 +75,16 @@ def step_of(path: Path) -> int:
     return read_checkpoint_file(path)["global_step"]
 
 
+@pytest.fixture(autouse=True)
+def interactive_ctrl_c():
+    """Python's own Ctrl-C handler, as in a terminal: a shell starts a background job (``make test &``, a CI
+    runner's) with SIGINT ignored, which a run rightly leaves ignored; Lightning ignores it too after a
+    KeyboardInterrupt, and never restores it."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     run_dir = tmp_path_factory.mktemp("straight")
