@@ -35,11 +35,15 @@ lint: install-dev  # ruff's checks and its formatting
 train: install
 	$(PYTHON) train.py
 
+# The tests run on every core (pytest-xdist), each worker with its share of torch's threads (tests/conftest.py):
+# most of a test's time is single-threaded (whole runs, imports, Hydra, subprocesses' start).
+XDIST = -n auto --dist worksteal
+
 test: lint  # what CI runs: the lint, then everything but the heavy tests, the docs build included (14 minutes on 2 cores)
-	$(PYTHON) -m pytest -q -m "not heavy"
+	$(PYTHON) -m pytest -q -m "not heavy" $(XDIST)
 
 test-all: lint  # and the heavy tests: the wheel build, kill-and-resume runs, bf16 on the CPU (5 minutes more)
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q $(XDIST)
 
 test-fast: install-dev  # the inner loop: everything but whole runs, subprocesses and builds (under 2 minutes)
 	$(PYTHON) -m pytest -q -m "not slow"

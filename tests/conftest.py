@@ -3,6 +3,7 @@ is checked by the same tests, helpers and oracles as the CPU one."""
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
@@ -14,6 +15,16 @@ DEVICES = [
         "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
     ),
 ]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist (``make test`` runs a worker per core) each worker, and the processes its tests
+    start, take their share of the cores: torch's threads in every worker would contend for all of them."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers:
+        threads = max(1, len(os.sched_getaffinity(0)) // int(workers))
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
 
 
 @pytest.fixture(params=DEVICES)
