@@ -17,20 +17,22 @@
 
 namespace lfsgd {
 
-// The step row (_abi.STEP_ROW): (element type, name, shape) of each value, on the params' device or absent.
+// The step row (_abi.STEP_ROW): (element type, name, shape) of each value, on the params' device or absent. The
+// kernels read the const values and write the others (unscaled_grad_sq_sum, which sgd_step adds to).
 enum class RowShape { kOne, kGroups, kLarsSums };
-#define LFSGD_STEP_ROW(X)                       \
-  X(float, grad_scale, RowShape::kOne)          \
-  X(float, found_inf, RowShape::kOne)           \
-  X(double, grad_sq_sum, RowShape::kOne)        \
-  X(double, max_grad_norm, RowShape::kOne)      \
-  X(double, lars_sq_sums, RowShape::kLarsSums)  \
-  X(double, lrs, RowShape::kGroups)             \
-  X(double, ckp1, RowShape::kGroups)
+#define LFSGD_STEP_ROW(X)                            \
+  X(const float, grad_scale, RowShape::kOne)         \
+  X(const float, found_inf, RowShape::kOne)          \
+  X(const double, grad_sq_sum, RowShape::kOne)       \
+  X(const double, max_grad_norm, RowShape::kOne)     \
+  X(const double, lars_sq_sums, RowShape::kLarsSums) \
+  X(const double, lrs, RowShape::kGroups)            \
+  X(const double, ckp1, RowShape::kGroups)           \
+  X(double, unscaled_grad_sq_sum, RowShape::kOne)
 
-// The step row as the kernels read it: each value's device pointer, null where absent.
+// The step row as the kernels see it: each value's device pointer, null where absent.
 struct StepRow {
-#define LFSGD_ROW_FIELD(type, name, shape) const type* name = nullptr;
+#define LFSGD_ROW_FIELD(type, name, shape) type* name = nullptr;
   LFSGD_STEP_ROW(LFSGD_ROW_FIELD)
 #undef LFSGD_ROW_FIELD
 };
@@ -104,7 +106,7 @@ inline void check_grads(at::TensorList grads) {
 // A step row value, where present: checked against its declaration (element type T, shape) for n tensors of
 // `groups` groups.
 template <typename T>
-inline const T* row_value(const std::optional<at::Tensor>& value, const char* name, RowShape shape,
+inline T* row_value(const std::optional<at::Tensor>& value, const char* name, RowShape shape,
                           const at::Device& device, int64_t n, int64_t groups, const char* op) {
   if (!value.has_value()) return nullptr;
   const bool shaped = shape == RowShape::kOne      ? value->numel() == 1
@@ -112,11 +114,11 @@ inline const T* row_value(const std::optional<at::Tensor>& value, const char* na
                                                    : value->dim() == 2 && value->size(0) == n &&
                                                          value->size(1) == kNumLarsSums;
   const char* expected = shape == RowShape::kOne ? "one-element" : shape == RowShape::kGroups ? "[groups]" : "[params, LARS_SUMS]";
-  const auto dtype = c10::CppTypeToScalarType<T>::value;
+  const auto dtype = c10::CppTypeToScalarType<std::remove_const_t<T>>::value;
   TORCH_CHECK(value->device() == device && value->scalar_type() == dtype && shaped && value->is_contiguous(),
               "lightning_fusedsgd::", op, ": the step row's ", name, " must be a contiguous ", expected, " ", dtype,
               " tensor on ", device);
-  return value->data_ptr<T>();
+  return static_cast<T*>(value->data_ptr());
 }
 
 // The step row, each value checked against its declaration (LFSGD_STEP_ROW), for n tensors of `groups` groups.
@@ -132,6 +134,9 @@ inline StepRow read_row(const OptionalTensors& step, const at::Device& device, i
 #undef LFSGD_ROW_READ
   TORCH_CHECK((row.grad_sq_sum == nullptr) == (row.max_grad_norm == nullptr), "lightning_fusedsgd::", op,
               ": the step row's grad_sq_sum and max_grad_norm come together, or neither");
+  TORCH_CHECK(row.unscaled_grad_sq_sum == nullptr || row.lars_sq_sums == nullptr, "lightning_fusedsgd::", op,
+              ": the step row's unscaled_grad_sq_sum takes the sums of the kernel's own norm pass, which given "
+              "lars_sq_sums replace: a sharded step sums their grad_sq column instead");
   return row;
 }
 
