@@ -12,8 +12,8 @@ they accept.
   derive their state handling from these.
 * **The step row** (:class:`StepValue`, ``STEP_ROW``): the values that belong to a step rather than a group
   (GradScaler's scale and found-inf, the clip threshold and the gradients' sum of squares, the LARS sums
-  reduced across shards, the lrs on the device, schedule-free's average weights, and the one value the step
-  writes: the unscaled sum of squares its norm pass took), handed to the ops as one list (``LFSGD_STEP_ROW``).
+  reduced across shards, the lrs on the device, schedule-free's average weights), handed to the ops as one
+  list (``LFSGD_STEP_ROW``).
 
 The schedule op reads a schedule as a row (``SCHEDULE_HEADER``, the milestones and the decay's factors,
 decays numbered as ``DECAYS``); ``lars_sq_sums`` returns ``LARS_SUM_NAMES`` sums per tensor; a schedule-free
@@ -808,14 +808,6 @@ STEP_ROW: tuple[StepValue, ...] = (
         "groups",
         doc="Schedule-free groups' weight of z in this step's average of y, from schedule_free_scalars "
         "(as the lrs after warmup in lrs).",
-    ),
-    StepValue(
-        "unscaled_grad_sq_sum",
-        torch.float64,
-        doc="Written, not read: sgd_step adds the sum of squares of the bucket's gradients that its own norm "
-        "pass takes, unscaled (the grad_sq sums, LARS_SUM_NAMES), every tensor's (a LARS tensor's with its "
-        "norms, another's in the same pass); nothing where the step was skipped. Not with lars_sq_sums, "
-        "whose grad_sq column holds them.",
     ),
 )
 """The step row, in the kernels' order (``LFSGD_STEP_ROW``)."""

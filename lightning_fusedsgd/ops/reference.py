@@ -318,17 +318,16 @@ def sgd_step(
     group_hparams: Tensor,
     tensor_group: list[int],
     step: list[Tensor | None],
+    unscaled_grad_sq_sum: Tensor | None = None,
 ) -> None:
     """``torch.ops.lightning_fusedsgd.sgd_step`` (arguments documented with its schema): updates params and
-    their state in place, and adds the gradients' sums of squares to the row's ``unscaled_grad_sq_sum`` where
-    given."""
+    their state in place, and adds the gradients' sums of squares to ``unscaled_grad_sq_sum`` where given."""
     row = dict(zip(step_row_names(), step, strict=True))
-    reported = row["unscaled_grad_sq_sum"]
+    reported = unscaled_grad_sq_sum
     if reported is not None and row["lars_sq_sums"] is not None:
         raise RuntimeError(
-            "lightning_fusedsgd::sgd_step: the step row's unscaled_grad_sq_sum takes the sums of the kernel's"
-            " own norm pass, which given lars_sq_sums replace: a sharded step sums their grad_sq column"
-            " instead"
+            "lightning_fusedsgd::sgd_step: unscaled_grad_sq_sum takes the sums of the kernel's own norm pass,"
+            " which given lars_sq_sums replace: a sharded step sums their grad_sq column instead"
         )
     if not params or (row["found_inf"] is not None and bool(row["found_inf"].item())):
         return

@@ -11,7 +11,7 @@ device for capturable steps); :func:`run` is the same for all of them:
    total.
 
 Unsharded LARS needs no separate pass: ``sgd_step`` takes each tensor's norms itself, and a LARS step that
-does not clip by norm has it report the sum of squares of every gradient it took there (the step row's
+does not clip by norm has it report the sum of squares of every gradient it took there (its
 ``unscaled_grad_sq_sum``), its gradient norm at no extra read of a LARS tensor's gradient. Under sharding that
 sum comes from the reduced ``lars_sq_sums`` rows (their ``grad_sq``), and the other tensors' from a
 ``grad_sq_sum`` of theirs reduced in the same collective. :class:`Steps` chooses
@@ -50,7 +50,9 @@ class BucketStep(Protocol):
 
     def grad_sq_sum(self) -> Tensor: ...
 
-    def sgd_step(self, table: Tensor, step: list[Tensor | None]) -> None: ...
+    def sgd_step(
+        self, table: Tensor, step: list[Tensor | None], unscaled_grad_sq_sum: Tensor | None
+    ) -> None: ...
 
 
 @dataclass
@@ -70,9 +72,11 @@ class PlannedBucket:
         b = self.bucket
         return self.ops.lars_sq_sums(b.params, b.grads, b.state, b.state_slots, table, b.tensor_group, step)
 
-    def sgd_step(self, table: Tensor, step: list[Tensor | None]) -> None:
+    def sgd_step(self, table: Tensor, step: list[Tensor | None], unscaled_grad_sq_sum: Tensor | None) -> None:
         b = self.bucket
-        self.ops.sgd_step(b.params, b.grads, b.state, b.state_slots, table, b.tensor_group, step)
+        self.ops.sgd_step(
+            b.params, b.grads, b.state, b.state_slots, table, b.tensor_group, step, unscaled_grad_sq_sum
+        )
 
 
 def _sum_on(sums: Sequence[Tensor], device: torch.device) -> Tensor:
@@ -123,12 +127,8 @@ def run(
         device = bucket.key[0]
         if reports and not sharded and device not in reported:
             reported[device] = torch.zeros((), dtype=torch.float64, device=device)
-        row = inputs.row.with_values(
-            grad_sq_sum=norm.grad_sq_sum,
-            lars_sq_sums=lars_sums.get(bucket.key),
-            unscaled_grad_sq_sum=reported.get(device),
-        )
-        bucket.sgd_step(inputs.table, row.on(device))
+        row = inputs.row.with_values(grad_sq_sum=norm.grad_sq_sum, lars_sq_sums=lars_sums.get(bucket.key))
+        bucket.sgd_step(inputs.table, row.on(device), reported.get(device))
     if reported:
         norm.unscaled_grad_sq_sum = _sum_on(list(reported.values()), buckets[0].key[0])
     return norm

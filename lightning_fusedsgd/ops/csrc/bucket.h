@@ -17,24 +17,25 @@
 
 namespace lfsgd {
 
-// The step row (_abi.STEP_ROW): (element type, name, shape) of each value, on the params' device or absent. The
-// kernels read the const values and write the others (unscaled_grad_sq_sum, which sgd_step adds to).
+// The step row (_abi.STEP_ROW): (element type, name, shape) of each value, on the params' device or absent.
 enum class RowShape { kOne, kGroups, kLarsSums };
-#define LFSGD_STEP_ROW(X)                            \
-  X(const float, grad_scale, RowShape::kOne)         \
-  X(const float, found_inf, RowShape::kOne)          \
-  X(const double, grad_sq_sum, RowShape::kOne)       \
-  X(const double, max_grad_norm, RowShape::kOne)     \
-  X(const double, lars_sq_sums, RowShape::kLarsSums) \
-  X(const double, lrs, RowShape::kGroups)            \
-  X(const double, ckp1, RowShape::kGroups)           \
-  X(double, unscaled_grad_sq_sum, RowShape::kOne)
+#define LFSGD_STEP_ROW(X)                       \
+  X(float, grad_scale, RowShape::kOne)          \
+  X(float, found_inf, RowShape::kOne)           \
+  X(double, grad_sq_sum, RowShape::kOne)        \
+  X(double, max_grad_norm, RowShape::kOne)      \
+  X(double, lars_sq_sums, RowShape::kLarsSums)  \
+  X(double, lrs, RowShape::kGroups)             \
+  X(double, ckp1, RowShape::kGroups)
 
-// The step row as the kernels see it: each value's device pointer, null where absent.
+// The step row as the kernels read it: each value's device pointer, null where absent; and where sgd_step
+// reports its gradient norm, its one written value (sgd_step's unscaled_grad_sq_sum argument, not a value of the
+// row: torch.compile functionalizes a written Tensor?[] with absent values nowhere).
 struct StepRow {
-#define LFSGD_ROW_FIELD(type, name, shape) type* name = nullptr;
+#define LFSGD_ROW_FIELD(type, name, shape) const type* name = nullptr;
   LFSGD_STEP_ROW(LFSGD_ROW_FIELD)
 #undef LFSGD_ROW_FIELD
+  double* unscaled_grad_sq_sum = nullptr;
 };
 #define LFSGD_ROW_NAME(type, name, shape) #name,
 constexpr const char* kStepRowNames[] = {LFSGD_STEP_ROW(LFSGD_ROW_NAME)};
@@ -106,7 +107,7 @@ inline void check_grads(at::TensorList grads) {
 // A step row value, where present: checked against its declaration (element type T, shape) for n tensors of
 // `groups` groups.
 template <typename T>
-inline T* row_value(const std::optional<at::Tensor>& value, const char* name, RowShape shape,
+inline const T* row_value(const std::optional<at::Tensor>& value, const char* name, RowShape shape,
                           const at::Device& device, int64_t n, int64_t groups, const char* op) {
   if (!value.has_value()) return nullptr;
   const bool shaped = shape == RowShape::kOne      ? value->numel() == 1
@@ -114,11 +115,11 @@ inline T* row_value(const std::optional<at::Tensor>& value, const char* name, Ro
                                                    : value->dim() == 2 && value->size(0) == n &&
                                                          value->size(1) == kNumLarsSums;
   const char* expected = shape == RowShape::kOne ? "one-element" : shape == RowShape::kGroups ? "[groups]" : "[params, LARS_SUMS]";
-  const auto dtype = c10::CppTypeToScalarType<std::remove_const_t<T>>::value;
+  const auto dtype = c10::CppTypeToScalarType<T>::value;
   TORCH_CHECK(value->device() == device && value->scalar_type() == dtype && shaped && value->is_contiguous(),
               "lightning_fusedsgd::", op, ": the step row's ", name, " must be a contiguous ", expected, " ", dtype,
               " tensor on ", device);
-  return static_cast<T*>(value->data_ptr());
+  return value->data_ptr<T>();
 }
 
 // The step row, each value checked against its declaration (LFSGD_STEP_ROW), for n tensors of `groups` groups.
@@ -134,9 +135,6 @@ inline StepRow read_row(const OptionalTensors& step, const at::Device& device, i
 #undef LFSGD_ROW_READ
   TORCH_CHECK((row.grad_sq_sum == nullptr) == (row.max_grad_norm == nullptr), "lightning_fusedsgd::", op,
               ": the step row's grad_sq_sum and max_grad_norm come together, or neither");
-  TORCH_CHECK(row.unscaled_grad_sq_sum == nullptr || row.lars_sq_sums == nullptr, "lightning_fusedsgd::", op,
-              ": the step row's unscaled_grad_sq_sum takes the sums of the kernel's own norm pass, which given "
-              "lars_sq_sums replace: a sharded step sums their grad_sq column instead");
   return row;
 }
 
@@ -226,14 +224,27 @@ inline Bucket check_bucket(at::TensorList params, at::TensorList grads, at::Tens
 }
 
 // The sgd_step op of both kernels (the only place its C++ signature is written): checks the bucket, then runs a
-// device's kernel, `Run(checked bucket)`.
+// device's kernel, `Run(checked bucket)`. `unscaled_grad_sq_sum`: where given, the kernel adds the sum of squares
+// of the gradients its norm pass takes (kGradSq), which given lars_sq_sums replace.
 template <void (*Run)(const Bucket&)>
 void sgd_step_op(at::TensorList params, at::TensorList grads, at::TensorList state, at::IntArrayRef state_slots,
-                 const at::Tensor& group_hparams, at::IntArrayRef tensor_group, const OptionalTensors& step) {
-  const Bucket bucket = check_bucket(params, grads, state, state_slots, group_hparams, tensor_group, step, "sgd_step");
+                 const at::Tensor& group_hparams, at::IntArrayRef tensor_group, const OptionalTensors& step,
+                 const std::optional<at::Tensor>& unscaled_grad_sq_sum) {
+  Bucket bucket = check_bucket(params, grads, state, state_slots, group_hparams, tensor_group, step, "sgd_step");
   TORCH_CHECK(!bucket.schedule_free || (bucket.row.ckp1 != nullptr && bucket.row.lrs != nullptr),
               "lightning_fusedsgd::sgd_step: a schedule-free step takes the step row's ckp1 and lrs, which the "
               "schedule_free_scalars op gives (FusedSGDScheduleFree)");
+  if (unscaled_grad_sq_sum.has_value()) {
+    const at::Tensor& sum = *unscaled_grad_sq_sum;
+    TORCH_CHECK(sum.scalar_type() == at::kDouble && sum.numel() == 1 && sum.is_contiguous() &&
+                    (params.empty() || sum.device() == params[0].device()),
+                "lightning_fusedsgd::sgd_step: unscaled_grad_sq_sum must be a one-element float64 tensor on the "
+                "params' device");
+    TORCH_CHECK(bucket.row.lars_sq_sums == nullptr, "lightning_fusedsgd::sgd_step: unscaled_grad_sq_sum takes the "
+                "sums of the kernel's own norm pass, which given lars_sq_sums replace: a sharded step sums their "
+                "grad_sq column instead");
+    bucket.row.unscaled_grad_sq_sum = sum.data_ptr<double>();
+  }
   Run(bucket);
 }
 
