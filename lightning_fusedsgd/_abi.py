@@ -872,9 +872,10 @@ SCHEDULE_HEADER: tuple[str, ...] = (
 ``DECAYS``, ``milestone_count`` the number of milestones), in the order of ``LFSGD_SCHEDULE_HEADER`` in
 ops/csrc/schedule.h; the milestones and the decay's factors follow (``WarmupSchedule.as_row``)."""
 
-LARS_SUM_NAMES: tuple[str, ...] = ("w_sq", "term_sq", "w_term")
-"""A ``lars_sq_sums`` row, per tensor: the sums of w^2, of the LARS norm term squared and of w times it, in
-the order of ``kLarsSumNames`` in ops/csrc/sgd_math.h."""
+LARS_SUM_NAMES: tuple[str, ...] = ("w_sq", "term_sq", "w_term", "grad_sq")
+"""A ``lars_sq_sums`` row, per tensor: the sums of w^2, of the LARS norm term squared, of w times it and of
+the gradient squared (unscaled, sign-corrected, clipped by value, before the norm clip: the term itself for
+the default denominator), in the order of ``kLarsSumNames`` in ops/csrc/sgd_math.h."""
 
 LARS_SUMS = len(LARS_SUM_NAMES)
 

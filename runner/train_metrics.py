@@ -17,8 +17,9 @@ class TrainMetrics(pl.Callback):
     ``model/params_trainable``.
 
     - ``train/grad_norm``, each optimizer step: the L2 norm of every unscaled gradient the step took. Where
-      the step clips by norm (``trainer.gradient_clip_val``, or the optimizer's own ``max_grad_norm``), it is
-      the norm the step computed itself (FusedSGD's ``last_grad_norm``, on the device), at no cost. Elsewhere
+      the step clips by norm (``trainer.gradient_clip_val``, or the optimizer's own ``max_grad_norm``) or uses
+      LARS (whose norm pass takes it), it is the norm the step computed itself (FusedSGD's ``last_grad_norm``,
+      on the device), at no cost. Elsewhere
       only with ``log_grad_norm``: an extra pass over the gradients before the step (``get_total_norm``, on
       the device: no host sync), which reads each gradient once more, 4 bytes a parameter for fp32 gradients
       where SGD with momentum moves about 20.

@@ -200,7 +200,12 @@ MUTANTS = [
         "  if (skipped(found_inf)) return;\n  for (int64_t t",
         "  for (int64_t t",
     ),
-    Mutant("lars-sums-of-every-tensor", "  if (!t.lars) return;\n", ""),
+    Mutant("lars-sums-of-every-tensor", "  if (!t.lars && !grads_too) return;\n", ""),
+    Mutant(
+        "grad-sq-total-on-a-skipped-step",
+        "if (threadIdx.x == 0 && !skipped(found_inf)) *total += sum;",
+        "if (threadIdx.x == 0) *total += sum;",
+    ),
     Mutant(
         "lars-partials-left-unwritten",
         "at::Tensor partials = at::zeros({num_chunks, kNumLarsSums}, options);",

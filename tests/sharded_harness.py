@@ -50,6 +50,8 @@ SCENARIOS: dict[str, tuple[torch.dtype, dict[str, Any]]] = {
     ),
     # Biases in a group without LARS and decay: the all-reduced vector holds only the weights' rows.
     "lars_weights_only_max_grad_norm": (torch.float32, {**_LARS, "max_grad_norm": 0.05, "split_bias": True}),
+    # The biases' gradient norm reported beside the LARS rows' (no clip), in the same all-reduce.
+    "lars_weights_only": (torch.float32, {**_LARS, "split_bias": True}),
     # lightly's grouping (biases: weight decay 0, lars not said) with its rules: only always_adapt=False
     # keeps LARS off the biases, whose rows still travel (zeros) in the all-reduce.
     "lars_lightly_rules_max_grad_norm": (
@@ -136,12 +138,13 @@ def snapshot(model: nn.Module, optimizer: Any) -> dict[str, dict[str, torch.Tens
     return out
 
 
-def one_process(name: str) -> dict[str, dict[str, torch.Tensor]]:
+def one_process(name: str) -> dict[str, Any]:
+    """The snapshot of a one-process run, and its last step's ``last_grad_norm``."""
     dtype, kwargs = SCENARIOS[name]
     model = make_model(dtype)
     optimizer = make_optimizer(model, kwargs)
     train(model, optimizer, batches(dtype))
-    return snapshot(model, optimizer)
+    return {**snapshot(model, optimizer), "grad_norm": optimizer.last_grad_norm}
 
 
 def _shard(model: nn.Module) -> nn.Module:
@@ -186,6 +189,7 @@ def _sharded_runs(out: dict[str, Any], checkpoint_dir: Path) -> None:
             train(model, optimizer, batches(dtype), counts)
         out[name] = {
             **snapshot(model, optimizer),
+            "grad_norm": optimizer.last_grad_norm,
             "all_reduces": counts,
             "planned": planned[0],
             "placed": _state_placed_like_params(optimizer),

@@ -317,7 +317,7 @@ def _lars_sq_sums(op_library, a: dict[str, Any]) -> torch.Tensor:
     )
 
 
-def _step(op_library, a, grad_sq_sum=None, max_grad_norm=None, lars_sq_sums=None):
+def _step(op_library, a, grad_sq_sum=None, max_grad_norm=None, lars_sq_sums=None, reported=None):
     clip = dict(grad_sq_sum=grad_sq_sum, max_grad_norm=max_grad_norm) if max_grad_norm else {}
     op_library.sgd_step(
         a["params"],
@@ -326,6 +326,7 @@ def _step(op_library, a, grad_sq_sum=None, max_grad_norm=None, lars_sq_sums=None
         a["group_hparams"],
         a["tensor_group"],
         _row(a, lars_sq_sums=lars_sq_sums, **clip),
+        reported,
     )
 
 
@@ -388,11 +389,34 @@ def test_lars_norms_of_the_cuda_kernels(case, seed, capturing, emulated, cpu):
 
 @pytest.mark.parametrize(
     "case",
+    [case for case in CASES if case.lars or case.id in ("clip-value", "grad-scaler-found-inf")],
+    ids=lambda case: case.id,
+)
+def test_a_step_reports_its_gradients_float64_norm_and_steps_the_same_bits(case, seed, emulated):
+    """The sum sgd_step adds to its unscaled_grad_sq_sum: every gradient's (LARS tensors' and not), unscaled
+    and clipped by value, summed in float64 (rows, then one block over them); nothing where the step is
+    skipped. A step that reports it writes the bits of one that does not."""
+    reporting, silent = bucket(case), bucket(case)
+    reported = torch.full((), 0.25, dtype=torch.float64)  # added to
+    _step(emulated, reporting, reported=reported)
+    _step(emulated, silent)
+    _assert_same_bits(_written(reporting), _written(silent))
+    inverse = float(torch.tensor(1.0 / (case.scale or 1.0), dtype=torch.float32))
+    expected = 0.25
+    for i, grad in enumerate(reporting["grads"]):
+        bound = case.groups[reporting["tensor_group"][i]].get("max_grad_value", math.inf)
+        expected += float(((grad.double() * inverse).clamp(-bound, bound) ** 2).sum())
+    assert reported.item() == (0.25 if case.found_inf else pytest.approx(expected, rel=1e-6))
+
+
+@pytest.mark.parametrize(
+    "case",
     [case for case in CASES if case.lars or "masters" in case.id or "kahan" in case.id],
     ids=lambda case: case.id,
 )
 def test_lars_sq_sums_within_the_float64_oracles_bound(case, seed, capturing, emulated):
-    """Each row is the float64 sum of w^2, t^2 and w t (t the LARS norm term, before the clip), within the
+    """Each row is the float64 sum of w^2, t^2, w t and g^2 (t the LARS norm term, g the unscaled gradient,
+    before the clip), within the
     rounding of a double sum (n eps relative to the sum of magnitudes); zeros for tensors without LARS."""
     a = bucket(case)
     rows = _lars_sq_sums(emulated, a)
@@ -403,7 +427,7 @@ def test_lars_sq_sums_within_the_float64_oracles_bound(case, seed, capturing, em
             hparams.get("always_adapt", 1.0) or hparams.get("weight_decay", 0.0)
         )
         if not adapts:
-            assert torch.equal(rows[i], torch.zeros(3, dtype=torch.float64))
+            assert torch.equal(rows[i], torch.zeros(4, dtype=torch.float64))
             continue
         w = param.double()
         if case.masters == "fp32":
@@ -414,8 +438,9 @@ def test_lars_sq_sums_within_the_float64_oracles_bound(case, seed, capturing, em
         g = -g if hparams.get("maximize") else g
         decay = hparams.get("weight_decay", 0.0)
         t = g + decay * w if hparams.get("lars_denominator") == "decayed_grad" else g
-        expected = torch.stack([(w * w).sum(), (t * t).sum(), (w * t).sum()])
-        bound = torch.stack([(w * w).sum(), (t * t).sum(), (w * t).abs().sum()]) * (w.numel() + 1) * 2**-23
+        expected = torch.stack([(w * w).sum(), (t * t).sum(), (w * t).sum(), (g * g).sum()])
+        bound = torch.stack([(w * w).sum(), (t * t).sum(), (w * t).abs().sum(), (g * g).sum()])
+        bound = bound * (w.numel() + 1) * 2**-23
         assert ((rows[i] - expected).abs() <= bound + 1e-300).all(), (i, rows[i], expected)
 
 
@@ -449,7 +474,7 @@ def test_lars_sq_sums_of_exact_terms_are_their_float64_sums(dtype, seed, emulate
     for i, (param, grad) in enumerate(zip(params, grads)):
         w, g = param.double(), grad.double() / scale
         t = g + 0.5 * w if tensor_group[i] == 0 else -g
-        expected = torch.stack([(w * w).sum(), (t * t).sum(), (w * t).sum()])
+        expected = torch.stack([(w * w).sum(), (t * t).sum(), (w * t).sum(), (g * g).sum()])
         assert torch.equal(rows[i], expected), (i, rows[i] - expected)
 
 

@@ -1,6 +1,6 @@
 """``FusedSGD.last_grad_norm``: the gradient norm a step clipping by norm took, against the norm
-``torch.nn.utils.clip_grad_norm_`` returns for the same gradients, with and without a GradScaler; None where
-the step took none."""
+``torch.nn.utils.clip_grad_norm_`` returns for the same gradients, with and without a GradScaler; the one a
+LARS step's norm pass took, against the float64 norm of every gradient; None where the step took none."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from helpers import clone_params, make_params, two_groups
 from torch import nn
 
-from lightning_fusedsgd import FusedSGD
+from lightning_fusedsgd import FusedLARS, FusedSGD
 
 SHAPES = [(300, 70), (70_000,), (17, 3, 3, 3), (50,)]
 
@@ -78,6 +78,50 @@ def test_under_a_grad_scaler_the_norm_is_of_the_unscaled_gradients_and_a_skip_le
                 q.copy_(p)
 
 
+# LARS steps that clip by no norm: (optimizer, param dtype, options, GradScaler's scale).
+LARS_STEPS = {
+    "fp32": (FusedSGD, torch.float32, {"lars": True}, None),
+    "fused-lars-grad-scaler": (FusedLARS, torch.float32, {}, 1024.0),
+    "bf16-masters-grad-scaler": (FusedLARS, torch.bfloat16, {"master_weights": True}, 512.0),
+    "decayed-grad-clip-value": (
+        FusedLARS,
+        torch.float32,
+        {"lars_denominator": "decayed_grad", "max_grad_value": 0.015},
+        None,
+    ),
+}
+
+
+@pytest.mark.parametrize("backend", ["compiled", "reference"])
+@pytest.mark.parametrize("case", LARS_STEPS.values(), ids=LARS_STEPS)
+def test_a_lars_step_keeps_the_norm_of_every_gradient_its_norm_pass_took(backend, case, device):
+    """The LARS tensors' gradients and the others' (a group LARS leaves out, as biases and normalization
+    params): the float64 norm of them all, unscaled and clipped by value as the step took them. Steps 3 and 4
+    run the plan kept at step 2 (in C++ for the compiled kernel)."""
+    optimizer_class, dtype, options, scale = case
+    params = make_params(SHAPES, dtype=dtype, device=device, channels_last=False)
+    groups = [{"params": params[:3]}, {"params": params[3:], "lars": False, "weight_decay": 0.0}]
+    optimizer = optimizer_class(groups, lr=0.1, momentum=0.9, weight_decay=1e-4, backend=backend, **options)
+    generator = torch.Generator().manual_seed(3)
+    inverse = float(torch.tensor(1 / (scale or 1.0), dtype=torch.float32))  # as the kernel unscales
+    bound = options.get("max_grad_value", float("inf"))
+    for step in range(4):
+        for p in params:
+            p.grad = (torch.randn(p.shape, generator=generator) * 0.01 * (scale or 1.0)).to(device, dtype)
+        if scale is not None:
+            optimizer.grad_scale = torch.tensor([scale], device=device)
+            optimizer.found_inf = torch.zeros(1, device=device)
+        expected = torch.linalg.vector_norm(
+            torch.cat([(p.grad.double() * inverse).clamp(-bound, bound).flatten() for p in params])
+        )
+        optimizer.step()
+        if backend == "compiled" and step >= 2:
+            assert all(name.endswith("(kept plan)") for name in optimizer.last_backends.values())
+        norm = optimizer.last_grad_norm
+        assert norm.dtype == torch.float64 and norm.shape == () and norm.device == params[0].device
+        torch.testing.assert_close(norm, expected, rtol=1e-6, atol=0)
+
+
 @pytest.mark.parametrize("clipping", [{}, {"max_grad_value": 0.01}], ids=["none", "by-value"])
 def test_a_step_that_takes_no_norm_keeps_none(clipping):
     params = make_params(SHAPES)
@@ -89,9 +133,10 @@ def test_a_step_that_takes_no_norm_keeps_none(clipping):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_reading_the_norm_on_cuda_makes_no_host_sync():
+@pytest.mark.parametrize("options", [{"max_grad_norm": 0.5}, {"lars": True}], ids=["clip-norm", "lars"])
+def test_reading_the_norm_on_cuda_makes_no_host_sync(options):
     params = make_params(SHAPES, device="cuda")
-    optimizer = FusedSGD(params, lr=0.1, momentum=0.9, max_grad_norm=0.5, backend="compiled")
+    optimizer = FusedSGD(params, lr=0.1, momentum=0.9, backend="compiled", **options)
     scale = torch.tensor(1024.0, device="cuda")
     expected = []
     for step in range(3):

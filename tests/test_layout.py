@@ -55,8 +55,13 @@ def test_the_op_contract_is_written_once_per_language(op):
         "step row": len(re.findall(r"#define LFSGD_STEP_ROW\(", text)),
     }
     assert written == dict.fromkeys(written, 1), written
-    # A bucket's step takes the table and the step row as one list, in the protocol and both kinds of bucket.
-    assert len(re.findall(r"def sgd_step\(self, table: Tensor, step: list\[Tensor \| None\]\)", text)) == 3
+    # A bucket's step takes the table and the step row as one list (and the sum a reported norm is added to),
+    # in the protocol and both kinds of bucket.
+    signature = (
+        r"def sgd_step\(\s*self, table: Tensor, step: list\[Tensor \| None\], "
+        r"unscaled_grad_sq_sum: Tensor \| None\s*\)"
+    )
+    assert len(re.findall(signature, text)) == 3
 
 
 @pytest.mark.parametrize(

@@ -62,36 +62,39 @@ def state_of(buffers, companions=(), master=False, steps=(), first_step=(False, 
     return op_state(3, first_step, momentum_buffer=buffers, rounding_step=steps, **{kind: companions})
 
 
-@pytest.mark.parametrize(
-    "case",
-    [
-        dict(hparams=dict(momentum=0.9, nesterov=1.0, weight_decay=1e-4)),
-        dict(hparams=dict(), momentum=False),
-        dict(hparams=dict(momentum=0.9, lars=1.0, weight_decay=1e-4)),
-        dict(hparams=dict(momentum=0.9), dtype=torch.bfloat16, master=True),
-        dict(
-            hparams=dict(momentum=0.9, lars=1.0, update_rounding="kahan"),
-            dtype=torch.bfloat16,
-            master="kahan",
-        ),
-        dict(hparams=dict(momentum=0.9, update_rounding="stochastic"), dtype=torch.bfloat16, steps=True),
-        dict(hparams=dict(momentum=0.9), scaler=True),
-        dict(hparams=dict(momentum=0.9, lars=1.0), scaler=True, clip=0.5),
-        dict(hparams=dict(momentum=0.9, max_grad_value=0.1)),
-    ],
-    ids=[
-        "nesterov",
-        "no-momentum",
-        "lars",
-        "bf16-master",
-        "bf16-kahan-lars",
-        "bf16-stochastic",
-        "grad-scaler",
-        "clip-norm",
-        "clip-value",
-    ],
-)
-def test_sgd_step_passes_opcheck(case):
+# sgd_step's cases; "reports": the step adds its gradients' sum of squares to an unscaled_grad_sq_sum.
+SGD_STEP_CASES = {
+    "nesterov": dict(hparams=dict(momentum=0.9, nesterov=1.0, weight_decay=1e-4)),
+    "no-momentum": dict(hparams=dict(), momentum=False),
+    "lars": dict(hparams=dict(momentum=0.9, lars=1.0, weight_decay=1e-4), reports=True),
+    "lars-decayed-grad": dict(
+        hparams=dict(momentum=0.9, lars=1.0, weight_decay=0.05, lars_denominator="decayed_grad"), reports=True
+    ),
+    "bf16-master": dict(hparams=dict(momentum=0.9), dtype=torch.bfloat16, master=True),
+    "bf16-master-lars-grad-scaler": dict(
+        hparams=dict(momentum=0.9, lars=1.0, weight_decay=1e-4),
+        dtype=torch.bfloat16,
+        master=True,
+        scaler=True,
+        reports=True,
+    ),
+    "bf16-kahan-lars": dict(
+        hparams=dict(momentum=0.9, lars=1.0, update_rounding="kahan"),
+        dtype=torch.bfloat16,
+        master="kahan",
+        reports=True,
+    ),
+    "bf16-stochastic": dict(
+        hparams=dict(momentum=0.9, update_rounding="stochastic"), dtype=torch.bfloat16, steps=True
+    ),
+    "grad-scaler": dict(hparams=dict(momentum=0.9), scaler=True),
+    "clip-norm": dict(hparams=dict(momentum=0.9, lars=1.0), scaler=True, clip=0.5, reports=True),
+    "clip-value": dict(hparams=dict(momentum=0.9, max_grad_value=0.1), reports=True),
+}
+
+
+def sgd_step_args(case, reported=None):
+    """The op's arguments for a case (fresh tensors), ``reported`` its unscaled_grad_sq_sum."""
     master = case.get("master", False)
     params, grads, buffers, companions = bucket(
         case.get("dtype", torch.float32), master, case.get("momentum", True)
@@ -101,15 +104,44 @@ def test_sgd_step_passes_opcheck(case):
     )
     clip = dict(grad_sq_sum=OPS.grad_sq_sum(grads), max_grad_norm=case["clip"]) if case.get("clip") else {}
     steps = [torch.tensor(7) for _ in params] if case.get("steps") else ()
-    args = (
+    return (
         params,
         grads,
         *state_of(buffers, companions, master, steps),
         table(**case["hparams"]),
         [0, 0, 0],
         op_row(**scaler, **clip),
+        reported,
     )
-    torch.library.opcheck(OPS.sgd_step.default, args)
+
+
+@pytest.mark.parametrize("case", SGD_STEP_CASES.values(), ids=SGD_STEP_CASES)
+def test_sgd_step_passes_opcheck(case):
+    reported = torch.zeros((), dtype=torch.float64) if case.get("reports") else None
+    torch.library.opcheck(OPS.sgd_step.default, sgd_step_args(case, reported))
+
+
+@pytest.mark.parametrize("ops", [OPS, reference], ids=["compiled", "reference"])
+@pytest.mark.parametrize(
+    "case", [c for c in SGD_STEP_CASES.values() if c.get("reports")], ids=lambda c: str(c["hparams"])
+)
+def test_sgd_step_reports_its_gradients_norm_and_steps_the_same_bits(ops, case):
+    """The sum added to unscaled_grad_sq_sum is the float64 sum of squares of every gradient (LARS tensors'
+    and not), unscaled and clipped by value as the step takes them, before the norm clip; reporting it changes
+    no bit of the step."""
+    reported = torch.full((), 0.25, dtype=torch.float64)  # added to
+    args, silent = sgd_step_args(case, reported), sgd_step_args(case)
+    ops.sgd_step(*args)
+    ops.sgd_step(*silent)
+    for written, same in zip([*args[0], *args[2]], [*silent[0], *silent[2]], strict=True):
+        assert torch.equal(written.view(torch.uint8), same.view(torch.uint8))
+    inverse = float(torch.tensor(1 / 1024.0 if case.get("scaler") else 1.0, dtype=torch.float32))
+    bound = case["hparams"].get("max_grad_value", math.inf)
+    grads = [(g.double() * inverse).clamp(-bound, bound) for g in args[1]]
+    expected = 0.25 + sum((g * g).sum() for g in grads)
+    # The CPU kernel sums a chunk in fp32 (as its LARS norm pass does, cpu_sums.h): clamped gradients, each
+    # square the same, round all one way.
+    assert reported.item() == pytest.approx(expected.item(), rel=1e-6 if ops is reference else 1e-4)
 
 
 @pytest.mark.parametrize(
@@ -197,7 +229,7 @@ def test_lars_sq_sums_passes_opcheck(dtype, master, device):
     args = (params, grads, *state, hparams, [0, 0, 0], op_row(device, grad_scale=torch.tensor([4.0])))
     torch.library.opcheck(OPS.lars_sq_sums.default, args)
     # A float64 oracle: the weight is the param, the master, or param + compensation; the decayed_grad term is
-    # g / grad_scale + wd w.
+    # g / grad_scale + wd w, the gradient's sum of squares that of g / grad_scale.
     weights = {
         False: params,
         True: companions,
@@ -205,8 +237,11 @@ def test_lars_sq_sums_passes_opcheck(dtype, master, device):
     }[master]
     expected = []
     for w, g in zip(weights, grads):
-        w, term = w.double(), g.double() / 4.0 + 1e-4 * w.double()
-        expected.append(torch.stack([(w * w).sum(), (term * term).sum(), (w * term).sum()]))
+        w, unscaled = w.double(), g.double() / 4.0
+        term = unscaled + 1e-4 * w
+        expected.append(
+            torch.stack([(w * w).sum(), (term * term).sum(), (w * term).sum(), (unscaled * unscaled).sum()])
+        )
     for ops in (OPS, reference):
         assert_close_rel([ops.lars_sq_sums(*args).cpu()], [torch.stack(expected).cpu()], 1e-5)
 
@@ -316,7 +351,7 @@ def test_sgd_step_schema_declares_what_it_writes():
     written = [
         argument.name for argument in schema.arguments if argument.alias_info and argument.alias_info.is_write
     ]
-    assert written == ["params", "state"]
+    assert written == ["params", "state", "unscaled_grad_sq_sum"]
 
 
 def compiled_and_eager_runs(make_optimizer, dtype=torch.float32, scaler=False, steps=4):

@@ -51,8 +51,16 @@ def _assert_same(actual, expected, rel_param=REL_FP32, rel_fp32=REL_FP32):
 def test_fsdp2_equals_one_process(runs, name):
     results, _ = runs
     dtype = h.SCENARIOS[name][0]
-    _assert_same(results[name], h.one_process(name), REL_BF16 if dtype == torch.bfloat16 else REL_FP32)
+    expected = h.one_process(name)
+    _assert_same(results[name], expected, REL_BF16 if dtype == torch.bfloat16 else REL_FP32)
     assert results[name]["placed"], "optimizer state must be DTensors placed like their params"
+    # The global gradient norm of the last step, which every step clipping by norm or using LARS takes.
+    options = h.SCENARIOS[name][1]
+    if options.get("lars") or options.get("max_grad_norm"):
+        assert isinstance(expected["grad_norm"], torch.Tensor)
+        torch.testing.assert_close(results[name]["grad_norm"], expected["grad_norm"], rtol=1e-5, atol=0)
+    else:
+        assert results[name]["grad_norm"] is None and expected["grad_norm"] is None
 
 
 @pytest.mark.parametrize("name", ["plain", "nesterov"])
@@ -73,6 +81,7 @@ def test_fsdp2_equals_torch_sgd(runs, name):
         ("max_grad_norm", 1),
         ("lars_decayed_grad_max_grad_norm", 1),
         ("lars_weights_only_max_grad_norm", 1),
+        ("lars_weights_only", 1),
         ("reference_backend_lars_decayed_grad_max_grad_norm", 1),
     ],
 )

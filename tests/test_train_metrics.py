@@ -1,10 +1,12 @@
 """``runner.train_metrics.TrainMetrics`` on a user's small module: the gradient norm where the step takes none
-(``log_grad_norm``, off by default), under a GradScaler too, and the parameter counts of a partly frozen
-model. The run with every logger (tests/test_loggers.py) covers the norm a clipping step takes."""
+(``log_grad_norm``, off by default), under a GradScaler too, the norm a LARS step takes itself, and the
+parameter counts of a partly frozen model. The run with every logger (tests/test_loggers.py) covers the norm a
+clipping step takes."""
 
 from __future__ import annotations
 
 import csv
+from types import SimpleNamespace
 
 import lightning.pytorch as pl
 import pytest
@@ -13,7 +15,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins import MixedPrecision
 from lightning_helpers import TinyClassifier, UserModule, cpu_trainer
 
-from lightning_fusedsgd import FusedSGD
+from lightning_fusedsgd import FusedLARS, FusedSGD, param_groups
 from runner.train_metrics import TrainMetrics
 
 
@@ -83,3 +85,30 @@ def test_under_a_grad_scaler_log_grad_norm_unscales_the_gradients_an_optimizer_u
         logged[optimizer] = _logged(rows, "train/grad_norm")
     assert len(logged[FusedSGD]) == 3
     assert logged[FusedSGD] == pytest.approx(logged[torch.optim.SGD], rel=1e-5)
+
+
+class _Logged:
+    """A LightningModule's ``log`` as the callback calls it: each metric by name."""
+
+    def __init__(self) -> None:
+        self.metrics: dict[str, torch.Tensor] = {}
+
+    def log(self, name: str, value: torch.Tensor, **options) -> None:
+        self.metrics[name] = value
+
+
+def test_a_lars_step_logs_the_norm_its_norm_pass_took_without_log_grad_norm():
+    """Called directly after a FusedLARS step (no training run): the logged norm is the float64 norm of every
+    gradient, biases' included, taken by the step, not by an extra pass."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(20, 32), torch.nn.ReLU(), torch.nn.Linear(32, 5))
+    optimizer = FusedLARS(param_groups(model, weight_decay=1e-4), lr=0.1, momentum=0.9)
+    torch.nn.functional.cross_entropy(model(torch.randn(8, 20)), torch.randint(0, 5, (8,))).backward()
+    expected = torch.nn.utils.get_total_norm([p.grad.double() for p in model.parameters()])
+    callback, module = TrainMetrics(), _Logged()
+    trainer = SimpleNamespace(global_step=0, optimizers=[optimizer])
+    callback.on_before_optimizer_step(trainer, module, optimizer)
+    optimizer.step()
+    trainer.global_step = 1
+    callback.on_train_batch_end(trainer, module, None, None, 0)
+    torch.testing.assert_close(module.metrics["train/grad_norm"], expected.float(), rtol=1e-6, atol=0)

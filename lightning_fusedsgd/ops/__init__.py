@@ -40,7 +40,7 @@ SCHEMAS: dict[str, str] = {}
 
 SCHEMAS["sgd_step"] = (
     "sgd_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] state, int[] state_slots, "
-    "Tensor group_hparams, int[] tensor_group, Tensor?[] step) -> ()"
+    "Tensor group_hparams, int[] tensor_group, Tensor?[] step, Tensor(c!)? unscaled_grad_sq_sum=None) -> ()"
 )
 """One SGD/LARS step of one bucket (one device, one param dtype, one kind of weight), in place.
 
@@ -62,6 +62,12 @@ Arguments:
     step: [len(_abi.STEP_ROW)] the step row, in ``_abi.STEP_ROW``'s order, each on the params' device or None:
         each value of the dtype and shape its ``StepValue`` declares, read as its ``doc`` says (a value
         ``paired_with`` another comes with it, or neither).
+    unscaled_grad_sq_sum: a one-element float64 tensor on the params' device, or None. Where given, the step
+        adds to it the sum of squares of every gradient of the bucket as its norm pass takes it (its LARS
+        tensors' ``grad_sq`` sums, ``_abi.LARS_SUM_NAMES``, and every other tensor's in the same pass):
+        unscaled, sign-corrected, clipped by value, before the norm clip; nothing where the step is skipped
+        (``found_inf``). Not with the step row's ``lars_sq_sums``, which replace that pass (their ``grad_sq``
+        column holds the sums).
 
 A schedule-free bucket (every group ``schedule_free``: ``FusedSGDScheduleFree``) holds each param's y, and its
 ``z`` slot where SGD's momentum buffer is; its step is schedulefree.SGDScheduleFree's
@@ -76,7 +82,8 @@ SCHEMAS["lars_sq_sums"] = (
     "lars_sq_sums(Tensor[] params, Tensor[] grads, Tensor[] state, int[] state_slots, Tensor group_hparams, "
     "int[] tensor_group, Tensor?[] step) -> Tensor"
 )
-"""Each LARS tensor's sums of w^2, of its norm term squared and of w times that term, before norm clipping
+"""Each LARS tensor's sums of w^2, of its norm term squared, of w times that term and of its gradient squared
+(``_abi.LARS_SUM_NAMES``), before norm clipping
 (which needs the global norm: ``sgd_step`` applies it to the reduced sums), as a float64 [n, LARS_SUMS] tensor
 on the params' device (zeros for tensors without LARS); arguments as ``sgd_step``'s (of the step row, only
 ``grad_scale`` is read). A sharded step all-reduces them and hands them to ``sgd_step``."""

@@ -263,12 +263,22 @@ def apply_lars(c: Coeffs, sum_w: Tensor, sum_g: Tensor, h: dict[str, float], opm
 
 
 def lars_row(w: Tensor, g: Tensor, h: dict[str, float], inv_scale: float | Tensor) -> Tensor:
-    """A LARS tensor's float64 sums of w^2, of its norm term squared and of w times it, the term taken before
-    the norm clip (a row of ``lars_sq_sums``; the kernels' norm pass)."""
+    """A LARS tensor's float64 sums of w^2, of its norm term squared, of w times it and of its gradient
+    (``clipped_grad``) squared, the term and the gradient taken before the norm clip (a row of
+    ``lars_sq_sums``; the kernels' norm pass)."""
     coeffs = make_coeffs(h, inv_scale, 1.0, False)
     term = lars_norm_term(w, g.to(w.dtype), coeffs, h["weight_decay"], decayed_grad(h))
     w, term = w.double(), term.double()
-    return torch.stack([(w * w).sum(), (term * term).sum(), (w * term).sum()])
+    return torch.stack(
+        [(w * w).sum(), (term * term).sum(), (w * term).sum(), grad_sq(g.to(w.dtype), h, inv_scale)]
+    )
+
+
+def grad_sq(g: Tensor, h: dict[str, float], inv_scale: float | Tensor) -> Tensor:
+    """The float64 sum of squares of the gradient as ``clipped_grad`` leaves it before the norm clip (in the
+    opmath type ``g`` is in): a row's ``grad_sq``, and what a step reporting its gradient norm sums."""
+    raw = clipped_grad(g, make_coeffs(h, inv_scale, 1.0, False)).double()
+    return (raw * raw).sum()
 
 
 def clipped_term_sq_sum(sum_w: Tensor, sum_t: Tensor, sum_wt: Tensor, c: float | Tensor, h: dict) -> Tensor:
@@ -308,10 +318,17 @@ def sgd_step(
     group_hparams: Tensor,
     tensor_group: list[int],
     step: list[Tensor | None],
+    unscaled_grad_sq_sum: Tensor | None = None,
 ) -> None:
     """``torch.ops.lightning_fusedsgd.sgd_step`` (arguments documented with its schema): updates params and
-    their state in place."""
+    their state in place, and adds the gradients' sums of squares to ``unscaled_grad_sq_sum`` where given."""
     row = dict(zip(step_row_names(), step, strict=True))
+    reported = unscaled_grad_sq_sum
+    if reported is not None and row["lars_sq_sums"] is not None:
+        raise RuntimeError(
+            "lightning_fusedsgd::sgd_step: unscaled_grad_sq_sum takes the sums of the kernel's own norm pass,"
+            " which given lars_sq_sums replace: a sharded step sums their grad_sq column instead"
+        )
     if not params or (row["found_inf"] is not None and bool(row["found_inf"].item())):
         return
     hparams = group_hparams.tolist()
@@ -331,6 +348,7 @@ def sgd_step(
     clip = 1.0 if max_norm is None else clip_coef(row["grad_sq_sum"], float(max_norm), inv_scale)
     counts = []
     names = hparam_names()
+    grad_sqs = []
     for i, (param, slots) in enumerate(zip(params, _slots(state, state_slots), strict=True)):
         h = dict(zip(names, hparams[tensor_group[i]]))
         opmath = _opmath(param.dtype)
@@ -343,8 +361,11 @@ def sgd_step(
         if lars_adapts(h):
             # Sums reduced across shards replace the norm pass; either is taken before the norm clip.
             sums = row["lars_sq_sums"]
-            sum_w, sum_t, sum_wt = sums[i] if sums is not None else lars_row(w, g, h, inv_scale)
+            sum_w, sum_t, sum_wt, sum_g = sums[i] if sums is not None else lars_row(w, g, h, inv_scale)
             apply_lars(coeffs, sum_w, clipped_term_sq_sum(sum_w, sum_t, sum_wt, clip, h), h, opmath)
+            grad_sqs.append(sum_g)
+        elif reported is not None:
+            grad_sqs.append(grad_sq(g, h, inv_scale))
         if h["schedule_free"]:
             apply_schedule_free(coeffs, h, ckp1s[tensor_group[i]])
             w_new, aux_new = schedule_free_element(w, g, aux_stream.to(opmath), coeffs)
@@ -370,6 +391,8 @@ def sgd_step(
             aux_stream.copy_(aux_new)
     for count in counts:  # after every tensor read its count
         count += 1
+    if reported is not None and grad_sqs:
+        reported += torch.stack(grad_sqs).sum().to(reported.device)
 
 
 _MASK32 = 0xFFFFFFFF

@@ -93,8 +93,8 @@ class KeptBucket:
     def grad_sq_sum(self) -> Tensor:
         return self.arguments.grad_sq_sum(self.index)
 
-    def sgd_step(self, table: Tensor, step: list[Tensor | None]) -> None:
-        self.arguments.sgd_step(self.index, table, step)
+    def sgd_step(self, table: Tensor, step: list[Tensor | None], unscaled_grad_sq_sum: Tensor | None) -> None:
+        self.arguments.sgd_step(self.index, table, step, unscaled_grad_sq_sum)
 
 
 def _plan_arguments(record: _Record, plan: Plan, namespace: str, local: bool) -> Any:

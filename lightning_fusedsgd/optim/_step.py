@@ -10,7 +10,11 @@ device for capturable steps); :func:`run` is the same for all of them:
    ``all_reduce`` per process group of every sum taken over it; 3. update: each bucket's ``sgd_step`` with the
    total.
 
-Unsharded LARS needs no separate pass: ``sgd_step`` takes each tensor's norms itself. :class:`Steps` chooses
+Unsharded LARS needs no separate pass: ``sgd_step`` takes each tensor's norms itself, and a LARS step that
+does not clip by norm has it report the sum of squares of every gradient it took there (its
+``unscaled_grad_sq_sum``), its gradient norm at no extra read of a LARS tensor's gradient. Under sharding that
+sum comes from the reduced ``lars_sq_sums`` rows (their ``grad_sq``), and the other tensors' from a
+``grad_sq_sum`` of theirs reduced in the same collective. :class:`Steps` chooses
 the buckets and keeps plans; a schedule-free step first advances its per-group scalars
 (``schedule_free_scalars``), whose lrs and average weights the buckets' row then holds.
 """
@@ -24,7 +28,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from lightning_fusedsgd._abi import LARS_SUMS, SCHEDULE_FREE_SCALARS, StepRow, plan_key, table
+from lightning_fusedsgd._abi import LARS_SUM_NAMES, LARS_SUMS, SCHEDULE_FREE_SCALARS, StepRow, plan_key, table
 from lightning_fusedsgd.optim import _backends, _kept, _sparse
 from lightning_fusedsgd.optim._dtensor import ReduceKey
 from lightning_fusedsgd.optim._plan import (
@@ -46,7 +50,9 @@ class BucketStep(Protocol):
 
     def grad_sq_sum(self) -> Tensor: ...
 
-    def sgd_step(self, table: Tensor, step: list[Tensor | None]) -> None: ...
+    def sgd_step(
+        self, table: Tensor, step: list[Tensor | None], unscaled_grad_sq_sum: Tensor | None
+    ) -> None: ...
 
 
 @dataclass
@@ -66,9 +72,11 @@ class PlannedBucket:
         b = self.bucket
         return self.ops.lars_sq_sums(b.params, b.grads, b.state, b.state_slots, table, b.tensor_group, step)
 
-    def sgd_step(self, table: Tensor, step: list[Tensor | None]) -> None:
+    def sgd_step(self, table: Tensor, step: list[Tensor | None], unscaled_grad_sq_sum: Tensor | None) -> None:
         b = self.bucket
-        self.ops.sgd_step(b.params, b.grads, b.state, b.state_slots, table, b.tensor_group, step)
+        self.ops.sgd_step(
+            b.params, b.grads, b.state, b.state_slots, table, b.tensor_group, step, unscaled_grad_sq_sum
+        )
 
 
 def _sum_on(sums: Sequence[Tensor], device: torch.device) -> Tensor:
@@ -78,29 +86,52 @@ def _sum_on(sums: Sequence[Tensor], device: torch.device) -> Tensor:
     )
 
 
+@dataclass
+class StepNorm:
+    """The sum of squares of every gradient a step took, where it took one, on the device: ``grad_sq_sum``
+    where it clipped by norm (still scaled, as the clip takes it), else ``unscaled_grad_sq_sum`` where a LARS
+    step's norm pass took it (unscaled); reduced over the ranks under sharding."""
+
+    grad_sq_sum: Tensor | None = None
+    unscaled_grad_sq_sum: Tensor | None = None
+
+
+def _lars_adapts(group: Mapping[str, Any]) -> bool:
+    """Whether LARS adapts a group's tensors (``lars_adapts`` in csrc/sgd_math.h): only theirs have rows."""
+    return bool(group["lars"]) and (bool(group["always_adapt"]) or group["weight_decay"] != 0)
+
+
 def run(
     buckets: Sequence[BucketStep], inputs: StepInputs, sharded: bool, lars_groups: Sequence[bool]
-) -> Tensor | None:
+) -> StepNorm:
     """One optimizer step over ``buckets``: norms, their reduction, then the update. ``sharded``: some
     tensor's norms must be summed over other ranks (then every bucket is a :class:`PlannedBucket`);
-    ``lars_groups``: which groups use LARS.
+    ``lars_groups``: which groups LARS adapts (``_lars_adapts``).
 
     Returns:
-        The step's ``grad_sq_sum`` (every stepped gradient's, still scaled, reduced over the ranks), where it
-        took one (clipping by norm), on the device; else None.
+        The step's gradient norm's sum of squares (:class:`StepNorm`): the clip's where it clips by norm,
+        else the one a LARS step's norm pass takes.
     """
     if not buckets:
-        return None
+        return StepNorm()
     lars_sums: dict[BucketKey, Tensor] = {}
-    grad_sq_sum = None
+    norm = StepNorm()
+    reports = any(lars_groups) and inputs.row["max_grad_norm"] is None
     if sharded:
-        lars_sums, grad_sq_sum = _global_norm_sums(buckets, inputs, lars_groups)  # type: ignore[arg-type]
+        lars_sums, norm = _global_norm_sums(buckets, inputs, lars_groups, reports)  # type: ignore[arg-type]
     elif inputs.row.wants("grad_sq_sum"):
-        grad_sq_sum = _sum_on([bucket.grad_sq_sum() for bucket in buckets], buckets[0].key[0])
+        norm.grad_sq_sum = _sum_on([bucket.grad_sq_sum() for bucket in buckets], buckets[0].key[0])
+    # The unsharded norm pass adds to one zero per device, summed at the end (no host sync).
+    reported: dict[torch.device, Tensor] = {}
     for bucket in buckets:
-        row = inputs.row.with_values(grad_sq_sum=grad_sq_sum, lars_sq_sums=lars_sums.get(bucket.key))
-        bucket.sgd_step(inputs.table, row.on(bucket.key[0]))
-    return grad_sq_sum
+        device = bucket.key[0]
+        if reports and not sharded and device not in reported:
+            reported[device] = torch.zeros((), dtype=torch.float64, device=device)
+        row = inputs.row.with_values(grad_sq_sum=norm.grad_sq_sum, lars_sq_sums=lars_sums.get(bucket.key))
+        bucket.sgd_step(inputs.table, row.on(device), reported.get(device))
+    if reported:
+        norm.unscaled_grad_sq_sum = _sum_on(list(reported.values()), buckets[0].key[0])
+    return norm
 
 
 class Steps:
@@ -118,10 +149,10 @@ class Steps:
 
     def step(
         self, groups: Sequence[dict[str, Any]], state: Mapping[Tensor, dict[str, Any]], inputs: StepInputs
-    ) -> Tensor | None:
+    ) -> StepNorm:
         """One step of ``groups``; a step a GradScaler skipped (``found_inf``) writes nothing where the host
         can see it without a sync (on CUDA the kernels skip themselves), and stores no (uninitialized)
-        state. Returns :func:`run`'s ``grad_sq_sum`` (None where the step returned before it)."""
+        state. Returns :func:`run`'s norm (none where the step returned before it)."""
         # Under torch.compile the step is traced from a new plan (no kept plan, no address checks).
         tracing = torch.compiler.is_compiling()
         kept = None if tracing or self.kept is None else self._kept_buckets(groups, state)
@@ -133,7 +164,7 @@ class Steps:
             and (found_inf.device.type == "cpu" or (plan is not None and (plan.new_state or plan.sparse)))
             and bool(found_inf.item())
         ):
-            return None
+            return StepNorm()
         if kept is not None:
             buckets, sharded, names = kept
         else:
@@ -141,12 +172,12 @@ class Steps:
             sharded = plan.sharded
         if inputs.scalars is not None:
             inputs = self._advance_schedule_free(inputs)
-        grad_sq_sum = run(buckets, inputs, sharded, [bool(group["lars"]) for group in groups])
+        norm = run(buckets, inputs, sharded, list(map(_lars_adapts, groups)))
         self.last_backends.clear()
         self.last_backends.update(names)
         if plan is not None:
             self._finish(groups, state, plan, inputs.row["grad_scale"], tracing, buckets)
-        return grad_sq_sum
+        return norm
 
     def switch(
         self,
@@ -259,10 +290,11 @@ def _write_back(plan: Plan, state: Mapping[Tensor, dict[str, Any]]) -> None:
 
 
 def _global_norm_sums(
-    buckets: Sequence[PlannedBucket], inputs: StepInputs, lars_groups: Sequence[bool]
-) -> tuple[dict[BucketKey, Tensor], Tensor | None]:
+    buckets: Sequence[PlannedBucket], inputs: StepInputs, lars_groups: Sequence[bool], reports: bool
+) -> tuple[dict[BucketKey, Tensor], StepNorm]:
     """The sums of squares a sharded step needs, made global: each bucket's ``lars_sq_sums`` (where it has
-    LARS tensors) and, under norm clipping, the sum of squares of every stepped gradient.
+    LARS tensors) and, under norm clipping, the sum of squares of every stepped gradient; where it
+    ``reports`` its norm, that of the gradients of tensors without LARS (whose rows hold no ``grad_sq``).
 
     One kernel call per bucket produces the local partial sums; the rows and gradient sums of the tensors
     split over one process group travel in one vector and one ``all_reduce`` (SUM), so a step costs one
@@ -285,7 +317,8 @@ def _global_norm_sums(
         for i, reduce_key in enumerate(bucket.reduce_keys):
             by_key.setdefault(reduce_key, []).append(i)
         for reduce_key, indices in by_key.items():
-            sq = planned.ops.grad_sq_sum([bucket.grads[i] for i in indices]) if clips else None
+            summed = indices if clips else [i for i in indices if not lars[i]] if reports else []
+            sq = planned.ops.grad_sq_sum([bucket.grads[i] for i in summed]) if summed else None
             if reduce_key is None:
                 if sq is not None:
                     grad_sqs.append(sq)
@@ -311,6 +344,22 @@ def _global_norm_sums(
             lars_sums[key][rows] = reduced[:count].view(len(rows), LARS_SUMS).to(lars_sums[key].device)
         if has_sq:
             grad_sqs.append(reduced[-1])
-    if not clips:
-        return lars_sums, None
-    return lars_sums, _sum_on(grad_sqs, grad_sqs[0].device)
+    if clips:
+        return lars_sums, StepNorm(grad_sq_sum=_sum_on(grad_sqs, grad_sqs[0].device))
+    if not reports:
+        return lars_sums, StepNorm()
+    # The LARS tensors' grad_sq, unscaled in the kernel; the others' scaled, unscaled here as the kernel does.
+    column = LARS_SUM_NAMES.index("grad_sq")
+    unscaled = [rows[:, column].sum() for rows in lars_sums.values()]
+    device = buckets[0].key[0]
+    if grad_sqs:
+        unscaled.append(_sum_on(grad_sqs, device) * inverse_scale(inputs.row["grad_scale"], device) ** 2)
+    return lars_sums, StepNorm(unscaled_grad_sq_sum=_sum_on(unscaled, device) if unscaled else None)
+
+
+def inverse_scale(grad_scale: Tensor | None, device: torch.device) -> Tensor | float:
+    """1 / grad_scale as the kernels unscale by it (GradScaler's float32 reciprocal of its scale), in
+    float64 on ``device``; 1.0 without a scale."""
+    if grad_scale is None:
+        return 1.0
+    return torch.as_tensor(grad_scale, dtype=torch.float64, device=device).reciprocal().float().double()

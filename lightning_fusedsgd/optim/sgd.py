@@ -87,9 +87,12 @@ class FusedSGD(Optimizer):
             do not advance the schedule).
         last_grad_norm: The L2 norm of every gradient the last ``step()`` took, unscaled (as
             ``clip_grad_norm_`` returns it), where that step took one: the norm it clipped by
-            (``max_grad_norm``, or a Trainer's ``gradient_clip_val``), under sharding the global one. A 0-d
+            (``max_grad_norm``, or a Trainer's ``gradient_clip_val``), else, in a LARS step, the one its LARS
+            norm pass took (every tensor's gradient, the LARS tensors' from the sums their trust ratios come
+            from; clipped by value where ``max_grad_value`` is set), under sharding the global one. A 0-d
             float64 tensor on the params' device, read without a host sync; None where the step took no norm
-            (no extra pass over the gradients is made for it) or a GradScaler's skip ended it on the host.
+            (no extra pass over the gradients is made for it) or a GradScaler's skip ended it on the host; NaN
+            where a LARS step was skipped on the device.
 
     The guide says the rest: semantics and bits (docs/guide/semantics.md), LARS (lars.md), clipping
     (clipping.md), precision (precision.md), capturable steps (capturable.md), backends (backends.md).
@@ -192,15 +195,18 @@ class FusedSGD(Optimizer):
     def last_grad_norm(self) -> Tensor | None:
         """The last step's gradient norm, where it took one (see the class's Attributes): its sum of squares,
         kept on the device, turned into the unscaled norm there when read."""
-        sum_sq = self._last_step.get("grad_sq_sum")
-        if sum_sq is None:
+        norm: _step.StepNorm = self._last_step.get("norm", _step.StepNorm())
+        if norm.unscaled_grad_sq_sum is not None:
+            applied = self._last_step["applied"]
+            taken = norm.unscaled_grad_sq_sum.sqrt()
+            # A skipped step's norm pass took nothing (found_inf, read on the device).
+            return taken if applied is True else torch.where(applied.to(taken.device), taken, torch.nan)
+        if norm.grad_sq_sum is None:
             return None
-        scale = self._last_step.get("grad_scale")
-        if scale is None:
-            return sum_sq.sqrt()
         # The kernel's unscaling: GradScaler's float32 reciprocal of the scale (ops/reference.inverse_scale).
-        inverse = torch.as_tensor(scale, dtype=torch.float64, device=sum_sq.device).reciprocal().float()
-        return sum_sq.sqrt() * inverse
+        return norm.grad_sq_sum.sqrt() * _step.inverse_scale(
+            self._last_step.get("grad_scale"), norm.grad_sq_sum.device
+        )
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Validates the group's hyperparameters, alone and beside the other groups', and its devices before
@@ -322,9 +328,9 @@ class FusedSGD(Optimizer):
             self._schedule_free_scalars(),
         )
         applied = True if found_inf is None else self._applied(found_inf)
-        grad_sq_sum = self._steps.step(self.param_groups, self.state, inputs)
+        norm = self._steps.step(self.param_groups, self.state, inputs)
         self._last_step["applied"] = applied  # set once the step went through: a refused one changes nothing
-        self._last_step.update(grad_sq_sum=grad_sq_sum, grad_scale=inputs.row["grad_scale"])
+        self._last_step.update(norm=norm, grad_scale=inputs.row["grad_scale"])
         return loss
 
     def _schedule_free_scalars(self) -> Tensor | None:

@@ -28,11 +28,14 @@ enum class RowShape { kOne, kGroups, kLarsSums };
   X(double, lrs, RowShape::kGroups)             \
   X(double, ckp1, RowShape::kGroups)
 
-// The step row as the kernels read it: each value's device pointer, null where absent.
+// The step row as the kernels read it: each value's device pointer, null where absent; and where sgd_step
+// reports its gradient norm, its one written value (sgd_step's unscaled_grad_sq_sum argument, not a value of the
+// row: torch.compile functionalizes a written Tensor?[] with absent values nowhere).
 struct StepRow {
 #define LFSGD_ROW_FIELD(type, name, shape) const type* name = nullptr;
   LFSGD_STEP_ROW(LFSGD_ROW_FIELD)
 #undef LFSGD_ROW_FIELD
+  double* unscaled_grad_sq_sum = nullptr;
 };
 #define LFSGD_ROW_NAME(type, name, shape) #name,
 constexpr const char* kStepRowNames[] = {LFSGD_STEP_ROW(LFSGD_ROW_NAME)};
@@ -221,14 +224,27 @@ inline Bucket check_bucket(at::TensorList params, at::TensorList grads, at::Tens
 }
 
 // The sgd_step op of both kernels (the only place its C++ signature is written): checks the bucket, then runs a
-// device's kernel, `Run(checked bucket)`.
+// device's kernel, `Run(checked bucket)`. `unscaled_grad_sq_sum`: where given, the kernel adds the sum of squares
+// of the gradients its norm pass takes (kGradSq), which given lars_sq_sums replace.
 template <void (*Run)(const Bucket&)>
 void sgd_step_op(at::TensorList params, at::TensorList grads, at::TensorList state, at::IntArrayRef state_slots,
-                 const at::Tensor& group_hparams, at::IntArrayRef tensor_group, const OptionalTensors& step) {
-  const Bucket bucket = check_bucket(params, grads, state, state_slots, group_hparams, tensor_group, step, "sgd_step");
+                 const at::Tensor& group_hparams, at::IntArrayRef tensor_group, const OptionalTensors& step,
+                 const std::optional<at::Tensor>& unscaled_grad_sq_sum) {
+  Bucket bucket = check_bucket(params, grads, state, state_slots, group_hparams, tensor_group, step, "sgd_step");
   TORCH_CHECK(!bucket.schedule_free || (bucket.row.ckp1 != nullptr && bucket.row.lrs != nullptr),
               "lightning_fusedsgd::sgd_step: a schedule-free step takes the step row's ckp1 and lrs, which the "
               "schedule_free_scalars op gives (FusedSGDScheduleFree)");
+  if (unscaled_grad_sq_sum.has_value()) {
+    const at::Tensor& sum = *unscaled_grad_sq_sum;
+    TORCH_CHECK(sum.scalar_type() == at::kDouble && sum.numel() == 1 && sum.is_contiguous() &&
+                    (params.empty() || sum.device() == params[0].device()),
+                "lightning_fusedsgd::sgd_step: unscaled_grad_sq_sum must be a one-element float64 tensor on the "
+                "params' device");
+    TORCH_CHECK(bucket.row.lars_sq_sums == nullptr, "lightning_fusedsgd::sgd_step: unscaled_grad_sq_sum takes the "
+                "sums of the kernel's own norm pass, which given lars_sq_sums replace: a sharded step sums their "
+                "grad_sq column instead");
+    bucket.row.unscaled_grad_sq_sum = sum.data_ptr<double>();
+  }
   Run(bucket);
 }
 

@@ -1,10 +1,11 @@
 // The CPU kernel's sums of squares, over one chunk of the work list (work_list.h): the gradients' for the global
-// norm (grad_sum_squares) and a LARS tensor's (chunk_lars_sums: of its weights, of its norm term and of their
-// product), in the opmath type (fp32 but for fp64 params) at the update's vector width, and again in double where a
+// norm (grad_sum_squares), a LARS tensor's (chunk_lars_sums: of its weights, of its norm term, of their product and
+// of its gradient) and another tensor's gradient's where a step reports its norm (chunk_grad_sq_sum), in the opmath type (fp32 but for fp64 params) at the update's vector width, and again in double where a
 // chunk's sums leave its exact range. Part of fused_sgd.cpp's translation unit (its anonymous namespace), which
 // alone includes it.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -25,23 +26,44 @@ inline bool exact_in_opmath(double sum) {
   return sum >= kMinExact && sum <= 1e38;
 }
 
-// A chunk's LARS sums: of w^2, of the LARS term (lars_norm_term) squared and of w times it, accumulated in S (the
-// opmath type, or double where the sums leave exact_in_opmath's range).
+// A chunk's LARS sums: of w^2, of the LARS term (lars_norm_term) squared, of w times it and of the gradient
+// (clipped_grad) squared, accumulated in S (the opmath type, or double where the sums leave exact_in_opmath's
+// range). The default denominator's term is that gradient: its sum of squares is the term's, from the same adds.
 template <typename S, bool kDecayed, bool kClipValue, Weight kWeight, typename P, typename M, typename O>
 void lars_partial_sums(const P* w, const M* m, const P* gr, const Chunk& chunk, const Coeffs<O>& c,
                        O weight_decay, double* sums) {
-  S sw = 0, st = 0, swt = 0;
-#pragma omp simd reduction(+ : sw, st, swt)
+  S sw = 0, st = 0, swt = 0, sg = 0;
+#pragma omp simd reduction(+ : sw, st, swt, sg)
   for (int64_t i = chunk.begin; i < chunk.end; ++i) {
     const O wi = load_weight<kWeight>(w, m, i);
-    const S ti = lars_norm_term<kClipValue, O>(wi, load(gr, i), c, weight_decay, kDecayed);
+    const O gi = load(gr, i);
+    const S ti = lars_norm_term<kClipValue, O>(wi, gi, c, weight_decay, kDecayed);
     sw += static_cast<S>(wi) * wi;
     st += ti * ti;
     swt += static_cast<S>(wi) * ti;
+    if constexpr (kDecayed) {
+      const S raw = clipped_grad<kClipValue, O>(gi, c);
+      sg += raw * raw;
+    }
   }
   sums[0] = sw;
   sums[1] = st;
   sums[2] = swt;
+  sums[kGradSq] = kDecayed ? static_cast<double>(sg) : sums[1];
+}
+
+// A chunk's sum of squares of the gradient as clipped_grad leaves it (unscaled, sign-corrected, clipped by value),
+// accumulated in S: the grad_sq sum of a tensor without LARS, which a step reporting its gradient norm takes in
+// its norm pass.
+template <typename S, bool kClipValue, typename P, typename O>
+double clipped_grad_sq_sum(const P* gr, const Chunk& chunk, const Coeffs<O>& c) {
+  S sum = 0;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = chunk.begin; i < chunk.end; ++i) {
+    const S gi = clipped_grad<kClipValue, O>(static_cast<O>(load(gr, i)), c);
+    sum += gi * gi;
+  }
+  return sum;
 }
 
 // A chunk's LARS sums (lars_partial_sums) with coefficients `c` taken before the norm clip: in the opmath type,
@@ -63,7 +85,27 @@ void chunk_lars_sums(const P* w, const M* m, const P* gr, const Chunk& chunk, co
     run(w, m, gr, chunk, c, static_cast<O>(h.weight_decay), sums);
   };
   sum(O{});
-  if (!exact_in_opmath(sums[0]) || !exact_in_opmath(sums[1])) sum(double{});
+  if (!exact_in_opmath(sums[0]) || !exact_in_opmath(sums[1])) {
+    sum(double{});
+  } else if (!exact_in_opmath(sums[kGradSq])) {  // "decayed_grad": the gradient alone again, the ratio's sums kept
+    double ratio_sums[kNumLarsSums];
+    std::copy(sums, sums + kNumLarsSums, ratio_sums);
+    sum(double{});
+    std::copy(ratio_sums, ratio_sums + kGradSq, sums);
+  }
+}
+
+// A chunk's grad_sq sum of a tensor without LARS (clipped_grad_sq_sum) with coefficients `c` taken before the norm
+// clip: in the opmath type, and again in double where it leaves that type's exact range.
+template <typename P, typename O>
+double chunk_grad_sq_sum(const P* gr, const Chunk& chunk, const Coeffs<O>& c) {
+  const bool clip_value = std::isfinite(c.clip_value);
+  const auto sum = [&](auto accumulator) {
+    using S = decltype(accumulator);
+    return clip_value ? clipped_grad_sq_sum<S, true>(gr, chunk, c) : clipped_grad_sq_sum<S, false>(gr, chunk, c);
+  };
+  const double opmath = sum(O{});
+  return exact_in_opmath(opmath) ? opmath : sum(double{});
 }
 
 // A chunk's sum of squares of the raw gradient (the global norm that clipping takes), in S. kLanes partial

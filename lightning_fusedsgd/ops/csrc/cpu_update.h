@@ -1,5 +1,6 @@
 // One bucket's step on the CPU (CpuUpdate): each tensor's coefficients, then one OpenMP region over the work list
-// (work_list.h) in waves, a wave's LARS norms (cpu_sums.h) before its update; and the update's loops, whose
+// (work_list.h) in waves, a wave's norms (cpu_sums.h: LARS tensors', and every tensor's gradient's where the step
+// reports its gradient norm) before its update; and the update's loops, whose
 // switches (a momentum buffer, the first step, Nesterov, the rounding, the average) are template constants, so
 // that the compiler sees loops without branches and vectorizes them. The loops run in blocks (block_elems, which
 // the schedule-free switch's loop takes too): of 16-bit params on ATen's vectors where the build has them
@@ -48,8 +49,8 @@ constexpr int64_t block_elems() {
   return 64 / static_cast<int64_t>(sizeof(P));
 }
 
-// One bucket's step on the CPU: each tensor's pointers and coefficients, the work list, and the LARS partial
-// sums that the norm pass writes and the update reads.
+// One bucket's step on the CPU: each tensor's pointers and coefficients, the work list, and the partial sums
+// that the norm pass writes and the update reads (LARS tensors') or the step reports (every grad_sq).
 template <typename P, typename A, Weight kWeight>
 class CpuUpdate {
  public:
@@ -61,6 +62,7 @@ class CpuUpdate {
       : groups_(groups),
         tensor_group_(bucket.tensor_group),
         slots_(bucket.slots),
+        reported_(bucket.row.unscaled_grad_sq_sum),
         clip_(clip),
         schedule_free_(bucket.schedule_free) {
     const at::TensorList params = bucket.params;
@@ -71,6 +73,7 @@ class CpuUpdate {
     average_.assign(n, AverageCoeffs<O>{});
     coeffs_.resize(n);
     lars_.resize(n);
+    norms_.resize(n);
     for (size_t t = 0; t < n; ++t) {
       const GroupHParams& h = groups_[tensor_group_[t]];
       w_ptr_[t] = params[t].data_ptr<P>();
@@ -86,15 +89,22 @@ class CpuUpdate {
         const double* row = lars_sums + kNumLarsSums * t;
         apply_lars(coeffs_[t], row[0], clipped_term_sq_sum(row[0], row[1], row[2], clip, h), h);
       }
+      norms_[t] = lars_[t] || reported_ != nullptr;
     }
-    work_ = make_work_list(params, lars_);
+    work_ = make_work_list(params, norms_);
     sums_.resize(kNumLarsSums * work_.chunks.size());
   }
 
-  // One parallel region over the waves: a wave's LARS norms, then its update; then each stochastically
-  // rounded tensor counts the step (after the region: every chunk of it read the count first).
+  // One parallel region over the waves: a wave's norms, then its update; then each stochastically rounded tensor
+  // counts the step (after the region: every chunk of it read the count first), and the step's gradient norm is
+  // reported where asked: the grad_sq sums of every chunk, added in a fixed order.
   void run() {
     update();
+    if (reported_ != nullptr) {
+      double total = 0;
+      for (size_t c = 0; c < work_.chunks.size(); ++c) total += sums_[kNumLarsSums * c + kGradSq];
+      *reported_ += total;
+    }
     for (size_t t = 0; t < slots_.size(); ++t) {
       if (int64_t* count = slots_[t].count(kRoundingStep)) ++*count;
       if (int64_t* steps = slots_[t].count(kEmaStep)) {
@@ -114,7 +124,7 @@ class CpuUpdate {
         if (wave.needs_norms) {
 #pragma omp for schedule(static)
           for (int64_t c = wave.chunk_begin; c < wave.chunk_end; ++c) {
-            if (lars_[work_.chunks[c].tensor]) norm_chunk(work_.chunks[c], c);
+            if (norms_[work_.chunks[c].tensor]) norm_chunk(work_.chunks[c], c);
           }
         }
 #pragma omp for schedule(static)
@@ -125,13 +135,18 @@ class CpuUpdate {
     }
   }
 
-  // A chunk's LARS sums, taken before the norm clip (as lars_sq_sums takes them), which lars_coeffs applies.
+  // A chunk's sums, taken before the norm clip (as lars_sq_sums takes them): a LARS tensor's, which lars_coeffs
+  // applies, or another tensor's grad_sq alone, which run reports.
   void norm_chunk(const Chunk& chunk, int64_t c) {
     const int32_t t = chunk.tensor;
     Coeffs<O> unclipped = coeffs_[t];
     unclipped.clip_coef = O(1);
-    chunk_lars_sums<kWeight>(w_ptr_[t], companion(t), g_ptr_[t], chunk, unclipped, groups_[tensor_group_[t]],
-                              &sums_[kNumLarsSums * c]);
+    if (lars_[t]) {
+      chunk_lars_sums<kWeight>(w_ptr_[t], companion(t), g_ptr_[t], chunk, unclipped, groups_[tensor_group_[t]],
+                                &sums_[kNumLarsSums * c]);
+    } else {
+      sums_[kNumLarsSums * c + kGradSq] = chunk_grad_sq_sum(g_ptr_[t], chunk, unclipped);
+    }
   }
 
   // The coefficients of a LARS tensor: its chunks' sums added in a fixed order (the ratio does not depend on the
@@ -259,11 +274,13 @@ class CpuUpdate {
   std::vector<const P*> g_ptr_;
   std::vector<AverageCoeffs<O>> average_;  // this step's, per tensor (no update where it has no average)
   std::vector<Coeffs<O>> coeffs_;
-  std::vector<bool> lars_;
+  std::vector<bool> lars_;   // the ratio from this step's norm pass
+  std::vector<bool> norms_;  // sums taken in the norm pass: LARS tensors', every tensor's where the step reports
+  double* reported_;         // the step row's unscaled_grad_sq_sum, or null
   double clip_;  // the step's clip_grad_norm_ coefficient, 1 where it does not clip by norm
   bool schedule_free_;
   WorkList work_;
-  std::vector<double> sums_;  // kNumLarsSums per chunk of a LARS tensor
+  std::vector<double> sums_;  // kNumLarsSums per chunk (0 where the norm pass takes none)
 };
 
 }  // namespace

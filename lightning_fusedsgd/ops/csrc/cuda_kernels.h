@@ -52,29 +52,35 @@ __device__ inline double block_sum(double value, double* scratch) {
   return value;
 }
 
-// lars_sq_sums, pass 1: each chunk of a LARS tensor writes its sums of w^2, t^2 and w t (lars_norm_term before
-// the norm clip, sgd_math.h), in double; other chunks leave their zeros. The CPU kernel sums a chunk in fp32 and
-// falls back to double out of fp32's exact range (chunk_lars_sums in cpu_sums.h: its pass runs from cache at
-// the vector width); here the pass is memory-bound, and double costs nothing.
+// lars_sq_sums, pass 1: each chunk of a LARS tensor writes its sums of w^2, t^2, w t (lars_norm_term before the
+// norm clip, sgd_math.h) and g^2 (clipped_grad before the norm clip: t itself for the default denominator), in
+// double; with `grads_too` (a step reporting its gradient norm), each chunk of another tensor its g^2 alone; other
+// chunks leave their zeros. The CPU kernel sums a chunk in fp32 and falls back to double out of fp32's exact range
+// (chunk_lars_sums in cpu_sums.h: its pass runs from cache at the vector width); here the pass is memory-bound,
+// and double costs nothing.
 template <typename P, Weight kWeight>
 __global__ void __launch_bounds__(kThreads)
     lars_sums_kernel(const TensorArgs* tensors, const ChunkArgs* chunks, const GroupHParams* groups,
-                     double* partials, const float* grad_scale) {
+                     double* partials, const float* grad_scale, bool grads_too) {
   using O = typename OpMath<P>::type;
   using M = Companion<kWeight>;
   const ChunkArgs chunk = chunks[blockIdx.x];
   const TensorArgs t = tensors[chunk.tensor];
-  if (!t.lars) return;
+  if (!t.lars && !grads_too) return;
   const GroupHParams& h = groups[t.group];
   const Coeffs<O> c = make_coeffs<O>(h, inverse_scale_of(grad_scale), /*clip=*/1.0, false);  // before the clip
   const O weight_decay = static_cast<O>(h.weight_decay);
+  const bool decayed = decayed_grad(h);
   const P* w = static_cast<const P*>(t.param);
   const P* g = static_cast<const P*>(t.grad);
   const M* m = static_cast<const M*>(t.slots.companion(kWeight));
-  double sum[kNumLarsSums] = {0, 0, 0};
+  double sum[kNumLarsSums] = {0, 0, 0, 0};
   for (int64_t i = chunk.begin + threadIdx.x; i < chunk.end; i += kThreads) {
+    const O gi = clipped_grad<true, O>(load(g, i), c);
+    sum[kGradSq] += static_cast<double>(gi) * gi;
+    if (!t.lars) continue;
     const O wi = load_weight<kWeight>(w, m, i);
-    const O ti = lars_norm_term<true, O>(wi, load(g, i), c, weight_decay, decayed_grad(h));
+    const O ti = decayed ? mul_add(wi, weight_decay, gi) : gi;  // lars_norm_term
     sum[0] += static_cast<double>(wi) * wi;
     sum[1] += static_cast<double>(ti) * ti;
     sum[2] += static_cast<double>(wi) * ti;
@@ -90,7 +96,7 @@ __global__ void __launch_bounds__(kThreads)
 __global__ void __launch_bounds__(kThreads)
     lars_rows_kernel(const TensorArgs* tensors, const double* partials, double* rows) {
   const TensorArgs t = tensors[blockIdx.x];
-  double sum[kNumLarsSums] = {0, 0, 0};
+  double sum[kNumLarsSums] = {0, 0, 0, 0};
   for (int64_t k = t.first_chunk + threadIdx.x; k < t.first_chunk + t.num_chunks; k += kThreads) {
     for (int j = 0; j < kNumLarsSums; ++j) sum[j] += partials[kNumLarsSums * k + j];
   }
@@ -99,6 +105,17 @@ __global__ void __launch_bounds__(kThreads)
     const double total = block_sum(sum[j], scratch);
     if (threadIdx.x == 0) rows[kNumLarsSums * blockIdx.x + j] = total;
   }
+}
+
+// A step reporting its gradient norm: one block adds the grad_sq sums of every row, in a fixed order, to the step
+// row's unscaled_grad_sq_sum, unless the step was skipped.
+__global__ void __launch_bounds__(kThreads)
+    grad_sq_total_kernel(const double* rows, int64_t n, double* total, const float* found_inf) {
+  double sum = 0;
+  for (int64_t t = threadIdx.x; t < n; t += kThreads) sum += rows[kNumLarsSums * t + kGradSq];
+  LFSGD_SHARED(double, scratch, kThreads / 32);
+  sum = block_sum(sum, scratch);
+  if (threadIdx.x == 0 && !skipped(found_inf)) *total += sum;
 }
 
 // The update: each block steps one chunk. A LARS tensor's trust ratio comes from its row of sums (the same for

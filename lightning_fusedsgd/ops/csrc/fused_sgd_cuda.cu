@@ -2,7 +2,7 @@
 // its arguments (bucket.h), uploads its tables (cuda_launch.h) and launches the kernels (cuda_kernels.h) on the
 // current stream: one launch per (device, dtype) bucket over a work list of fixed-size chunks across all tensors,
 // of the update (with LARS, lars_sq_sums's two launches first, whose rows the update reads; a sharded step passes
-// them reduced), of grad_sq_sum, of lars_sq_sums, of the schedule-free scalars and switch, and of schedule_lrs.
+// them reduced; a step reporting its gradient norm adds up their grad_sq sums in one more), of grad_sq_sum, of lars_sq_sums, of the schedule-free scalars and switch, and of schedule_lrs.
 // What needs the CUDA runtime (streams, capture, the device guard, launches) is behind device.h, which a host
 // compiler replaces with an emulation of CUDA's execution model, so the tests run this file on the CPU. Nothing
 // here reads device memory from the host: a step never synchronizes.
@@ -26,9 +26,10 @@ namespace lfsgd {
 namespace {
 
 // Each LARS tensor's row of sums (lars_sq_sums), for a bucket whose work tables are on the device: a float64
-// [n, kNumLarsSums] tensor there, zeros for the other tensors.
+// [n, kNumLarsSums] tensor there, zeros for the other tensors but (`grads_too`) their grad_sq sums.
 inline at::Tensor lars_rows(const Work& work, const DeviceTables& tables, const at::Device& device,
-                            device::Stream stream, at::ScalarType dtype, Weight weight, const float* grad_scale) {
+                            device::Stream stream, at::ScalarType dtype, Weight weight, const float* grad_scale,
+                            bool grads_too) {
   const auto options = at::TensorOptions().dtype(at::kDouble).device(device);
   const int64_t n = static_cast<int64_t>(work.tensors.size());
   at::Tensor rows = at::zeros({n, kNumLarsSums}, options);
@@ -38,7 +39,7 @@ inline at::Tensor lars_rows(const Work& work, const DeviceTables& tables, const 
   dispatch_bucket_types(dtype, weight, [&](auto param, auto, auto weight_tag) {
     device::launch(&lars_sums_kernel<decltype(param), decltype(weight_tag)::value>, num_chunks, kThreads, stream,
                    tables.table<TensorArgs>(0), tables.table<ChunkArgs>(1), tables.table<GroupHParams>(2),
-                   partials.data_ptr<double>(), grad_scale);
+                   partials.data_ptr<double>(), grad_scale, grads_too);
   });
   device::launch(&lars_rows_kernel, n, kThreads, stream, tables.table<TensorArgs>(0), partials.data_ptr<double>(),
                  rows.data_ptr<double>());
@@ -69,12 +70,18 @@ void run_device(const Bucket& bucket) {
   const device::Stream stream = device::current_stream();
   const DeviceTables tables = upload_work(device, stream, work, bucket.groups);
   StepRow row = bucket.row;
-  // Unsharded LARS: the sums of each LARS tensor, reduced once into its row, which every block of it reads.
-  const at::Tensor rows = bucket.any_lars && row.lars_sq_sums == nullptr
+  // Unsharded LARS: the sums of each LARS tensor, reduced once into its row, which every block of it reads; a
+  // step reporting its gradient norm takes every tensor's grad_sq there too, and adds them up.
+  const bool reports = row.unscaled_grad_sq_sum != nullptr;
+  const at::Tensor rows = (bucket.any_lars && row.lars_sq_sums == nullptr) || reports
                               ? lars_rows(work, tables, device, stream, params[0].scalar_type(), bucket.weight,
-                                          row.grad_scale)
+                                          row.grad_scale, reports)
                               : at::Tensor();
   if (rows.defined()) row.lars_sq_sums = rows.data_ptr<double>();
+  if (reports) {
+    device::launch(&grad_sq_total_kernel, 1, kThreads, stream, rows.data_ptr<double>(), n, row.unscaled_grad_sq_sum,
+                   row.found_inf);
+  }
   if (num_chunks > 0) {
     dispatch_bucket_types(params[0].scalar_type(), bucket.weight, [&](auto param, auto aux, auto weight) {
       using P = decltype(param);
@@ -105,7 +112,8 @@ at::Tensor lars_sq_sums_device(const Bucket& bucket) {
   const device::Guard guard(device);
   const device::Stream stream = device::current_stream();
   const DeviceTables tables = upload_work(device, stream, work, bucket.groups);
-  return lars_rows(work, tables, device, stream, params[0].scalar_type(), bucket.weight, bucket.row.grad_scale);
+  return lars_rows(work, tables, device, stream, params[0].scalar_type(), bucket.weight, bucket.row.grad_scale,
+                   /*grads_too=*/false);
 }
 
 // lightning_fusedsgd::grad_sq_sum on the device: a float64 scalar there, with no host sync.

@@ -82,13 +82,16 @@ class PlanArguments : public torch::CustomClassHolder {
     return grad_sq_sum_.call(bucket(b).grads);
   }
 
-  // lightning_fusedsgd::sgd_step over bucket `b` (after gather()), with this step's table and step row.
-  void sgd_step(int64_t b, const at::Tensor& group_hparams, const OptionalTensors& step) {
+  // lightning_fusedsgd::sgd_step over bucket `b` (after gather()), with this step's table and step row, and where
+  // it reports its gradient norm the sum to add it to.
+  void sgd_step(int64_t b, const at::Tensor& group_hparams, const OptionalTensors& step,
+                const std::optional<at::Tensor>& unscaled_grad_sq_sum) {
     // Straight to the CPU or CUDA kernel: the autograd and in-place fallbacks of a custom op box every argument
     // (thousands of tensors on large models). The step runs under no_grad.
     const at::AutoDispatchBelowADInplaceOrView below_autograd;
     Bucket& kept = bucket(b);
-    sgd_step_.call(kept.params, kept.grads, kept.state, kept.state_slots, group_hparams, kept.tensor_group, step);
+    sgd_step_.call(kept.params, kept.grads, kept.state, kept.state_slots, group_hparams, kept.tensor_group, step,
+                   unscaled_grad_sq_sum);
     kept.grads.clear();  // the bucket's last use of them this step: the next backward may free them
   }
 

@@ -333,10 +333,13 @@ LFSGD_ELEMENT T lars_norm_term(T w, T g, const Coeffs<T>& c, T weight_decay, boo
   return decayed ? mul_add(w, weight_decay, raw) : raw;
 }
 
-// A tensor's row of lars_sq_sums: the sums of w^2, of the LARS norm term squared and of w times it, in the order of
-// _abi.LARS_SUM_NAMES (checked when the library loads).
-constexpr const char* kLarsSumNames[] = {"w_sq", "term_sq", "w_term"};
+// A tensor's row of lars_sq_sums: the sums of w^2, of the LARS norm term squared, of w times it, and of the gradient
+// squared (clipped_grad before the norm clip: unscaled, sign-corrected, clipped by value; the same as the term's
+// for the default denominator), in the order of _abi.LARS_SUM_NAMES (checked when the library loads). The last is
+// what a step reports as its gradient norm (the step row's unscaled_grad_sq_sum).
+constexpr const char* kLarsSumNames[] = {"w_sq", "term_sq", "w_term", "grad_sq"};
 constexpr int kNumLarsSums = sizeof(kLarsSumNames) / sizeof(kLarsSumNames[0]);
+constexpr int kGradSq = 3;  // the grad_sq sum's place in a row
 
 // The LARS norm term's sum of squares under norm clipping by c, from sums taken before that clip (the
 // lars_sq_sums op, whose partial sums are all-reduced under sharding: the clip coefficient needs the global

@@ -1,5 +1,5 @@
 // The CPU kernel's schedule: a work list of fixed-size chunks across every tensor of a bucket, in waves
-// (LARS reduces a wave's norms before updating it). Shared with the benchmarks' data-movement floor
+// (LARS reduces a wave's norms before updating it; a step reporting its gradient norm takes them there too). Shared with the benchmarks' data-movement floor
 // (bench/csrc/floor.cpp), which must move its bytes in exactly this order.
 #pragma once
 
@@ -49,11 +49,12 @@ struct WorkList {
   int64_t total_elems = 0;
 };
 
-// Without LARS the whole bucket is one wave; with LARS, waves of about kWaveElems elements.
-inline WorkList make_work_list(at::TensorList params, const std::vector<bool>& lars) {
+// `norms`: whether a tensor's norms are taken before its update. Without any the whole bucket is one wave; with
+// some, waves of about kWaveElems elements.
+inline WorkList make_work_list(at::TensorList params, const std::vector<bool>& norms) {
   WorkList work;
   const int32_t n = static_cast<int32_t>(params.size());
-  const bool any_lars = std::find(lars.begin(), lars.end(), true) != lars.end();
+  const bool any_norms = std::find(norms.begin(), norms.end(), true) != norms.end();
   work.tensor_first_chunk.reserve(n + 1);
   Wave wave{0, 0, false};
   int64_t wave_elems = 0;
@@ -62,9 +63,9 @@ inline WorkList make_work_list(at::TensorList params, const std::vector<bool>& l
     work.tensor_first_chunk.push_back(static_cast<int64_t>(work.chunks.size()));
     append_chunks(work.chunks, t, numel, kChunkElems);
     work.total_elems += numel;
-    wave.needs_norms = wave.needs_norms || lars[t];
+    wave.needs_norms = wave.needs_norms || norms[t];
     wave_elems += numel;
-    if (any_lars && wave_elems >= kWaveElems) {
+    if (any_norms && wave_elems >= kWaveElems) {
       wave.chunk_end = static_cast<int64_t>(work.chunks.size());
       work.waves.push_back(wave);
       wave = Wave{wave.chunk_end, wave.chunk_end, false};
