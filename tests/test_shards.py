@@ -178,3 +178,31 @@ def test_an_interrupted_conversion_resumes_to_the_same_shards(folder, converted,
 
 def _samples(sharded: ShardedFiles) -> list[dict]:
     return [sharded.shards[index] for index in range(len(sharded))]  # bytes, label, path, reason
+
+
+@pytest.mark.slow
+@pytest.mark.heavy  # three tiny ResNet-18 runs: about 55 s on 2 busy cores
+def test_a_run_killed_mid_epoch_resumes_from_last_ckpt_as_the_run_made_in_one_go(converted, tmp_path):
+    """train.py's config (data=imagenet_shards): stopped in epoch 1 after a step checkpoint, resumed from
+    last.ckpt, the run equals the uninterrupted one bit for bit (its position is the DataModule's)."""
+    from lightning_helpers import Interrupted, assert_identical, compose_train, final_state, last_checkpoint
+
+    from lightning_fusedsgd.checkpoint import read_checkpoint_file
+    from runner.run import train
+
+    def run(run_dir: Path, *overrides: str) -> None:
+        shards_run = ["recipe=resnet50", "model.arch=resnet18", "debug=tiny", "data=imagenet_shards"]
+        data = [f"data.root={converted[0]}", "data.num_classes=3", "data.batch_size=5", "data.decode=cpu"]
+        every_two = ["data.skip_unreadable=true", "callbacks.step_checkpoint.every_n_train_steps=2"]
+        train(compose_train([*shards_run, *data, *every_two, "schedule.warmup=0", *overrides], run_dir))
+
+    run(tmp_path / "straight")
+    stop = ["+callbacks.stop._target_=lightning_helpers.StopAt", "+callbacks.stop.step=5"]
+    with pytest.raises(Interrupted):
+        run(tmp_path / "first", *stop)
+    assert read_checkpoint_file(last_checkpoint(tmp_path / "first"))["ImageShardsDataModule"] == {
+        "epoch": 1,
+        "batches": 1,
+    }
+    run(tmp_path / "second", f"ckpt_path={last_checkpoint(tmp_path / 'first')}")
+    assert_identical(final_state(tmp_path / "second"), final_state(tmp_path / "straight"))
