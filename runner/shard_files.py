@@ -5,8 +5,7 @@ sample's original bytes, its label and the path it was converted from, handed to
 The shards are read by index (litdata's ``StreamingDataset`` as a map-style dataset), in the order the
 runner's :class:`~runner.sampling.EpochSampler` draws: the order, the ranks' shares and the exact resume are
 the folder's, and litdata's own shuffle and loader state are not used. A local root is read in place; a remote
-one (``s3://``, ``gs://``) fetches each sample's bytes by a range read of its chunk (litdata's on-demand
-reads), with the shards' index cached in ``cache_dir``."""
+one (``s3://``, ``gs://``) fetches whole chunks into ``cache_dir`` and reads them there."""
 
 from __future__ import annotations
 
@@ -50,12 +49,15 @@ class ShardedFiles(Dataset):
     Args:
         root: The shards' root (a local folder or a URL litdata reads).
         split: ``train`` or ``val``.
-        cache_dir: Where litdata keeps a remote root's index (``None``: litdata's default).
+        cache_dir: Where litdata keeps a remote root's index and chunks (``None``: litdata's default).
     """
 
     def __init__(self, root: str, split: str, cache_dir: str | None = None) -> None:
         self.root = root
         self.shards = litdata().StreamingDataset(os.path.join(root, split), cache_dir=cache_dir)
+        # litdata 0.2.76's on-demand range reads of a remote sample parse the chunk's older layout and return
+        # empty items from the chunks its own writer makes: whole chunks are fetched into the cache instead.
+        self.shards._on_demand_bytes = False
         # Every rank reads every sample by its index: the whole split's length, not litdata's share of it.
         self.length = sum(end - start for start, end in self.shards.region_of_interest)
         first = self.shards[0]
@@ -103,7 +105,7 @@ class ImageShardsDataModule(ImageFolderDataModule):
     Args:
         root: The shards' root: a local folder or a URL litdata reads (``s3://``, ``gs://``; credentials as
             litdata's clients find them).
-        cache_dir: Where litdata keeps a remote root's index; ``None``: litdata's default.
+        cache_dir: Where litdata keeps a remote root's index and chunks; ``None``: litdata's default.
         folder: :class:`~runner.image_folder.ImageFolderDataModule`'s ``decode`` and ``skip_unreadable``, and
             the shared arguments; ``num_classes``: the converted folder's class count (checked).
     """
