@@ -12,6 +12,7 @@ import shutil
 import signal
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -121,6 +122,63 @@ def test_the_shards_resume_at_a_saved_position_as_the_folder(converted):
     assert len(rest) == len(straight) - 2
     for (images, labels), (expected_images, expected_labels) in zip(rest, straight[2:]):
         assert torch.equal(images, expected_images) and torch.equal(labels, expected_labels)
+
+
+def _held(item) -> bytes:
+    """A pending sample's bytes, or its pixels where the worker decoded it (no JPEG)."""
+    return (item.image.data if item.pixels is None else item.pixels).numpy().tobytes()
+
+
+def _rank_batches(module, rank: int, world_size: int, epoch: int) -> list[list[tuple]]:
+    """Rank ``rank`` of ``world_size``'s training batches of ``epoch`` as its loader hands them to the device
+    decode: each sample's path under the module's root, label, bytes and crop (an unreadable file's path and
+    reason)."""
+    module.trainer = SimpleNamespace(
+        world_size=world_size, global_rank=rank, strategy=SimpleNamespace(root_device=torch.device("cpu"))
+    )
+    module.setup()
+    module.train_set.decode_on_device = True  # the loader's batches stop before the decode
+    loader = module.train_dataloader()
+    loader.sampler.set_epoch(epoch)
+    batches = []
+    for batch in loader:
+        readable = [
+            (os.path.relpath(item.image.path, module.root), label, _held(item), item.crop)
+            for item, label in zip(batch.pending, batch.labels.tolist())
+        ]
+        unreadable = [(os.path.relpath(image.path, module.root), image.reason) for image in batch.unreadable]
+        batches.append(readable + unreadable)
+    return batches
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_each_rank_reads_the_folders_share_and_the_ranks_the_whole_split(
+    folder, converted, world_size, monkeypatch
+):
+    """The ranks of a run, each as Lightning's DDP sets it up, litdata told the same world (it reads it from
+    WORLD_SIZE and GLOBAL_RANK, as from a process group): the 16 samples over 2 ranks, each once an epoch (8
+    a rank, a last batch of 3), their set the one-process epoch's; over 3 ranks each rank's share, padded as
+    the folder's sampler pads it, with a last batch of 1. Each rank's batches are the folder's on that rank,
+    sample by sample (path, label, bytes, crop)."""
+    options = dict(batch_size=5, image_size=SIZE, num_workers=0, num_classes=3, skip_unreadable=True)
+    epoch = 1
+    one_process = [
+        sample[0]
+        for batch in _rank_batches(ImageShardsDataModule(str(converted[0]), **options), 0, 1, epoch)
+        for sample in batch
+    ]
+    assert len(one_process) == len(set(one_process)) == 16
+    seen = []
+    for rank in range(world_size):
+        monkeypatch.setenv("WORLD_SIZE", str(world_size))
+        monkeypatch.setenv("GLOBAL_RANK", str(rank))
+        got = _rank_batches(ImageShardsDataModule(str(converted[0]), **options), rank, world_size, epoch)
+        expected = _rank_batches(ImageFolderDataModule(str(folder), **options), rank, world_size, epoch)
+        assert got == expected
+        assert [len(batch) for batch in got] == ([5, 3] if world_size == 2 else [5, 1])
+        seen += [sample[0] for batch in got for sample in batch]
+    assert set(seen) == set(one_process)
+    assert len(seen) == (16 if world_size == 2 else 18)  # 3 ranks: 2 samples again, the sampler's padding
 
 
 def test_the_check_names_a_missing_chunk_and_other_class_counts(folder, converted, tmp_path):
