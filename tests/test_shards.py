@@ -25,7 +25,7 @@ pytest.importorskip("litdata", reason="the shards extra: pip install -e '.[shard
 from lightning_fusedsgd.lightning import ConfigError  # noqa: E402
 from runner import shards  # noqa: E402
 from runner.data import ImageFolderDataModule  # noqa: E402
-from runner.files import EncodedFolder  # noqa: E402
+from runner.files import EncodedFolder, jpeg_size  # noqa: E402
 from runner.jpeg_folder import make_jpeg_folder  # noqa: E402
 from runner.shard_files import ImageShardsDataModule, ShardedFiles  # noqa: E402
 
@@ -194,6 +194,23 @@ def test_the_check_names_a_missing_chunk_and_other_class_counts(folder, converte
     shutil.copy(more / "train" / "class_000" / "00000.JPEG", more / "train" / "class_000" / "00009.JPEG")
     with pytest.raises(shards.ShardsMismatchError, match="class 0 has 4 samples, the folder 5"):
         shards.check_shards(converted[0], "train", EncodedFolder(more / "train"), more)
+
+
+def test_the_benchmarks_read_row_hands_on_the_files_bytes_from_both(folder, converted, monkeypatch):
+    """bench/recipe_throughput.py's read row, folder against shards (its code, at the smallest size): both
+    hand on the 13 JPEGs' bytes (the 12 generated and the grayscale one), as many as the files hold."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    from recipe_throughput import read_row
+
+    files = EncodedFolder(folder / "train")
+    jpegs = [
+        index
+        for index, (path, _) in enumerate(files.samples)
+        if os.path.exists(path) and jpeg_size(Path(path).read_bytes()) is not None
+    ]
+    row = read_row(files, ShardedFiles(str(converted[0]), "train"), jpegs[::-1], repeats=1)
+    assert row["bytes"] == sum(os.path.getsize(files.samples[index][0]) for index in jpegs) > 0
+    assert row["images"] == len(jpegs) == 13 and set(row["bytes_per_s"]) == {"folder", "shards"}
 
 
 def _interrupted_conversion(out: Path, folder: Path) -> None:
