@@ -213,6 +213,52 @@ def test_the_benchmarks_read_row_hands_on_the_files_bytes_from_both(folder, conv
     assert row["images"] == len(jpegs) == 13 and set(row["bytes_per_s"]) == {"folder", "shards"}
 
 
+@pytest.mark.slow  # a local S3 server: about 5 s
+def test_shards_on_a_local_s3_server_give_the_local_shards_batches(converted, tmp_path, monkeypatch):
+    """An ``s3://`` root, the shards uploaded to moto's S3 server (HTTPS, its authority trusted through
+    SSL_CERT_FILE and AWS_CA_BUNDLE): litdata fetches the chunks into data.cache_dir, and the runner's
+    shards module gives the local shards' batches bit for bit (training, validation, unreadable files)."""
+    pytest.importorskip(
+        "moto.moto_server.werkzeug_app", reason="moto's S3 server: pip install 'moto[server]'"
+    )
+    import boto3
+    from s3_server import https_s3_server
+
+    with https_s3_server(tmp_path) as (endpoint, authority):
+        for name, value in {
+            "AWS_ENDPOINT_URL": endpoint,
+            "AWS_CA_BUNDLE": str(authority),
+            "SSL_CERT_FILE": str(authority),
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }.items():
+            monkeypatch.setenv(name, value)
+        client = boto3.client("s3")
+        client.create_bucket(Bucket="data")
+        for path in converted[0].rglob("*"):
+            if path.is_file():
+                client.upload_file(str(path), "data", f"shards/{path.relative_to(converted[0])}")
+        options = dict(batch_size=5, image_size=SIZE, num_workers=0, num_classes=3, skip_unreadable=True)
+        modules = [
+            ImageShardsDataModule(str(converted[0]), **options),
+            ImageShardsDataModule("s3://data/shards", cache_dir=str(tmp_path / "cache"), **options),
+        ]
+        for validation in (False, True):
+            expected, got = (_batches(module, 0, validation) for module in modules)
+            assert len(got) == len(expected) == (2 if validation else 4)
+            for (images, labels), (remote_images, remote_labels) in zip(expected, got):
+                assert torch.equal(images, remote_images) and torch.equal(labels, remote_labels)
+    reports = [
+        {os.path.relpath(path, module.root): why for path, why in module.unreadable.items()}
+        for module in modules
+    ]
+    assert reports[0] == reports[1] and len(reports[0]) == 2
+    assert sorted(path.name for path in (tmp_path / "cache").rglob("chunk-*.bin")) == sorted(
+        path.name for path in converted[0].rglob("chunk-*.bin")
+    )  # whole chunks, each fetched
+
+
 def _interrupted_conversion(out: Path, folder: Path) -> None:
     """A conversion slowed down, in a session of its own (killed with its workers)."""
     os.setsid()
