@@ -7,13 +7,20 @@ the training device), ours with that normalization done on the CPU too, against 
 pipeline (``ImageFolder`` + PIL ``RandomResizedCrop``, flip, ``ToTensor``, ``Normalize``). Passes over the
 same images, interleaved; medians. Writes ``bench/results/recipe_throughput.json``.
 
+The read row: what a loader worker does with ``data.decode=gpu`` (each file's bytes read, the crop drawn from
+its JPEG header, handed on to the device's decode), in bytes per second per core, from the folder and from the
+same folder converted to shards (``python -m runner.shards``, chunks of 2 MB so that, as ImageNet's 64 MB ones
+do, nearly every next sample of a shuffled order lies in another chunk); the files in a shuffled order, passes
+interleaved, medians. ``--read`` runs it alone and prints it, writing nothing.
+
 ``--gpu``: ``python train.py recipe=resnet50`` (batch 256 per GPU, bf16-mixed) on synthetic data and on the
-generated folder (``data.decode=gpu`` and ``cpu``), each run's ``train/images_per_sec`` over its last 20
+generated folder (``data.decode=gpu`` and ``cpu``) and on its shards (``data=imagenet_shards``,
+``data.decode=gpu``), each run's ``train/images_per_sec`` over its last 20
 steps, against the bare training step (ResNet-50, batch 256, bf16 autocast, channels-last, FusedSGD) eager and
 with ``torch.compile``. Each row is written as it is measured (``recipe_throughput_gpu.json``), so a deadline
 that stops the script keeps the rows before it. ``bench/gpu_check.sh`` runs it.
 
-Usage: ``python bench/recipe_throughput.py [--images 240] [--repeats 7] [--gpu [ROW ...]]``.
+Usage: ``python bench/recipe_throughput.py [--images 240] [--repeats 7] [--read] [--gpu [ROW ...]]``.
 """
 
 from __future__ import annotations
@@ -36,12 +43,15 @@ sys.path.insert(0, str(ROOT))  # the recipe runner sits beside train.py, in the 
 
 from runner.augment import normalize  # noqa: E402
 from runner.data import IMAGENET_MEAN, IMAGENET_STD  # noqa: E402
-from runner.files import EncodedFolder  # noqa: E402
+from runner.files import EncodedFolder, SplitFiles  # noqa: E402
 from runner.image_pipeline import FolderSamples  # noqa: E402
 from runner.jpeg_folder import make_jpeg_folder  # noqa: E402
+from runner.shard_files import ShardedFiles  # noqa: E402
+from runner.shards import convert  # noqa: E402
 
 SIZE = 224
-GPU_ROWS = ("bare", "compiled", "synthetic", "decode=gpu", "decode=cpu")
+GPU_ROWS = ("bare", "compiled", "synthetic", "decode=gpu", "shards", "decode=cpu")
+READ_CHUNK = "2MB"  # ~30 of the generated JPEGs a chunk
 
 
 def _ours(folder: Path, count: int, normalize_here: bool):
@@ -80,12 +90,67 @@ def _torchvision_reference(folder: Path, count: int):
     return one_pass
 
 
-def cpu_pipeline(images: int, repeats: int) -> dict[str, object]:
+def _read_stage(files: SplitFiles, order: list[int]):
+    """A loader worker's work with ``data.decode=gpu``, each file of ``order`` in turn: its bytes read and the
+    crop drawn from its JPEG header, handed on (to the device's decode). A pass returns the bytes it hands
+    on."""
+    samples = FolderSamples(files, SIZE, decode_on_device=True)
+
+    def one_pass() -> int:
+        return sum(len(samples[(index, index)][0].image.data) for index in order)
+
+    return one_pass
+
+
+def read_row(folder: SplitFiles, shards: SplitFiles, order: list[int], repeats: int) -> dict[str, object]:
+    """Bytes per second per core of the read stage (one thread: the caller's), the files ``order`` names
+    (JPEGs), from a training folder and from its shards."""
+    contenders = {"folder": _read_stage(folder, order), "shards": _read_stage(shards, order)}
+    handed_on = {name: one_pass() for name, one_pass in contenders.items()}  # warm up: the page cache
+    if len(set(handed_on.values())) != 1:
+        raise RuntimeError(f"the folder and its shards handed on other bytes: {handed_on}")
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    for _ in range(repeats):
+        for name, one_pass in contenders.items():
+            start = time.perf_counter()
+            one_pass()
+            times[name].append(time.perf_counter() - start)
+    size = handed_on["folder"]
+    rates = {name: size / statistics.median(values) for name, values in times.items()}
+    for name, rate in rates.items():
+        print(
+            f"read for the decode stage, {name}: {rate / 1e6:.0f} MB/s per core "
+            f"({rate / rates['folder']:.2f}x the folder)",
+            flush=True,
+        )
+    return {
+        "images": len(order),
+        "bytes": size,
+        "repeats": repeats,
+        "chunk_bytes": READ_CHUNK,
+        "bytes_per_s": rates,
+    }
+
+
+def cpu_pipeline(images: int, repeats: int, read_only: bool = False) -> dict[str, object]:
+    """The CPU rows (``read_only``: the read row alone) on a generated folder of ``images`` training JPEGs."""
     torch.set_num_threads(1)  # images/s per core: one thread, as one loader worker
     with tempfile.TemporaryDirectory() as directory:
         classes = 8
-        folder = make_jpeg_folder(directory, classes=classes, train=-(-images // classes), val=0) / "train"
+        # One validation image a class: the shards' conversion takes both splits.
+        root = make_jpeg_folder(
+            Path(directory) / "folder", classes=classes, train=-(-images // classes), val=1
+        )
+        folder = root / "train"
         count = min(images, len(EncodedFolder(folder)))
+        shards = Path(directory) / "shards"
+        convert(shards, root, workers=1, chunk_bytes=READ_CHUNK)
+        order = torch.randperm(
+            count, generator=torch.Generator().manual_seed(0)
+        ).tolist()  # shuffled, as an epoch
+        read = read_row(EncodedFolder(folder), ShardedFiles(str(shards), "train"), order, repeats)
+        if read_only:
+            return {"read": read}
         contenders = {
             "ours (uint8, normalized on the device)": _ours(folder, count, normalize_here=False),
             "ours, normalized on the CPU": _ours(folder, count, normalize_here=True),
@@ -103,7 +168,7 @@ def cpu_pipeline(images: int, repeats: int) -> dict[str, object]:
     reference = rates["torchvision reference (PIL)"]
     for name, rate in rates.items():
         print(f"{name}: {rate:.0f} images/s per core ({rate / reference:.2f}x the reference)", flush=True)
-    return {"images": count, "repeats": repeats, "size": SIZE, "images_per_s": rates}
+    return {"images": count, "repeats": repeats, "size": SIZE, "images_per_s": rates, "read": read}
 
 
 def _bare_step(compiled: bool, steps: int = 30, warmup: int = 10) -> float:
@@ -158,16 +223,18 @@ def _train_py(overrides: list[str]) -> float:
         return json.loads((Path(directory) / "metrics.json").read_text())["metrics"]["train/images_per_sec"]
 
 
-def gpu_rows(rows: list[str], folder: Path) -> None:
+def gpu_rows(rows: list[str], folder: Path, shards: Path) -> None:
     path = RESULTS_DIR / "recipe_throughput_gpu.json"
     result: dict[str, object] = {"machine": machine_info(), "images_per_s": {}}
     workers = str(min(12, os.cpu_count() or 1))
     folder_run = [f"data.root={folder}", "data.num_classes=20", f"data.num_workers={workers}"]
+    shards_run = ["data=imagenet_shards", f"data.root={shards}", *folder_run[1:]]
     runs = {
         "bare": lambda: _bare_step(compiled=False),
         "compiled": lambda: _bare_step(compiled=True),
         "synthetic": lambda: _train_py(["data=synthetic", "data.train_samples=20480", "data.num_workers=2"]),
         "decode=gpu": lambda: _train_py([*folder_run, "data.decode=gpu"]),
+        "shards": lambda: _train_py([*shards_run, "data.decode=gpu"]),
         "decode=cpu": lambda: _train_py([*folder_run, "data.decode=cpu"]),
     }
     for row in rows:
@@ -182,11 +249,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--images", type=int, default=240, help="images per pass (the CPU pipeline)")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument(
+        "--read", action="store_true", help="only the read row, folder against shards (printed, not written)"
+    )
     parser.add_argument("--gpu", nargs="*", choices=GPU_ROWS, help="the GPU rows to run (none named: all)")
     parser.add_argument(
         "--folder", type=Path, default=ROOT / "data" / "jpeg_folder", help="the --gpu rows' data"
     )
+    parser.add_argument(
+        "--shards",
+        type=Path,
+        default=ROOT / "data" / "jpeg_shards",
+        help="the shards row's data: --folder converted, where absent",
+    )
     args = parser.parse_args()
+    if args.read:
+        cpu_pipeline(args.images, args.repeats, read_only=True)
+        return
     if args.gpu is None:
         print(f"wrote {write_json('recipe_throughput', cpu_pipeline(args.images, args.repeats))}")
         return
@@ -194,7 +273,10 @@ def main() -> None:
         sys.exit("--gpu needs a CUDA device")
     if not (args.folder / "train").is_dir():  # 20 classes x 100: 2,000 training images, ~130 MB
         make_jpeg_folder(args.folder, classes=20, train=100, val=5)
-    gpu_rows(args.gpu or list(GPU_ROWS), args.folder)
+    rows = args.gpu or list(GPU_ROWS)
+    if "shards" in rows and not (args.shards / "val" / "index.json").is_file():
+        convert(args.shards, args.folder, workers=os.cpu_count() or 1)
+    gpu_rows(rows, args.folder, args.shards)
 
 
 if __name__ == "__main__":

@@ -476,6 +476,28 @@ def gpu_section(result: dict[str, Any]) -> str:
     return "\n".join(text) + "\n"
 
 
+def _read_row(read: dict[str, Any] | None) -> list[str]:
+    """The read stage's lines, folder against shards (``None``: a result from before the row)."""
+    if read is None:
+        return [
+            "The read stage, folder against shards (`bench/recipe_throughput.py`'s read row, `--read` "
+            "alone): not yet measured.",
+            "",
+        ]
+    rates = read["bytes_per_s"]
+    rows = [[name, f"{rate / 1e6:.0f}", f"{rate / rates['folder']:.2f}x"] for name, rate in rates.items()]
+    return [
+        f"The read stage, what a loader worker does with `data.decode=gpu`: {read['images']} of the files "
+        f"({read['bytes'] / 1e6:.0f} MB) in a shuffled order, each read and its crop drawn from its JPEG "
+        "header, from the folder and from its shards (`python -m runner.shards`, chunks of "
+        f"{read['chunk_bytes']}, so that nearly every next sample lies in another chunk, as with ImageNet's "
+        f"64 MB ones), median of {read['repeats']} interleaved passes.",
+        "",
+        _table(["read from", "MB/s per core", "against the folder"], rows),
+        "",
+    ]
+
+
 def recipe_throughput_section(result: dict[str, Any]) -> str:
     rates = result["images_per_s"]
     reference = rates["torchvision reference (PIL)"]
@@ -492,6 +514,7 @@ def recipe_throughput_section(result: dict[str, Any]) -> str:
         "",
         _table(["pipeline", "images/s per core", "against the reference"], rows),
         "",
+        *_read_row(result.get("read")),
         _provenance("recipe_throughput", result),
         "",
         "### On a GPU",
@@ -501,8 +524,9 @@ def recipe_throughput_section(result: dict[str, Any]) -> str:
     if gpu is None:
         text += [
             "Not yet measured on a GPU: `python train.py recipe=resnet50` on synthetic data and on the JPEG "
-            "folder (`data.decode=gpu`, `data.decode=cpu`) against the bare ResNet-50 step, eager and "
-            "compiled, are `bench/recipe_throughput.py --gpu`'s rows, which `bench/gpu_check.sh` runs. "
+            "folder (`data.decode=gpu`, `data.decode=cpu`) and on its shards (`data=imagenet_shards`, "
+            "`data.decode=gpu`) against the bare ResNet-50 step, eager and compiled, are "
+            "`bench/recipe_throughput.py --gpu`'s rows, which `bench/gpu_check.sh` runs. "
             "The defaults they would choose (`model.compile`, the recipes' precision) are unmeasured: "
             "`model.compile` is off, the recipes keep their sources' precision, and "
             "`model.channels_last=auto` trains channels-last on a GPU on NVIDIA's advice, not on a "

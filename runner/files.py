@@ -10,7 +10,7 @@ import re
 import struct
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 from torch.utils.data import Dataset
@@ -21,6 +21,7 @@ from lightning_fusedsgd.lightning import ConfigError
 __all__ = [
     "EncodedFolder",
     "EncodedImage",
+    "SplitFiles",
     "UnreadableImage",
     "as_stored",
     "jpeg_size",
@@ -131,6 +132,21 @@ def as_stored(data: torch.Tensor) -> torch.Tensor:
     return torch.cat(kept)
 
 
+class SplitFiles(Protocol):
+    """A split's samples as bytes, what the pipeline reads: an :class:`EncodedFolder`, or the same samples
+    from shards (:class:`~runner.shard_files.ShardedFiles`)."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int) -> EncodedImage:
+        """Sample ``index``; raises :class:`UnreadableImage` where its file cannot be read."""
+        ...
+
+    def label(self, index: int) -> int:
+        """The label of sample ``index``, read or not."""
+        ...
+
+
 class EncodedFolder(Dataset):
     """An ImageFolder (``root/<class>/<image>``) whose samples are :class:`EncodedImage`: bytes, not pixels.
 
@@ -153,6 +169,10 @@ class EncodedFolder(Dataset):
 
     def __len__(self) -> int:
         return len(self.samples)
+
+    def label(self, index: int) -> int:
+        """The label of sample ``index``, read or not."""
+        return self.samples[index][1]
 
     def __getitem__(self, index: int) -> EncodedImage:
         """The file's bytes.

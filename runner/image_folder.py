@@ -17,11 +17,18 @@ from lightning_fusedsgd.lightning import ConfigError
 from runner.augment import IMAGENET_MEAN, IMAGENET_STD, folder_view_transforms
 from runner.datamodule import DataNotFoundError, SeededDataModule
 from runner.decode import device_failure, jpeg_decoder
-from runner.files import EncodedFolder, EncodedImage, UnreadableImage, jpeg_size, refuse_empty_classes
+from runner.files import (
+    EncodedFolder,
+    EncodedImage,
+    SplitFiles,
+    UnreadableImage,
+    jpeg_size,
+    refuse_empty_classes,
+)
 from runner.image_pipeline import FolderSamples, LoadedBatch, PilImages, SetAside, collate, collate_set_aside
 from runner.options import check_flags
 
-__all__ = ["ImageFolderDataModule", "UnreadableImagesError"]
+__all__ = ["ImageFolderDataModule", "UnreadableImagesError", "class_folders"]
 
 
 class UnreadableImagesError(ConfigError):
@@ -105,7 +112,7 @@ class ImageFolderDataModule(SeededDataModule):
         root = Path(self.root).resolve()
         classes = {}
         for split in ("train", "val"):
-            classes[split] = _class_folders(root / split)
+            classes[split] = class_folders(root / split)
             if not classes[split]:
                 raise DataNotFoundError("ImageNet-style (ImageFolder) data", str(root / split), self.LAYOUT)
         if len(classes["train"]) != self.num_classes:
@@ -115,7 +122,7 @@ class ImageFolderDataModule(SeededDataModule):
             )
         _check_same_classes(root / "train", classes["train"], root / "val", classes["val"])
 
-    def _decode_on_device(self, files: EncodedFolder) -> bool:
+    def _decode_on_device(self, files: SplitFiles) -> bool:
         """Where JPEGs are decoded, chosen once and said: on the training GPU (``gpu``, or ``auto`` on a GPU)
         where the decoder decodes some of ``files``'s first JPEGs there, else by the loader workers."""
         decoder = jpeg_decoder()
@@ -146,13 +153,18 @@ class ImageFolderDataModule(SeededDataModule):
         )
         return False
 
-    def setup(self, stage: str | None = None) -> None:
-        if self.train_set is not None:
-            return
+    def split_files(self) -> tuple[SplitFiles, SplitFiles]:
+        """The training and validation splits' files, checked (:meth:`check_data`, no empty class)."""
         self.check_data()
         train_files = EncodedFolder(os.path.join(self.root, "train"))
         val_files = EncodedFolder(os.path.join(self.root, "val"), train_files.classes)
         refuse_empty_classes(train_files, val_files)
+        return train_files, val_files
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is not None:
+            return
+        train_files, val_files = self.split_files()
         if self.views is None:
             on_device = self._decode_on_device(train_files)
             self.train_set = FolderSamples(train_files, self.image_size, on_device)
@@ -198,7 +210,7 @@ class ImageFolderDataModule(SeededDataModule):
         return {"unreadable_files": dict(self.unreadable), "host_decoded_files": dict(self.decoded_on_host)}
 
 
-def _first_jpegs(files: EncodedFolder, count: int = 8, looked_at: int = 64) -> list[EncodedImage]:
+def _first_jpegs(files: SplitFiles, count: int = 8, looked_at: int = 64) -> list[EncodedImage]:
     """Up to ``count`` readable JPEGs among the first ``looked_at`` files, to try the device decode on."""
     jpegs = []
     for index in range(min(len(files), looked_at)):
@@ -213,7 +225,7 @@ def _first_jpegs(files: EncodedFolder, count: int = 8, looked_at: int = 64) -> l
     return jpegs
 
 
-def _class_folders(split: Path) -> list[str]:
+def class_folders(split: Path) -> list[str]:
     """A split's class folders, sorted (ImageFolder's labels); none where the split is missing."""
     try:
         return find_classes(str(split))[0]

@@ -21,7 +21,7 @@ from torch.utils.data import Dataset, default_collate
 
 from runner.augment import Crop, center_crop, draw_crop, normalize, resized_crop
 from runner.decode import DecodedOnHost, decode_batch, decode_on_cpu, pil_image
-from runner.files import EncodedFolder, EncodedImage, UnreadableImage, jpeg_size
+from runner.files import EncodedImage, SplitFiles, UnreadableImage, jpeg_size
 
 __all__ = [
     "FinishedBatch",
@@ -49,12 +49,13 @@ class FolderSamples(Dataset):
     (training: a random resized crop and flip) or by ``index`` (validation: resize and center crop).
 
     Args:
-        files: The split's files, as bytes.
+        files: The split's files, as bytes: an :class:`~runner.files.EncodedFolder` or the same samples from
+            shards (:class:`~runner.shard_files.ShardedFiles`).
         size: The side of the images the model sees.
         decode_on_device: Leave decoding and resizing to the device (see the module docstring).
     """
 
-    def __init__(self, files: EncodedFolder, size: int, decode_on_device: bool) -> None:
+    def __init__(self, files: SplitFiles, size: int, decode_on_device: bool) -> None:
         self.files = files
         self.size = size
         self.decode_on_device = decode_on_device
@@ -77,7 +78,7 @@ class FolderSamples(Dataset):
                 ), image.label
             return _transform(pixels, crop, self.size), image.label
         except UnreadableImage as unreadable:
-            return unreadable, self.files.samples[index][1]
+            return unreadable, self.files.label(index)
 
 
 def _transform(pixels: torch.Tensor, crop: Crop | None, size: int) -> torch.Tensor:
@@ -162,7 +163,7 @@ class PilImages(Dataset):
     them (:func:`~runner.decode.pil_image`): ``(image, label)``, the image the :class:`UnreadableImage` it is
     where the file cannot be read or decoded (:class:`~runner.sampling.SeededDataset` hands it on)."""
 
-    def __init__(self, files: EncodedFolder) -> None:
+    def __init__(self, files: SplitFiles) -> None:
         self.files = files
 
     def __len__(self) -> int:
@@ -170,9 +171,9 @@ class PilImages(Dataset):
 
     def __getitem__(self, index: int) -> tuple[Image.Image | UnreadableImage, int]:
         try:
-            return pil_image(self.files[index]), self.files.samples[index][1]
+            return pil_image(self.files[index]), self.files.label(index)
         except UnreadableImage as unreadable:
-            return unreadable, self.files.samples[index][1]
+            return unreadable, self.files.label(index)
 
 
 class SetAside(NamedTuple):
