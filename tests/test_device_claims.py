@@ -26,7 +26,7 @@ from helpers import op_row, op_state
 from torch import nn
 
 from lightning_fusedsgd import FusedSGD, FusedSGDScheduleFree, ops
-from lightning_fusedsgd._abi import SCHEDULE_FREE_SCALARS, StepRow, table
+from lightning_fusedsgd._abi import LARS_SUM_NAMES, SCHEDULE_FREE_SCALARS, StepRow, table
 from lightning_fusedsgd.schedule import WarmupSchedule
 
 # (device of the tensors, library kind): the CPU kernels, the CUDA kernels emulated on CPU tensors, CUDA.
@@ -195,7 +195,9 @@ def lars_trust_ratio(kind, device):
     sums = [(2.0, 3.0), (0.7, 1e-3), (5.0, 0.3), (1e-8, 4e4)]
     hparams = dict(lars=True, weight_decay=5e-4, trust_coefficient=0.02, lars_eps=1e-3)
     groups = [_defaults(lr=1.0, **hparams, trust_clip=i % 2 == 1) for i in range(len(sums))]
-    rows = torch.tensor([[w, t, 0.0] for w, t in sums], dtype=torch.float64, device=device)
+    rows = torch.zeros(len(sums), len(LARS_SUM_NAMES), dtype=torch.float64, device=device)
+    rows[:, LARS_SUM_NAMES.index("w_sq")] = torch.tensor([w for w, _ in sums], dtype=torch.float64)
+    rows[:, LARS_SUM_NAMES.index("term_sq")] = torch.tensor([t for _, t in sums], dtype=torch.float64)
     got, _ = _zeros_stepped(kind, device, groups, lars_sq_sums=rows)
     expected = []
     for (w, t), group in zip(sums, groups):
