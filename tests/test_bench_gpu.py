@@ -15,6 +15,8 @@ BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
 @pytest.mark.slow
+# A benchmark's readiness, not the product's behaviour: make test-all runs it (before a GPU session).
+@pytest.mark.heavy
 def test_the_gpu_benchmark_runs_every_section(tmp_path):
     out = tmp_path / "gpu.json"
     result = subprocess.run(
