@@ -43,10 +43,10 @@ train: install
 # most of a test's time is single-threaded (whole runs, imports, Hydra, subprocesses' start).
 XDIST = -n auto --dist worksteal
 
-test: lint  # what CI runs: the lint, then everything but the heavy tests, the docs build included (14 minutes on 2 cores)
+test: lint  # what CI runs: the lint, then everything but the heavy tests, the docs build included (7 minutes on 2 cores)
 	$(PYTHON) -m pytest -q -m "not heavy" $(XDIST)
 
-test-all: lint  # and the heavy tests: the wheel build, kill-and-resume runs, bf16 on the CPU (5 minutes more)
+test-all: lint  # and the heavy tests: the wheel build, kill-and-resume runs, bf16 on the CPU, the GPU benchmark's smoke run
 	$(PYTHON) -m pytest -q $(XDIST)
 
 test-fast: install-dev  # the inner loop: everything but whole runs, subprocesses and builds (under 2 minutes)
