@@ -17,6 +17,7 @@ import argparse
 import json
 import multiprocessing
 import os
+import shlex
 import sys
 from collections import Counter
 from pathlib import Path
@@ -32,9 +33,11 @@ from runner.files import EncodedFolder, UnreadableImage  # noqa: E402
 from runner.image_folder import ImageFolderDataModule, class_folders  # noqa: E402
 from runner.shard_files import ShardedFiles, litdata  # noqa: E402
 
-__all__ = ["ShardsMismatchError", "check_shards", "convert"]
+__all__ = ["ShardsMismatchError", "check_shards", "convert", "train_command"]
 
 SPLITS = ("train", "val")
+TRAIN_PY = Path(__file__).resolve().parents[1] / "train.py"
+IMAGENET_CLASSES = 1000  # data=imagenet_shards's data.num_classes
 _CHECKPOINTS = ".checkpoints"  # litdata's checkpoints of a conversion in progress
 
 
@@ -215,7 +218,16 @@ def main() -> None:
         convert(args.out, args.folder, args.workers, args.chunk_bytes)
     except ConfigError as error:
         sys.exit(f"error: {error}")
-    print(f"to train on them: python train.py recipe=resnet50 data=imagenet_shards data.root={args.out}")
+    print(f"to train on them: {train_command(args.out, args.folder)}")
+
+
+def train_command(out: str | Path, folder: str | Path) -> str:
+    """The command that trains ``recipe=resnet50`` on the shards at ``out`` (converted from ``folder``), from
+    any directory: absolute paths, and the class count where it is not ImageNet's."""
+    words = ["python", str(TRAIN_PY), "recipe=resnet50", "data=imagenet_shards"]
+    words.append(f"data.root={Path(out).expanduser().resolve()}")
+    classes = len(class_folders(Path(folder).expanduser() / "train"))
+    return shlex.join(words + ([f"data.num_classes={classes}"] if classes != IMAGENET_CLASSES else []))
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import shlex
 import shutil
 import signal
 import time
@@ -16,11 +17,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from hydra.utils import instantiate
 from image_helpers import SIZE
 from PIL import Image
 from torchvision.datasets import ImageFolder
 
 pytest.importorskip("litdata", reason="the shards extra: pip install -e '.[shards]'")
+
+from lightning_helpers import ROOT, compose_train  # noqa: E402
 
 from lightning_fusedsgd.lightning import ConfigError  # noqa: E402
 from runner import shards  # noqa: E402
@@ -50,6 +54,20 @@ def converted(folder, tmp_path_factory):
     out = tmp_path_factory.mktemp("shards") / "out"
     counts = shards.convert(out, folder, workers=2, chunk_bytes=CHUNK)
     return out, counts
+
+
+def test_the_conversions_hint_composes_a_run_on_the_shards_from_any_directory(
+    folder, converted, tmp_path, monkeypatch
+):
+    """The command the conversion ends with: train.py by its path, the shards' absolute root and their class
+    count (ImageFolder's), so that the run it composes, from another directory, sets up on them."""
+    monkeypatch.chdir(tmp_path)
+    python, script, *overrides = shlex.split(shards.train_command(os.path.relpath(converted[0]), folder))
+    assert (python, script) == ("python", str(ROOT / "train.py"))
+    assert f"data.num_classes={len(ImageFolder(folder / 'train').classes)}" in overrides
+    module = instantiate(compose_train([*overrides, "debug=tiny"], tmp_path / "run").data)
+    module.setup("fit")
+    assert len(module.train_dataloader().dataset) == len(ImageFolder(folder / "train"))
 
 
 def test_the_shards_hold_the_folders_files_labels_and_unreadable_reasons(folder, converted):
