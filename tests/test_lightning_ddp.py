@@ -10,6 +10,10 @@ from lightning_helpers import run_train_py
 pytestmark = pytest.mark.slow  # whole runs in subprocesses: make test runs them, make test-fast not
 
 
+# A whole epoch on 2 processes: with the heavy tests. In make test, a 2-process DDP run goes through train.py
+# in tests/test_skip_unreadable_runs.py, and the lr scaled by the world size (tests/test_slurm.py) and each
+# rank's share of the samples (tests/test_lightning_data.py) are checked in-process.
+@pytest.mark.heavy
 def test_two_process_ddp_scales_lr_with_world_size(tmp_path):
     result = run_train_py(
         [
