@@ -92,21 +92,25 @@ MUTANTS = [
     # Sums in float where the kernels document double.
     Mutant(
         "lars-partial-sums-in-float",
-        "  double sum[kNumLarsSums] = {0, 0, 0};\n  for (int64_t i = chunk.begin",
-        "  float sum[kNumLarsSums] = {0, 0, 0};\n  for (int64_t i = chunk.begin",
+        "  double sum[kNumLarsSums] = {0, 0, 0, 0};\n  for (int64_t i = chunk.begin",
+        "  float sum[kNumLarsSums] = {0, 0, 0, 0};\n  for (int64_t i = chunk.begin",
     ),
     Mutant("lars-product-in-float", "sum[2] += static_cast<double>(wi) * ti;", "sum[2] += wi * ti;"),
     Mutant(
         "lars-rows-in-float",
-        "  double sum[kNumLarsSums] = {0, 0, 0};\n  for (int64_t k = t.first_chunk",
-        "  float sum[kNumLarsSums] = {0, 0, 0};\n  for (int64_t k = t.first_chunk",
+        "  double sum[kNumLarsSums] = {0, 0, 0, 0};\n  for (int64_t k = t.first_chunk",
+        "  float sum[kNumLarsSums] = {0, 0, 0, 0};\n  for (int64_t k = t.first_chunk",
     ),
     Mutant(
         "block-sum-in-float",
         "__device__ inline double block_sum(double value, double* scratch) {",
         "__device__ inline double block_sum(float value, double* scratch) {",
     ),
-    Mutant("grad-sq-sum-in-float", "  double sum = 0;\n", "  float sum = 0;\n"),
+    Mutant(
+        "grad-sq-sum-in-float",
+        "  double sum = 0;\n  for (int64_t i = chunk.begin",
+        "  float sum = 0;\n  for (int64_t i = chunk.begin",
+    ),
     # Loops over elements, chunks and tensors.
     Mutant(
         "lars-rows-step-of-the-update",
@@ -120,8 +124,8 @@ MUTANTS = [
     ),
     Mutant(
         "lars-sums-step-of-the-update",
-        "i < chunk.end; i += kThreads) {\n    const O wi",
-        "i < chunk.end; i += kThreads * kUnroll) {\n    const O wi",
+        "i < chunk.end; i += kThreads) {\n    const O gi = clipped_grad",
+        "i < chunk.end; i += kThreads * kUnroll) {\n    const O gi = clipped_grad",
     ),
     Mutant(
         "update-chunk-end-one-short",
