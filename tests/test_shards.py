@@ -101,6 +101,21 @@ def _batches(module, epoch: int = 0, validation: bool = False):
     return [module.on_after_batch_transfer(batch, 0) for batch in loader]
 
 
+def _assert_same_batches_and_reports(modules, passes) -> None:
+    """Two DataModules give the same batches in each ``(epoch, validation)`` pass (4 training batches, 2
+    validation ones) and report the same two unreadable files, by their paths under each module's root."""
+    for epoch, validation in passes:
+        expected, got = (_batches(module, epoch, validation) for module in modules)
+        assert len(got) == len(expected) == (2 if validation else 4)
+        for (images, labels), (other_images, other_labels) in zip(expected, got):
+            assert torch.equal(images, other_images) and torch.equal(labels, other_labels)
+    reports = [
+        {os.path.relpath(path, module.root): why for path, why in module.unreadable.items()}
+        for module in modules
+    ]
+    assert reports[0] == reports[1] and len(reports[0]) == 2
+
+
 @pytest.mark.parametrize(("on_device", "num_workers"), [(False, 0), (True, 0), (False, 2)])
 def test_shards_give_the_folders_batches_bit_for_bit(folder, converted, on_device, num_workers):
     """Both decode paths (the device's run on CPU tensors): the same images, labels and unreadable files left
@@ -117,16 +132,7 @@ def test_shards_give_the_folders_batches_bit_for_bit(folder, converted, on_devic
         module.setup()
         for dataset in (module.train_set, module.val_set):
             dataset.decode_on_device = on_device
-    for epoch, validation in ((0, False), (1, False), (0, True)):
-        expected, got = (_batches(module, epoch, validation) for module in modules)
-        assert len(got) == len(expected) == (2 if validation else 4)
-        for (images, labels), (shard_images, shard_labels) in zip(expected, got):
-            assert torch.equal(images, shard_images) and torch.equal(labels, shard_labels)
-    reports = [
-        {os.path.relpath(path, module.root): why for path, why in module.unreadable.items()}
-        for module in modules
-    ]
-    assert reports[0] == reports[1] and len(reports[0]) == 2
+    _assert_same_batches_and_reports(modules, ((0, False), (1, False), (0, True)))
 
 
 def test_the_shards_resume_at_a_saved_position_as_the_folder(converted):
@@ -262,16 +268,7 @@ def test_shards_on_a_local_s3_server_give_the_local_shards_batches(converted, tm
             ImageShardsDataModule(str(converted[0]), **options),
             ImageShardsDataModule("s3://data/shards", cache_dir=str(tmp_path / "cache"), **options),
         ]
-        for validation in (False, True):
-            expected, got = (_batches(module, 0, validation) for module in modules)
-            assert len(got) == len(expected) == (2 if validation else 4)
-            for (images, labels), (remote_images, remote_labels) in zip(expected, got):
-                assert torch.equal(images, remote_images) and torch.equal(labels, remote_labels)
-    reports = [
-        {os.path.relpath(path, module.root): why for path, why in module.unreadable.items()}
-        for module in modules
-    ]
-    assert reports[0] == reports[1] and len(reports[0]) == 2
+        _assert_same_batches_and_reports(modules, ((0, False), (0, True)))
     assert sorted(path.name for path in (tmp_path / "cache").rglob("chunk-*.bin")) == sorted(
         path.name for path in converted[0].rglob("chunk-*.bin")
     )  # whole chunks, each fetched

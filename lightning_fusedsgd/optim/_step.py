@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from lightning_fusedsgd._abi import LARS_SUM_NAMES, LARS_SUMS, SCHEDULE_FREE_SCALARS, StepRow, plan_key, table
+from lightning_fusedsgd.ops import reference
 from lightning_fusedsgd.optim import _backends, _kept, _sparse
 from lightning_fusedsgd.optim._dtensor import ReduceKey
 from lightning_fusedsgd.optim._plan import (
@@ -96,17 +97,12 @@ class StepNorm:
     unscaled_grad_sq_sum: Tensor | None = None
 
 
-def _lars_adapts(group: Mapping[str, Any]) -> bool:
-    """Whether LARS adapts a group's tensors (``lars_adapts`` in csrc/sgd_math.h): only theirs have rows."""
-    return bool(group["lars"]) and (bool(group["always_adapt"]) or group["weight_decay"] != 0)
-
-
 def run(
     buckets: Sequence[BucketStep], inputs: StepInputs, sharded: bool, lars_groups: Sequence[bool]
 ) -> StepNorm:
     """One optimizer step over ``buckets``: norms, their reduction, then the update. ``sharded``: some
     tensor's norms must be summed over other ranks (then every bucket is a :class:`PlannedBucket`);
-    ``lars_groups``: which groups LARS adapts (``_lars_adapts``).
+    ``lars_groups``: which groups LARS adapts (``lars_adapts``: only their tensors have rows).
 
     Returns:
         The step's gradient norm's sum of squares (:class:`StepNorm`): the clip's where it clips by norm,
@@ -172,7 +168,7 @@ class Steps:
             sharded = plan.sharded
         if inputs.scalars is not None:
             inputs = self._advance_schedule_free(inputs)
-        norm = run(buckets, inputs, sharded, list(map(_lars_adapts, groups)))
+        norm = run(buckets, inputs, sharded, list(map(reference.lars_adapts, groups)))
         self.last_backends.clear()
         self.last_backends.update(names)
         if plan is not None:
@@ -362,4 +358,4 @@ def inverse_scale(grad_scale: Tensor | None, device: torch.device) -> Tensor | f
     float64 on ``device``; 1.0 without a scale."""
     if grad_scale is None:
         return 1.0
-    return torch.as_tensor(grad_scale, dtype=torch.float64, device=device).reciprocal().float().double()
+    return reference.inverse_scale(torch.as_tensor(grad_scale, device=device)).double()
