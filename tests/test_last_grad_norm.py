@@ -119,7 +119,9 @@ def test_a_lars_step_keeps_the_norm_of_every_gradient_its_norm_pass_took(backend
             assert all(name.endswith("(kept plan)") for name in optimizer.last_backends.values())
         norm = optimizer.last_grad_norm
         assert norm.dtype == torch.float64 and norm.shape == () and norm.device == params[0].device
-        torch.testing.assert_close(norm, expected, rtol=1e-6, atol=0)
+        # The compiled kernel sums each chunk in fp32, as its LARS pass does, and AVX2's 8 lanes round those
+        # sums otherwise than AVX-512's 16 (1.2e-6 apart here): the bound of tests/test_ops.py's report test.
+        torch.testing.assert_close(norm, expected, rtol=1e-4 if backend == "compiled" else 1e-6, atol=0)
 
 
 @pytest.mark.parametrize("clipping", [{}, {"max_grad_value": 0.01}], ids=["none", "by-value"])
