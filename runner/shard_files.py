@@ -2,14 +2,22 @@
 sample's original bytes, its label and the path it was converted from, handed to the same pipeline stages
 (``runner.image_pipeline``) as the folder's files, so the same sample seeds give the same crops and batches.
 
-The shards are read by index (litdata's ``StreamingDataset`` as a map-style dataset), in the order the
-runner's :class:`~runner.sampling.EpochSampler` draws: the order, the ranks' shares and the exact resume are
-the folder's, and litdata's own shuffle and loader state are not used. A local root is read in place; a remote
-one (``s3://``, ``gs://``) fetches whole chunks into ``cache_dir`` and reads them there."""
+The shards are read by index, in the order the runner's :class:`~runner.sampling.EpochSampler` draws: the
+order, the ranks' shares and the exact resume are the folder's, and litdata's own shuffle, loader and loader
+state are not used. litdata writes the shards (its ``optimize``) and fetches a remote root's files (its
+downloaders, into ``cache_dir``); the samples are read here, from the layout litdata gives a chunk of tuples
+(``num_items`` uint32, ``num_items + 1`` uint32 offsets, the items; an item: its fields' sizes as uint32, then
+the fields), each chunk mapped once a process. litdata's own reader, at litdata 0.2.76, maps a chunk anew at
+each change of chunk, which a shuffled order makes at nearly every sample: about 3x slower than the folder."""
 
 from __future__ import annotations
 
+import bisect
+import json
+import mmap
 import os
+import struct
+import time
 from typing import Any
 
 import torch
@@ -22,9 +30,15 @@ from runner.image_folder import ImageFolderDataModule
 
 __all__ = ["FIELDS", "ImageShardsDataModule", "ShardedFiles", "litdata"]
 
-#: What each sample of the shards holds: the file's bytes, its label (ImageFolder's), its path under the
-#: folder converted (``train/<class>/<file>``) and why it could not be read ("" where it was).
-FIELDS = ("data", "label", "path", "unreadable")
+#: What each sample of the shards holds, in order, and how litdata stores each field: the file's bytes, its
+#: label (ImageFolder's), its path under the folder converted (``train/<class>/<file>``) and why it could not
+#: be read ("" where it was). A tuple, not a dict: litdata 0.2.76 stores a dict of plain fields as an Arrow
+#: table after the items where pyarrow is installed (not otherwise), and a tuple always as the items.
+FIELDS = (("data", "bytes"), ("label", "int"), ("path", "str"), ("unreadable", "str"))
+_SPEC = {"type": "builtins.tuple", "context": "null"}  # litdata's pytree spec of such a tuple, less children
+_OFFSETS = struct.Struct("<II")  # an item's start and end in its chunk
+_SIZES = struct.Struct(f"<{len(FIELDS)}I")  # an item's fields' sizes
+_LABEL = struct.Struct("<q")  # litdata's int: an int64
 
 
 def litdata() -> Any:
@@ -47,35 +61,94 @@ class ShardedFiles(Dataset):
     ``root``.
 
     Args:
-        root: The shards' root (a local folder or a URL litdata reads).
+        root: The shards' root (a local folder, read in place, or a URL litdata reads).
         split: ``train`` or ``val``.
-        cache_dir: Where litdata keeps a remote root's index and chunks (``None``: litdata's default).
+        cache_dir: Where a remote root's index and chunks are fetched, whole, by litdata's downloaders
+            (``None``: litdata's default), under the folder litdata gives that URL.
+
+    Raises:
+        ConfigError: the split holds litdata shards of other samples, or in another layout (compressed,
+            encrypted).
     """
 
     def __init__(self, root: str, split: str, cache_dir: str | None = None) -> None:
         self.root = root
-        self.shards = litdata().StreamingDataset(os.path.join(root, split), cache_dir=cache_dir)
-        # litdata 0.2.76's on-demand range reads of a remote sample parse the chunk's older layout and return
-        # empty items from the chunks its own writer makes: whole chunks are fetched into the cache instead.
-        self.shards._on_demand_bytes = False
-        # Every rank reads every sample by its index: the whole split's length, not litdata's share of it.
-        self.length = sum(end - start for start, end in self.shards.region_of_interest)
-        first = self.shards[0]
-        if not isinstance(first, dict) or sorted(first) != sorted(FIELDS):
-            held = sorted(first) if isinstance(first, dict) else type(first).__name__
-            raise ConfigError(
-                f"{os.path.join(root, split)} holds litdata shards of other samples ({held}), not an image "
-                f"folder's ({', '.join(FIELDS)}): convert the folder with python -m runner.shards OUT --from "
-                "FOLDER"
-            )
+        #: Where the split is: a folder, or a URL whose files are fetched into :attr:`local`.
+        self.where = os.path.join(root, split)
+        self.remote = "://" in root
+        self.local = _fetched_index(self.where, cache_dir) if self.remote else self.where
+        index = json.loads(_read(os.path.join(self.local, "index.json")))
+        _check_layout(index["config"], self.where)
+        self._chunks = index["chunks"]
+        self._starts = [0]
+        for chunk in self._chunks:
+            self._starts.append(self._starts[-1] + chunk["chunk_size"])
+        self._mapped: dict[int, mmap.mmap] = {}
+        self._downloader: Any = None
         #: The class count: ImageFolder's labels are the sorted class folders, each holding a sample.
-        self.num_classes = self.label(self.length - 1) + 1
+        self.num_classes = self.label(len(self) - 1) + 1
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A loader worker maps the chunks (and makes a downloader) of its own."""
+        return {**self.__dict__, "_mapped": {}, "_downloader": None}
 
     def __len__(self) -> int:
-        return self.length
+        return self._starts[-1]
+
+    def _sample(self, index: int) -> tuple[mmap.mmap, int, int, int, str, str]:
+        """Sample ``index``'s chunk, where its bytes are in it and their size, its label, path and reason."""
+        if not 0 <= index < len(self):
+            raise IndexError(f"sample {index} of {len(self)} in {self.where}")
+        chunk = bisect.bisect_right(self._starts, index) - 1
+        mapped = self._mapped.get(chunk)
+        if mapped is None:
+            mapped = self._mapped[chunk] = self._map(chunk)
+        start, _ = _OFFSETS.unpack_from(mapped, 4 * (1 + index - self._starts[chunk]))
+        data_size, label_size, path_size, reason_size = _SIZES.unpack_from(mapped, start)
+        data = start + _SIZES.size
+        label = data + data_size
+        path = label + label_size
+        reason = path + path_size
+        return (
+            mapped,
+            data,
+            data_size,
+            _LABEL.unpack_from(mapped, label)[0],
+            mapped[path:reason].decode("utf-8"),
+            mapped[reason : reason + reason_size].decode("utf-8"),
+        )
+
+    def _map(self, chunk: int) -> mmap.mmap:
+        """Chunk ``chunk`` mapped (fetched first from a remote root), its size and item count checked."""
+        name, count = self._chunks[chunk]["filename"], self._chunks[chunk]["chunk_size"]
+        path = os.path.join(self.local, name)
+        if self.remote:
+            if self._downloader is None:
+                self._downloader = _downloader(self.where, self.local, self._chunks)
+            _fetch(self._downloader, f"{self.where}/{name}", path)
+        size = os.path.getsize(path) if os.path.isfile(path) else None
+        if size == self._chunks[chunk]["chunk_bytes"]:
+            with open(path, "rb") as file:
+                mapped = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+            header = 4 * (count + 2)  # the count and the offsets: the first item starts there, the last ends
+            if size >= header and struct.unpack_from("<I", mapped)[0] == count:
+                first, *_, last = struct.unpack_from(f"<{count + 1}I", mapped, 4)
+                if (first, last) == (header, size):
+                    return mapped
+        raise ConfigError(
+            f"{os.path.join(self.where, name)} is missing or not the chunk its index.json lists ({count} "
+            f"samples in {self._chunks[chunk]['chunk_bytes']} bytes): the shards are damaged; convert the "
+            "folder again (python -m runner.shards OUT --from FOLDER)"
+        )
+
+    def record(self, index: int) -> tuple[str, int, str]:
+        """Sample ``index``'s path under the folder converted, label, and why it could not be read ("" where
+        it was), without its bytes."""
+        _, _, _, label, path, unreadable = self._sample(index)
+        return path, label, unreadable
 
     def label(self, index: int) -> int:
-        return self.shards[index]["label"]
+        return self._sample(index)[3]
 
     def __getitem__(self, index: int) -> EncodedImage:
         """The bytes of sample ``index``.
@@ -84,17 +157,103 @@ class ShardedFiles(Dataset):
             UnreadableImage: its file could not be read when the folder was converted (why, as the folder's
                 reader said it).
         """
-        sample = self.shards[index]
-        path = os.path.join(self.root, sample["path"])
-        if sample["unreadable"]:
-            raise UnreadableImage(path, sample["unreadable"])
-        data = sample["data"]
+        mapped, start, size, label, path, unreadable = self._sample(index)
+        path = os.path.join(self.root, path)
+        if unreadable:
+            raise UnreadableImage(path, unreadable)
+        data = bytearray(memoryview(mapped)[start : start + size])
         return EncodedImage(
             path,
-            torch.frombuffer(bytearray(data), dtype=torch.uint8)
-            if data
-            else torch.empty(0, dtype=torch.uint8),
-            sample["label"],
+            torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8),
+            label,
+        )
+
+
+def _read(path: str) -> str:
+    with open(path, encoding="utf-8") as file:
+        return file.read()
+
+
+def _fetched_index(url: str, cache_dir: str | None) -> str:
+    """The local folder of a remote split, its ``index.json`` fetched there: litdata's cache folder for the
+    URL (a folder of its own for each ``updated_at`` of the index, an older one cleared).
+
+    Raises:
+        ConfigError: the index cannot be read (not there, no access: the store's own words).
+    """
+    litdata()
+    from litdata.utilities.dataset_utilities import _try_create_cache_dir
+
+    try:
+        local = _try_create_cache_dir(input_dir=url, cache_dir=cache_dir)
+        _fetch(_downloader(url, local, []), f"{url}/index.json", os.path.join(local, "index.json"))
+    except Exception as error:  # the store's client's errors, of its own types
+        raise ConfigError(
+            f"cannot read {url}/index.json ({type(error).__name__}: {error}); expected there: "
+            f"{ImageShardsDataModule.LAYOUT}"
+        ) from error
+    return local
+
+
+def _downloader(url: str, local: str, chunks: list[dict[str, Any]]) -> Any:
+    """litdata's downloader of ``url``'s files (its ``chunks``) into ``local``, for this process."""
+    from litdata.streaming.downloader import get_downloader
+
+    return get_downloader(url, local, chunks)
+
+
+def _fetch(downloader: Any, url: str, path: str) -> None:
+    """The file at ``url`` fetched whole to ``path``, by this process or another: litdata's downloaders hold
+    ``path.lock`` while one process fetches the file, return at once to the others, and return with nothing
+    fetched where the file is missing.
+
+    Raises:
+        ConfigError: the file was not fetched, and no process is fetching it.
+    """
+    from filelock import FileLock, Timeout
+
+    while not os.path.exists(path):
+        downloader.download_file(url, path)
+        try:
+            with FileLock(f"{path}.lock", timeout=0):
+                if os.path.exists(path):
+                    return
+                raise ConfigError(
+                    f"cannot fetch {url} to {path}: the shards are incomplete (a chunk index.json lists is "
+                    "missing); upload them again"
+                )
+        except Timeout:  # another process is fetching it
+            time.sleep(0.05)
+
+
+def _check_layout(config: dict[str, Any], where: str) -> None:
+    """That the shards hold :data:`FIELDS` tuples, as :mod:`runner.shards` writes them.
+
+    Raises:
+        ConfigError: they hold other samples, or store them otherwise (compressed, encrypted).
+    """
+    spec = json.loads(config.get("data_spec") or "null")
+    tree = spec[1] if isinstance(spec, list) and len(spec) == 2 and isinstance(spec[1], dict) else {}
+    stored = {
+        "fields": config.get("data_format"),
+        "sample": {key: tree.get(key) for key in _SPEC},
+        "item_loader": config.get("item_loader"),
+        "compression": config.get("compression"),
+        "encryption": config.get("encryption"),
+    }
+    expected = {
+        "fields": [stored for _, stored in FIELDS],
+        "sample": _SPEC,
+        "item_loader": "PyTreeLoader",
+        "compression": None,
+        "encryption": None,
+    }
+    if stored != expected or len(tree.get("children_spec") or ()) != len(FIELDS):
+        raise ConfigError(
+            f"{where} holds litdata shards of other samples or in another layout ({stored}), not the image "
+            f"folder's samples python -m runner.shards writes ({expected}, the fields "
+            f"{', '.join(name for name, _ in FIELDS)}): convert the folder with python -m runner.shards OUT "
+            "--from FOLDER"
         )
 
 

@@ -52,14 +52,14 @@ class _Record:
         self.files = files
         self.folder = folder
 
-    def __call__(self, index: int) -> dict:
+    def __call__(self, index: int) -> tuple[bytes, int, str, str]:
         path, label = self.files.samples[index]
-        record = {"label": label, "path": os.path.relpath(path, self.folder), "unreadable": "", "data": b""}
+        data, unreadable = b"", ""
         try:
-            record["data"] = self.files[index].data.numpy().tobytes()
-        except UnreadableImage as unreadable:  # a worker that raises stops litdata's conversion without end
-            record["unreadable"] = unreadable.reason
-        return record
+            data = self.files[index].data.numpy().tobytes()
+        except UnreadableImage as error:  # a worker that raises stops litdata's conversion without end
+            unreadable = error.reason
+        return data, label, os.path.relpath(path, self.folder), unreadable  # runner.shard_files.FIELDS
 
 
 def _state(split: Path) -> str:
@@ -129,8 +129,7 @@ class _Labels(Dataset):
         return len(self.shards)
 
     def __getitem__(self, index: int) -> tuple[str, int, str]:
-        sample = self.shards.shards[index]
-        return sample["path"], sample["label"], sample["unreadable"]
+        return self.shards.record(index)
 
 
 def check_shards(out: Path, split: str, files: EncodedFolder, folder: Path, workers: int = 0) -> int:
@@ -174,7 +173,7 @@ def _sample_problems(shards: ShardedFiles, files: EncodedFolder, folder: Path, w
     for path, label, reason in tqdm(
         loader,
         total=len(shards),
-        desc=f"checking {shards.shards.input_dir.path or shards.shards.input_dir.url}",
+        desc=f"checking {shards.where}",
         unit="sample",
     ):
         found.append((path, label))

@@ -29,7 +29,7 @@ from lightning_helpers import ROOT, compose_train  # noqa: E402
 from lightning_fusedsgd.lightning import ConfigError  # noqa: E402
 from runner import shards  # noqa: E402
 from runner.data import ImageFolderDataModule  # noqa: E402
-from runner.files import EncodedFolder, jpeg_size  # noqa: E402
+from runner.files import EncodedFolder, UnreadableImage, jpeg_size  # noqa: E402
 from runner.jpeg_folder import make_jpeg_folder  # noqa: E402
 from runner.shard_files import ImageShardsDataModule, ShardedFiles  # noqa: E402
 
@@ -220,6 +220,34 @@ def test_the_check_names_a_missing_chunk_and_other_class_counts(folder, converte
         shards.check_shards(converted[0], "train", EncodedFolder(more / "train"), more)
 
 
+def test_shards_of_other_samples_and_a_damaged_chunk_are_refused_by_name(converted, tmp_path):
+    """litdata shards of dicts (litdata's own writer; so the first conversions stored an image folder, and
+    litdata 0.2.76 keeps such rows as an Arrow table, not as items) are refused when opened; a chunk that is
+    not the one index.json lists, when it is read."""
+    from litdata.streaming.writer import BinaryWriter
+
+    writer = BinaryWriter(str(tmp_path / "dicts" / "train"), chunk_bytes="1MB")
+    for index in range(3):
+        writer[index] = {"data": b"bytes", "label": index, "path": f"train/{index}", "unreadable": ""}
+    writer.done()
+    writer.merge()
+    with pytest.raises(
+        ConfigError, match=r"dicts/train holds litdata shards of other samples or in another "
+    ):
+        ShardedFiles(str(tmp_path / "dicts"), "train")
+    out = tmp_path / "out"
+    shutil.copytree(converted[0], out)
+    sharded = ShardedFiles(str(out), "val")  # maps the last chunk (its class count): not the first
+    first = out / "val" / json.loads((out / "val" / "index.json").read_text())["chunks"][0]["filename"]
+    damaged = bytearray(first.read_bytes())
+    damaged[0] += 1  # one sample more than index.json says
+    first.write_bytes(damaged)
+    with pytest.raises(
+        ConfigError, match=f"val/{first.name} is missing or not the chunk its index.json lists"
+    ):
+        sharded[0]
+
+
 def test_the_benchmarks_read_row_hands_on_the_files_bytes_from_both(folder, converted, monkeypatch):
     """bench/recipe_throughput.py's read row, folder against shards (its code, at the smallest size): both
     hand on the 13 JPEGs' bytes (the 12 generated and the grayscale one), as many as the files hold."""
@@ -240,8 +268,9 @@ def test_the_benchmarks_read_row_hands_on_the_files_bytes_from_both(folder, conv
 @pytest.mark.slow  # a local S3 server: about 5 s
 def test_shards_on_a_local_s3_server_give_the_local_shards_batches(converted, tmp_path, monkeypatch):
     """An ``s3://`` root, the shards uploaded to moto's S3 server (HTTPS, its authority trusted through
-    SSL_CERT_FILE and AWS_CA_BUNDLE): litdata fetches the chunks into data.cache_dir, and the runner's
-    shards module gives the local shards' batches bit for bit (training, validation, unreadable files)."""
+    SSL_CERT_FILE and AWS_CA_BUNDLE): litdata's downloaders fetch the chunks into data.cache_dir, and the
+    runner's shards module gives the local shards' batches bit for bit (training, validation, unreadable
+    files). A missing index and a missing chunk are named."""
     pytest.importorskip(
         "moto.moto_server.werkzeug_app", reason="moto's S3 server: pip install 'moto[server]'"
     )
@@ -263,15 +292,27 @@ def test_shards_on_a_local_s3_server_give_the_local_shards_batches(converted, tm
         for path in converted[0].rglob("*"):
             if path.is_file():
                 client.upload_file(str(path), "data", f"shards/{path.relative_to(converted[0])}")
-        options = dict(batch_size=5, image_size=SIZE, num_workers=0, num_classes=3, skip_unreadable=True)
+        options = dict(batch_size=5, image_size=SIZE, num_classes=3, skip_unreadable=True)
         modules = [
-            ImageShardsDataModule(str(converted[0]), **options),
-            ImageShardsDataModule("s3://data/shards", cache_dir=str(tmp_path / "cache"), **options),
+            ImageShardsDataModule(str(converted[0]), num_workers=0, **options),
+            # Two loader workers fetch chunks beside each other, and after the main process has.
+            ImageShardsDataModule(
+                "s3://data/shards", cache_dir=str(tmp_path / "cache"), num_workers=2, **options
+            ),
         ]
         _assert_same_batches_and_reports(modules, ((0, False), (0, True)))
-    assert sorted(path.name for path in (tmp_path / "cache").rglob("chunk-*.bin")) == sorted(
-        path.name for path in converted[0].rglob("chunk-*.bin")
-    )  # whole chunks, each fetched
+        assert sorted(path.name for path in (tmp_path / "cache").rglob("chunk-*.bin")) == sorted(
+            path.name for path in converted[0].rglob("chunk-*.bin")
+        )  # whole chunks, each fetched
+        with pytest.raises(
+            ConfigError, match=r"cannot read s3://data/elsewhere/val/index.json \(ClientError"
+        ):
+            ShardedFiles("s3://data/elsewhere", "val", cache_dir=str(tmp_path / "cache"))
+        first = json.loads((converted[0] / "val" / "index.json").read_text())["chunks"][0]["filename"]
+        client.delete_object(Bucket="data", Key=f"shards/val/{first}")
+        incomplete = ShardedFiles("s3://data/shards", "val", cache_dir=str(tmp_path / "other cache"))
+        with pytest.raises(ConfigError, match=f"cannot fetch s3://data/shards/val/{first} to .*incomplete"):
+            incomplete[0]  # litdata's downloader returns, the chunk not fetched: not a wait without end
 
 
 def _interrupted_conversion(out: Path, folder: Path) -> None:
@@ -312,8 +353,16 @@ def test_an_interrupted_conversion_resumes_to_the_same_shards(folder, converted,
         assert _samples(ShardedFiles(str(out), split)) == _samples(ShardedFiles(str(converted[0]), split))
 
 
-def _samples(sharded: ShardedFiles) -> list[dict]:
-    return [sharded.shards[index] for index in range(len(sharded))]  # bytes, label, path, reason
+def _samples(sharded: ShardedFiles) -> list[tuple]:
+    """Each sample's path, label, reason and bytes (None where unreadable)."""
+    return [(*sharded.record(index), _bytes(sharded, index)) for index in range(len(sharded))]
+
+
+def _bytes(files, index: int) -> bytes | None:
+    try:
+        return files[index].data.numpy().tobytes()
+    except UnreadableImage:
+        return None
 
 
 @pytest.mark.slow
