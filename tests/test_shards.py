@@ -93,6 +93,20 @@ def test_the_shards_hold_the_folders_files_labels_and_unreadable_reasons(folder,
     assert len(list((out / "train").glob("chunk-1-*.bin"))) > 1  # both workers wrote several chunks
 
 
+def test_the_runners_reader_gives_litdatas_own_samples(converted):
+    """The shards stay litdata's: its own reader (StreamingDataset) gives each sample as the runner's
+    reader does, bytes, label, path and reason."""
+    out, _ = converted
+    for split in ("train", "val"):
+        theirs = shards.litdata().StreamingDataset(str(out / split))
+        ours = ShardedFiles(str(out), split)
+        assert len(theirs) == len(ours)
+        for index in range(len(ours)):
+            data, label, path, reason = theirs[index]
+            assert (path, label, reason) == ours.record(index)
+            assert bytes(data) == (_bytes(ours, index) or b"")
+
+
 def _batches(module, epoch: int = 0, validation: bool = False):
     module.setup()
     loader = module.val_dataloader() if validation else module.train_dataloader()
