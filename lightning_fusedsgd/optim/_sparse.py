@@ -11,6 +11,7 @@ from torch import Tensor
 from torch.optim.sgd import sgd
 
 from lightning_fusedsgd import _abi
+from lightning_fusedsgd.ops import reference
 
 # torch.optim.SGD's momentum buffer, which its sparse path reads and writes (FusedSGD's slot of that key).
 _BUFFER = "momentum_buffer"
@@ -24,11 +25,11 @@ def step_sparse(
 ) -> None:
     """Steps each (param, group index) of ``sparse``; under a GradScaler the gradients are unscaled first, as
     GradScaler.unscale_ does."""
-    inv_scale = None if grad_scale is None else grad_scale.double().reciprocal().float()
+    inv_scale = reference.inverse_scale(grad_scale)
     for group_index in dict.fromkeys(index for _, index in sparse):
         group = groups[group_index]
         params = [param for param, index in sparse if index == group_index]
-        grads = [p.grad if inv_scale is None else p.grad * inv_scale.to(p.grad.device) for p in params]
+        grads = [p.grad if grad_scale is None else p.grad * inv_scale.to(p.grad.device) for p in params]
         buffers = [state.get(p, {}).get(_BUFFER) for p in params]
         sgd(
             params,
