@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import bisect
 import json
-import mmap
 import os
 import struct
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset
 
@@ -31,14 +32,29 @@ from runner.image_folder import ImageFolderDataModule
 __all__ = ["FIELDS", "ImageShardsDataModule", "ShardedFiles", "litdata"]
 
 #: What each sample of the shards holds, in order, and how litdata stores each field: the file's bytes, its
-#: label (ImageFolder's), its path under the folder converted (``train/<class>/<file>``) and why it could not
-#: be read ("" where it was). A tuple, not a dict: litdata 0.2.76 stores a dict of plain fields as an Arrow
-#: table after the items where pyarrow is installed (not otherwise), and a tuple always as the items.
-FIELDS = (("data", "bytes"), ("label", "int"), ("path", "str"), ("unreadable", "str"))
+#: label (ImageFolder's), its path under the folder converted (``train/<class>/<file>``, UTF-8) and why it
+#: could not be read (UTF-8, empty where it was). A tuple, not a dict: litdata 0.2.76 stores a dict of plain
+#: fields as an Arrow table after the items where pyarrow is installed (not otherwise), a tuple always as the
+#: items. The texts as bytes: litdata stores a ``str`` that names an existing file (a relative path, converted
+#: from inside the folder) as that file's contents.
+FIELDS = (("data", "bytes"), ("label", "int"), ("path", "bytes"), ("unreadable", "bytes"))
 _SPEC = {"type": "builtins.tuple", "context": "null"}  # litdata's pytree spec of such a tuple, less children
-_OFFSETS = struct.Struct("<II")  # an item's start and end in its chunk
+_OFFSET = struct.Struct("<I")  # a chunk's count, and an item's start
 _SIZES = struct.Struct(f"<{len(FIELDS)}I")  # an item's fields' sizes
 _LABEL = struct.Struct("<q")  # litdata's int: an int64
+
+#: ``read(offset, size)``: ``size`` bytes of a chunk from ``offset``, as a buffer.
+_ChunkBytes = Callable[[int, int], Any]
+
+
+class _Sample(NamedTuple):
+    """Where a sample's bytes lie in its chunk, and what else it holds."""
+
+    data: int
+    size: int
+    label: int
+    path: str
+    unreadable: str
 
 
 def litdata() -> Any:
@@ -67,8 +83,9 @@ class ShardedFiles(Dataset):
             (``None``: litdata's default), under the folder litdata gives that URL.
 
     Raises:
-        ConfigError: the split holds litdata shards of other samples, or in another layout (compressed,
-            encrypted).
+        ConfigError: the split's index cannot be read, or it lists other samples than an image folder's
+            (:data:`FIELDS`) or stores them otherwise (compressed, encrypted); a chunk is damaged or missing
+            (also when a sample of it is read).
     """
 
     def __init__(self, root: str, split: str, cache_dir: str | None = None) -> None:
@@ -83,72 +100,111 @@ class ShardedFiles(Dataset):
         self._starts = [0]
         for chunk in self._chunks:
             self._starts.append(self._starts[-1] + chunk["chunk_size"])
-        self._mapped: dict[int, mmap.mmap] = {}
+        self._mapped: dict[int, np.ndarray] = {}
         self._downloader: Any = None
-        #: The class count: ImageFolder's labels are the sorted class folders, each holding a sample.
+        #: The class count: ImageFolder's labels are the sorted class folders, each holding a sample. Read
+        #: from a remote root by range reads: the main process fetching a chunk would start litdata's obstore
+        #: client, and loader workers forked after that fall back to a slower one.
         self.num_classes = self.label(len(self) - 1) + 1
 
     def __getstate__(self) -> dict[str, Any]:
-        """A loader worker maps the chunks (and makes a downloader) of its own."""
+        """A loader worker started by spawn maps the chunks and makes a downloader of its own (one forked
+        shares the main process's maps, read-only, and litdata's downloader handles the fork)."""
         return {**self.__dict__, "_mapped": {}, "_downloader": None}
 
     def __len__(self) -> int:
         return self._starts[-1]
 
-    def _sample(self, index: int) -> tuple[mmap.mmap, int, int, int, str, str]:
-        """Sample ``index``'s chunk, where its bytes are in it and their size, its label, path and reason."""
+    def _chunk_of(self, index: int) -> int:
         if not 0 <= index < len(self):
             raise IndexError(f"sample {index} of {len(self)} in {self.where}")
-        chunk = bisect.bisect_right(self._starts, index) - 1
+        return bisect.bisect_right(self._starts, index) - 1
+
+    def _sample(self, index: int, read: _ChunkBytes) -> _Sample:
+        """Sample ``index``, from its chunk's bytes ``read``."""
+        chunk = self._chunk_of(index)
+        start, end = struct.unpack("<2I", read(4 * (1 + index - self._starts[chunk]), 8))
+        sizes = _SIZES.unpack(read(start, _SIZES.size))
+        if start + _SIZES.size + sum(sizes) != end:
+            raise self._damaged(chunk)
+        data_size, label_size, path_size, reason_size = sizes
+        data = start + _SIZES.size
+        path = data + data_size + label_size
+        texts = bytes(read(path, path_size + reason_size))  # UTF-8: split as bytes, then decoded
+        label = _LABEL.unpack(read(data + data_size, label_size))[0]
+        return _Sample(
+            data, data_size, label, texts[:path_size].decode("utf-8"), texts[path_size:].decode("utf-8")
+        )
+
+    def _chunk_bytes(self, chunk: int) -> _ChunkBytes:
+        """How to read chunk ``chunk``: a remote one's (until fetched here) by range reads."""
+        if self.remote and chunk not in self._mapped:
+            url = f"{self.where}/{self._chunks[chunk]['filename']}"
+            return lambda offset, size: self._store(
+                lambda: self._download().download_bytes(url, offset, size, self._local_chunk(chunk)), url
+            )
+        mapped = self._mapped_chunk(chunk)
+        return lambda offset, size: mapped[offset : offset + size]
+
+    def _mapped_chunk(self, chunk: int) -> np.ndarray:
         mapped = self._mapped.get(chunk)
         if mapped is None:
             mapped = self._mapped[chunk] = self._map(chunk)
-        start, _ = _OFFSETS.unpack_from(mapped, 4 * (1 + index - self._starts[chunk]))
-        data_size, label_size, path_size, reason_size = _SIZES.unpack_from(mapped, start)
-        data = start + _SIZES.size
-        label = data + data_size
-        path = label + label_size
-        reason = path + path_size
-        return (
-            mapped,
-            data,
-            data_size,
-            _LABEL.unpack_from(mapped, label)[0],
-            mapped[path:reason].decode("utf-8"),
-            mapped[reason : reason + reason_size].decode("utf-8"),
-        )
+        return mapped
 
-    def _map(self, chunk: int) -> mmap.mmap:
-        """Chunk ``chunk`` mapped (fetched first from a remote root), its size and item count checked."""
-        name, count = self._chunks[chunk]["filename"], self._chunks[chunk]["chunk_size"]
-        path = os.path.join(self.local, name)
+    def _local_chunk(self, chunk: int) -> str:
+        return os.path.join(self.local, self._chunks[chunk]["filename"])
+
+    def _download(self) -> Any:
+        if self._downloader is None:
+            self._downloader = _downloader(self.where, self.local, self._chunks)
+        return self._downloader
+
+    def _store(self, call: Callable[[], Any], url: str) -> Any:
+        """``call``'s result; a store's error (its client's own types) as a ConfigError naming ``url``."""
+        try:
+            return call()
+        except ConfigError:
+            raise
+        except Exception as error:
+            raise ConfigError(f"cannot fetch {url} ({type(error).__name__}: {error})") from error
+
+    def _map(self, chunk: int) -> np.ndarray:
+        """Chunk ``chunk`` mapped (fetched first from a remote root), its size and item count checked. Mapped
+        by torch, which keeps no file open for a mapping: a worker maps each chunk it reads."""
+        path = self._local_chunk(chunk)
         if self.remote:
-            if self._downloader is None:
-                self._downloader = _downloader(self.where, self.local, self._chunks)
-            _fetch(self._downloader, f"{self.where}/{name}", path)
-        size = os.path.getsize(path) if os.path.isfile(path) else None
-        if size == self._chunks[chunk]["chunk_bytes"]:
-            with open(path, "rb") as file:
-                mapped = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
-            header = 4 * (count + 2)  # the count and the offsets: the first item starts there, the last ends
-            if size >= header and struct.unpack_from("<I", mapped)[0] == count:
-                first, *_, last = struct.unpack_from(f"<{count + 1}I", mapped, 4)
-                if (first, last) == (header, size):
-                    return mapped
-        raise ConfigError(
-            f"{os.path.join(self.where, name)} is missing or not the chunk its index.json lists ({count} "
-            f"samples in {self._chunks[chunk]['chunk_bytes']} bytes): the shards are damaged; convert the "
-            "folder again (python -m runner.shards OUT --from FOLDER)"
+            url = f"{self.where}/{self._chunks[chunk]['filename']}"
+            self._store(lambda: _fetch(self._download(), url, path), url)
+        size, count = self._chunks[chunk]["chunk_bytes"], self._chunks[chunk]["chunk_size"]
+        header = 4 * (count + 2)  # the count and the offsets: the first item starts there, the last ends
+        if (os.path.getsize(path) if os.path.isfile(path) else None) == size >= header:
+            mapped = torch.from_file(path, shared=False, size=size, dtype=torch.uint8).numpy()
+            offsets = np.frombuffer(mapped, dtype="<u4", count=count + 2)
+            if (offsets[0], offsets[1], offsets[-1]) == (count, header, size):
+                return mapped
+        raise self._damaged(chunk)
+
+    def _damaged(self, chunk: int) -> ConfigError:
+        name, count = self._chunks[chunk]["filename"], self._chunks[chunk]["chunk_size"]
+        fix = (
+            f"delete the copy fetched, {self._local_chunk(chunk)}, or convert and upload the folder again"
+            if self.remote
+            else "convert the folder again (python -m runner.shards OUT --from FOLDER)"
+        )
+        return ConfigError(
+            f"{self.where}/{name} is missing or not the chunk its index.json lists ({count} samples in "
+            f"{self._chunks[chunk]['chunk_bytes']} bytes): {fix}"
         )
 
     def record(self, index: int) -> tuple[str, int, str]:
         """Sample ``index``'s path under the folder converted, label, and why it could not be read ("" where
         it was), without its bytes."""
-        _, _, _, label, path, unreadable = self._sample(index)
-        return path, label, unreadable
+        sample = self._sample(index, self._chunk_bytes(self._chunk_of(index)))
+        return sample.path, sample.label, sample.unreadable
 
     def label(self, index: int) -> int:
-        return self._sample(index)[3]
+        return self.record(index)[1]
 
     def __getitem__(self, index: int) -> EncodedImage:
         """The bytes of sample ``index``.
@@ -157,16 +213,13 @@ class ShardedFiles(Dataset):
             UnreadableImage: its file could not be read when the folder was converted (why, as the folder's
                 reader said it).
         """
-        mapped, start, size, label, path, unreadable = self._sample(index)
-        path = os.path.join(self.root, path)
-        if unreadable:
-            raise UnreadableImage(path, unreadable)
-        data = bytearray(memoryview(mapped)[start : start + size])
-        return EncodedImage(
-            path,
-            torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8),
-            label,
-        )
+        mapped = self._mapped_chunk(self._chunk_of(index))  # a remote one fetched whole
+        sample = self._sample(index, lambda offset, size: mapped[offset : offset + size])
+        path = os.path.join(self.root, sample.path)
+        if sample.unreadable:
+            raise UnreadableImage(path, sample.unreadable)
+        data = torch.from_numpy(mapped[sample.data : sample.data + sample.size].copy())
+        return EncodedImage(path, data, sample.label)
 
 
 def _read(path: str) -> str:
@@ -176,16 +229,21 @@ def _read(path: str) -> str:
 
 def _fetched_index(url: str, cache_dir: str | None) -> str:
     """The local folder of a remote split, its ``index.json`` fetched there: litdata's cache folder for the
-    URL (a folder of its own for each ``updated_at`` of the index, an older one cleared).
+    URL (a folder of its own for each ``updated_at`` of the index, an older one cleared, under a lock: the
+    ranks of a node share it).
 
     Raises:
         ConfigError: the index cannot be read (not there, no access: the store's own words).
     """
-    litdata()
-    from litdata.utilities.dataset_utilities import _try_create_cache_dir
+    litdata()  # the install's check, and no version request
+    from filelock import FileLock
+    from litdata.utilities.dataset_utilities import _try_create_cache_dir, get_default_cache_dir
 
+    root = cache_dir or get_default_cache_dir()
+    os.makedirs(root, exist_ok=True)
     try:
-        local = _try_create_cache_dir(input_dir=url, cache_dir=cache_dir)
+        with FileLock(os.path.join(root, ".lightning_fusedsgd.lock")):
+            local = _try_create_cache_dir(input_dir=url, cache_dir=cache_dir)
         _fetch(_downloader(url, local, []), f"{url}/index.json", os.path.join(local, "index.json"))
     except Exception as error:  # the store's client's errors, of its own types
         raise ConfigError(
@@ -203,27 +261,33 @@ def _downloader(url: str, local: str, chunks: list[dict[str, Any]]) -> Any:
 
 
 def _fetch(downloader: Any, url: str, path: str) -> None:
-    """The file at ``url`` fetched whole to ``path``, by this process or another: litdata's downloaders hold
-    ``path.lock`` while one process fetches the file, return at once to the others, and return with nothing
-    fetched where the file is missing.
+    """The file at ``url`` fetched whole to ``path``, by this process or another. litdata's downloaders
+    hold ``path.lock`` while one process fetches the file and return to the others without it (at once, or
+    after a second for an index); where the store has no such file, obstore's client says so with an error
+    they pass over, and they return without it too.
 
     Raises:
-        ConfigError: the file was not fetched, and no process is fetching it.
+        ConfigError: the file is still missing once no other process is fetching it, after a last try.
     """
     from filelock import FileLock, Timeout
 
+    tries_with_the_lock_free = 0
     while not os.path.exists(path):
         downloader.download_file(url, path)
         try:
             with FileLock(f"{path}.lock", timeout=0):
                 if os.path.exists(path):
                     return
-                raise ConfigError(
-                    f"cannot fetch {url} to {path}: the shards are incomplete (a chunk index.json lists is "
-                    "missing); upload them again"
-                )
+                tries_with_the_lock_free += 1
         except Timeout:  # another process is fetching it
             time.sleep(0.05)
+            continue
+        if tries_with_the_lock_free == 2:
+            raise ConfigError(
+                f"cannot fetch {url} to {path}: it is missing from the store (the shards were not all "
+                "uploaded), or the process that fetched it failed; upload the shards again, or see that "
+                "process's error"
+            )
 
 
 def _check_layout(config: dict[str, Any], where: str) -> None:
@@ -242,7 +306,7 @@ def _check_layout(config: dict[str, Any], where: str) -> None:
         "encryption": config.get("encryption"),
     }
     expected = {
-        "fields": [stored for _, stored in FIELDS],
+        "fields": [kind for _, kind in FIELDS],
         "sample": _SPEC,
         "item_loader": "PyTreeLoader",
         "compression": None,
@@ -281,7 +345,7 @@ class ImageShardsDataModule(ImageFolderDataModule):
         self.cache_dir = cache_dir
 
     def check_data(self) -> None:
-        if "://" in self.root:  # a remote root: litdata names what it cannot find
+        if "://" in self.root:  # a remote root: ShardedFiles names what it cannot fetch
             return
         for split in ("train", "val"):
             if not os.path.isfile(os.path.join(self.root, split, "index.json")):

@@ -52,14 +52,15 @@ class _Record:
         self.files = files
         self.folder = folder
 
-    def __call__(self, index: int) -> tuple[bytes, int, str, str]:
+    def __call__(self, index: int) -> tuple[bytes, int, bytes, bytes]:
         path, label = self.files.samples[index]
         data, unreadable = b"", ""
         try:
             data = self.files[index].data.numpy().tobytes()
         except UnreadableImage as error:  # a worker that raises stops litdata's conversion without end
             unreadable = error.reason
-        return data, label, os.path.relpath(path, self.folder), unreadable  # runner.shard_files.FIELDS
+        relative = os.path.relpath(path, self.folder)
+        return data, label, relative.encode("utf-8"), unreadable.encode("utf-8")  # shard_files.FIELDS
 
 
 def _state(split: Path) -> str:
