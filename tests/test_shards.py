@@ -197,14 +197,12 @@ def _rank_batches(module, rank: int, world_size: int, epoch: int) -> list[list[t
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_each_rank_reads_the_folders_share_and_the_ranks_the_whole_split(
-    folder, converted, world_size, monkeypatch
-):
-    """The ranks of a run, each as Lightning's DDP sets it up, litdata told the same world (it reads it from
-    WORLD_SIZE and GLOBAL_RANK, as from a process group): the 16 samples over 2 ranks, each once an epoch (8
-    a rank, a last batch of 3), their set the one-process epoch's; over 3 ranks each rank's share, padded as
-    the folder's sampler pads it, with a last batch of 1. Each rank's batches are the folder's on that rank,
-    sample by sample (path, label, bytes, crop)."""
+def test_each_rank_reads_the_folders_share_and_the_ranks_the_whole_split(folder, converted, world_size):
+    """The ranks of a run, each as Lightning's DDP sets it up (the rank and world size the sampler takes from
+    the trainer are all a rank's reading depends on: the shards' reader holds nothing per rank): the 16
+    samples over 2 ranks, each once an epoch (8 a rank, a last batch of 3), their set the one-process epoch's;
+    over 3 ranks each rank's share, padded as the folder's sampler pads it, with a last batch of 1. Each
+    rank's batches are the folder's on that rank, sample by sample (path, label, bytes, crop)."""
     options = dict(batch_size=5, image_size=SIZE, num_workers=0, num_classes=3, skip_unreadable=True)
     epoch = 1
     one_process = [
@@ -215,8 +213,6 @@ def test_each_rank_reads_the_folders_share_and_the_ranks_the_whole_split(
     assert len(one_process) == len(set(one_process)) == 16
     seen = []
     for rank in range(world_size):
-        monkeypatch.setenv("WORLD_SIZE", str(world_size))
-        monkeypatch.setenv("GLOBAL_RANK", str(rank))
         got = _rank_batches(ImageShardsDataModule(str(converted[0]), **options), rank, world_size, epoch)
         expected = _rank_batches(ImageFolderDataModule(str(folder), **options), rank, world_size, epoch)
         assert got == expected
