@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -36,7 +35,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import RESULTS_DIR, machine_info, write_json
+from common import RESULTS_DIR, machine_info, time_interleaved, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the recipe runner sits beside train.py, in the checkout, not installed
@@ -110,14 +109,8 @@ def read_row(folder: SplitFiles, shards: SplitFiles, order: list[int], repeats: 
     handed_on = {name: one_pass() for name, one_pass in contenders.items()}  # warm up: the page cache
     if len(set(handed_on.values())) != 1:
         raise RuntimeError(f"the folder and its shards handed on other bytes: {handed_on}")
-    times: dict[str, list[float]] = {name: [] for name in contenders}
-    for _ in range(repeats):
-        for name, one_pass in contenders.items():
-            start = time.perf_counter()
-            one_pass()
-            times[name].append(time.perf_counter() - start)
     size = handed_on["folder"]
-    rates = {name: size / statistics.median(values) for name, values in times.items()}
+    rates = {name: size / median for name, median in time_interleaved(contenders, repeats, warmup=0).items()}
     for name, rate in rates.items():
         print(
             f"read for the decode stage, {name}: {rate / 1e6:.0f} MB/s per core "
@@ -159,15 +152,9 @@ def cpu_pipeline(images: int, repeats: int, read_only: bool = False) -> dict[str
             "ours, normalized on the CPU": _ours(folder, count, normalize_here=True),
             "torchvision reference (PIL)": _torchvision_reference(folder, count),
         }
-        times: dict[str, list[float]] = {name: [] for name in contenders}
-        for one_pass in contenders.values():  # warm up: the files in the page cache, the decoders loaded
-            one_pass()
-        for _ in range(repeats):
-            for name, one_pass in contenders.items():
-                start = time.perf_counter()
-                one_pass()
-                times[name].append(time.perf_counter() - start)
-    rates = {name: count / statistics.median(values) for name, values in times.items()}
+        # One warm-up pass each: the files in the page cache, the decoders loaded.
+        medians = time_interleaved(contenders, repeats, warmup=1)
+    rates = {name: count / median for name, median in medians.items()}
     reference = rates["torchvision reference (PIL)"]
     for name, rate in rates.items():
         print(f"{name}: {rate:.0f} images/s per core ({rate / reference:.2f}x the reference)", flush=True)
