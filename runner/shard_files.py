@@ -18,6 +18,7 @@ import os
 import struct
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -94,7 +95,7 @@ class ShardedFiles(Dataset):
         self.where = os.path.join(root, split)
         self.remote = "://" in root
         self.local = _fetched_index(self.where, cache_dir) if self.remote else self.where
-        index = json.loads(_read(os.path.join(self.local, "index.json")))
+        index = json.loads(Path(self.local, "index.json").read_text(encoding="utf-8"))
         _check_layout(index["config"], self.where)
         self._chunks = index["chunks"]
         self._starts = [0]
@@ -120,9 +121,8 @@ class ShardedFiles(Dataset):
             raise IndexError(f"sample {index} of {len(self)} in {self.where}")
         return bisect.bisect_right(self._starts, index) - 1
 
-    def _sample(self, index: int, read: _ChunkBytes) -> _Sample:
-        """Sample ``index``, from its chunk's bytes ``read``."""
-        chunk = self._chunk_of(index)
+    def _sample(self, index: int, chunk: int, read: _ChunkBytes) -> _Sample:
+        """Sample ``index``, from the bytes ``read`` of its chunk, ``chunk``."""
         start, end = struct.unpack("<2I", read(4 * (1 + index - self._starts[chunk]), 8))
         sizes = _SIZES.unpack(read(start, _SIZES.size))
         if start + _SIZES.size + sum(sizes) != end:
@@ -139,8 +139,8 @@ class ShardedFiles(Dataset):
     def _chunk_bytes(self, chunk: int) -> _ChunkBytes:
         """How to read chunk ``chunk``: a remote one's (until fetched here) by range reads."""
         if self.remote and chunk not in self._mapped:
-            url = f"{self.where}/{self._chunks[chunk]['filename']}"
-            return lambda offset, size: self._store(
+            url = self._url(chunk)
+            return lambda offset, size: _store(
                 lambda: self._download().download_bytes(url, offset, size, self._local_chunk(chunk)), url
             )
         mapped = self._mapped_chunk(chunk)
@@ -155,27 +155,22 @@ class ShardedFiles(Dataset):
     def _local_chunk(self, chunk: int) -> str:
         return os.path.join(self.local, self._chunks[chunk]["filename"])
 
+    def _url(self, chunk: int) -> str:
+        """Where chunk ``chunk`` is: its URL, or its path under a local root."""
+        return f"{self.where}/{self._chunks[chunk]['filename']}"
+
     def _download(self) -> Any:
         if self._downloader is None:
             self._downloader = _downloader(self.where, self.local, self._chunks)
         return self._downloader
-
-    def _store(self, call: Callable[[], Any], url: str) -> Any:
-        """``call``'s result; a store's error (its client's own types) as a ConfigError naming ``url``."""
-        try:
-            return call()
-        except ConfigError:
-            raise
-        except Exception as error:
-            raise ConfigError(f"cannot fetch {url} ({type(error).__name__}: {error})") from error
 
     def _map(self, chunk: int) -> np.ndarray:
         """Chunk ``chunk`` mapped (fetched first from a remote root), its size and item count checked. Mapped
         by torch, which keeps no file open for a mapping: a worker maps each chunk it reads."""
         path = self._local_chunk(chunk)
         if self.remote:
-            url = f"{self.where}/{self._chunks[chunk]['filename']}"
-            self._store(lambda: _fetch(self._download(), url, path), url)
+            url = self._url(chunk)
+            _store(lambda: _fetch(self._download(), url, path), url)
         size, count = self._chunks[chunk]["chunk_bytes"], self._chunks[chunk]["chunk_size"]
         header = 4 * (count + 2)  # the count and the offsets: the first item starts there, the last ends
         if (os.path.getsize(path) if os.path.isfile(path) else None) == size >= header:
@@ -186,21 +181,22 @@ class ShardedFiles(Dataset):
         raise self._damaged(chunk)
 
     def _damaged(self, chunk: int) -> ConfigError:
-        name, count = self._chunks[chunk]["filename"], self._chunks[chunk]["chunk_size"]
+        count = self._chunks[chunk]["chunk_size"]
         fix = (
             f"delete the copy fetched, {self._local_chunk(chunk)}, or convert and upload the folder again"
             if self.remote
             else "convert the folder again (python -m runner.shards OUT --from FOLDER)"
         )
         return ConfigError(
-            f"{self.where}/{name} is missing or not the chunk its index.json lists ({count} samples in "
+            f"{self._url(chunk)} is missing or not the chunk its index.json lists ({count} samples in "
             f"{self._chunks[chunk]['chunk_bytes']} bytes): {fix}"
         )
 
     def record(self, index: int) -> tuple[str, int, str]:
         """Sample ``index``'s path under the folder converted, label, and why it could not be read ("" where
         it was), without its bytes."""
-        sample = self._sample(index, self._chunk_bytes(self._chunk_of(index)))
+        chunk = self._chunk_of(index)
+        sample = self._sample(index, chunk, self._chunk_bytes(chunk))
         return sample.path, sample.label, sample.unreadable
 
     def label(self, index: int) -> int:
@@ -213,8 +209,9 @@ class ShardedFiles(Dataset):
             UnreadableImage: its file could not be read when the folder was converted (why, as the folder's
                 reader said it).
         """
-        mapped = self._mapped_chunk(self._chunk_of(index))  # a remote one fetched whole
-        sample = self._sample(index, lambda offset, size: mapped[offset : offset + size])
+        chunk = self._chunk_of(index)
+        mapped = self._mapped_chunk(chunk)  # a remote one fetched whole
+        sample = self._sample(index, chunk, lambda offset, size: mapped[offset : offset + size])
         path = os.path.join(self.root, sample.path)
         if sample.unreadable:
             raise UnreadableImage(path, sample.unreadable)
@@ -222,9 +219,14 @@ class ShardedFiles(Dataset):
         return EncodedImage(path, data, sample.label)
 
 
-def _read(path: str) -> str:
-    with open(path, encoding="utf-8") as file:
-        return file.read()
+def _store(call: Callable[[], Any], url: str) -> Any:
+    """``call``'s result; a store's error (its client's own types) as a ConfigError naming ``url``."""
+    try:
+        return call()
+    except ConfigError:
+        raise
+    except Exception as error:
+        raise ConfigError(f"cannot fetch {url} ({type(error).__name__}: {error})") from error
 
 
 def _fetched_index(url: str, cache_dir: str | None) -> str:
